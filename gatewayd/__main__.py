@@ -1,0 +1,3 @@
+from gatewayd.cli import main
+
+raise SystemExit(main())

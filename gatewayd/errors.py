@@ -1,0 +1,62 @@
+"""One error hierarchy for the whole gateway.
+
+Every class carries the HTTP status and the OpenAI error `type`/`code` it is
+rendered with, so handlers raise and one place renders. Adapters translate
+library errors (D-Bus, sqlite, NVML) into these at their edge; the core never
+sees a foreign exception type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-shaped error envelope, plus our extra fields."""
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        error.update(self.extra)
+        return {"error": error}
+
+
+class InvalidRequest(GatewayError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class ConfigError(GatewayError):
+    """The configuration is wrong; the message names the key and the fix."""
+
+    status, type, code = 500, "server_error", "config_error"
+
+
+class SystemdUnavailable(GatewayError):
+    """No systemd manager (or no D-Bus) to run engines under."""
+
+    status, type, code = 503, "server_error", "systemd_unavailable"
+
+
+class UnitOperationFailed(GatewayError):
+    """systemd refused or failed a unit operation (start, stop, kill...)."""
+
+    status, type, code = 502, "server_error", "unit_operation_failed"
+
+
+class AccessDenied(UnitOperationFailed):
+    """polkit (or the bus policy) said no to a unit operation."""
+
+    status, type, code = 403, "permission_error", "access_denied"
