@@ -4,6 +4,7 @@
 # target is built: static llama/ggml libraries, stripped binary.
 #
 #   BIN=$(scripts/get_llama_server.sh)      # path on stdout, logs on stderr
+#   scripts/get_llama_server.sh --cached-only   # the path if built, else exit 3
 #
 # The build is native (-march=native), so the cache is keyed by version,
 # compiler and CPU flags: a binary is never reused on a CPU it was not built
@@ -26,6 +27,7 @@ KEY=$(printf '%s|%s|%s' "$VERSION" "$(c++ --version | head -n1)" \
 DEST=$CACHE/$VERSION-$KEY
 BIN=$DEST/llama-server
 if [[ -x $BIN ]]; then echo "$BIN"; exit 0; fi
+if [[ ${1:-} == --cached-only ]]; then log "not built yet: run $0"; exit 3; fi
 
 mkdir -p "$CACHE"
 exec 9>"$CACHE/.lock"; flock 9     # parallel first calls build once

@@ -3,6 +3,7 @@
 # pywhispercpp, which bundles whisper.cpp (1.8.5 in pywhispercpp 1.5.1).
 #
 #   BIN=$(scripts/get_whisper_server.sh)    # path on stdout, logs on stderr
+#   scripts/get_whisper_server.sh --cached-only # the path if built, else exit 3
 #
 # A portable build (GGML_NATIVE=OFF: x86-64 with AVX2/FMA/F16C), so the cache is
 # keyed by version and compiler only. A cached call does no work.
@@ -23,6 +24,7 @@ KEY=$(printf '%s|%s' "$PYWHISPERCPP_VERSION" "$(c++ --version | head -n1)" | sha
 DEST=$CACHE/$WHISPER_CPP_VERSION-$KEY
 BIN=$DEST/whisper-server
 if [[ -x $BIN ]]; then echo "$BIN"; exit 0; fi
+if [[ ${1:-} == --cached-only ]]; then log "not built yet: run $0"; exit 3; fi
 
 mkdir -p "$CACHE"
 exec 9>"$CACHE/.lock"; flock 9

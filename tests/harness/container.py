@@ -7,10 +7,12 @@ from the host. Every verb raises ContainerError with the script's own message.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -34,6 +36,22 @@ def why_unavailable() -> str | None:
     return None
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Adopt our orphaned descendants, so we can reap them.
+
+    The script detaches the container's supervisor (setsid ... &). Where PID 1
+    reaps orphans (systemd), that is enough; on machines whose PID 1 does not,
+    the exited supervisor would stay behind as a zombie forever. As a child
+    subreaper, this process inherits it instead and reaps it in stop().
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
 class SystemdContainer:
     """One booted container. Use as a context manager or call start()/stop()."""
 
@@ -50,6 +68,7 @@ class SystemdContainer:
             raise ValueError(f"bad container name {name!r}")
         self.name = name
         self.state_root = state_root
+        self._supervisor: int | None = None
         self._env = {
             **os.environ,
             "LAB_STATE": str(state_root),
@@ -61,13 +80,31 @@ class SystemdContainer:
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> str:
-        return self._script("start", self.name, timeout=90).strip()
+        _become_subreaper()
+        out = self._script("start", self.name, timeout=90).strip()
+        self._supervisor = int((self.state_dir / "supervisor.pid").read_text())
+        return out
 
     def reboot(self) -> str:
         return self._script("reboot", self.name, timeout=90).strip()
 
     def stop(self) -> str:
-        return self._script("stop", self.name, timeout=90).strip()
+        out = self._script("stop", self.name, timeout=90).strip()
+        self._reap_supervisor()
+        return out
+
+    def _reap_supervisor(self, timeout: float = 10) -> None:
+        pid, self._supervisor = self._supervisor, None
+        if pid is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:  # not ours (started by another process) or reaped
+                return
+            time.sleep(0.02)
 
     def __enter__(self) -> SystemdContainer:
         self.start()

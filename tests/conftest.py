@@ -1,0 +1,88 @@
+"""Fixtures shared by every tier; the container plumbing lives in tests/harness."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from gatewayd.systemd import Systemd
+from tests.harness.container import SystemdContainer, why_unavailable
+from tests.harness.plugin import (  # noqa: F401 - pytest finds hooks by name here
+    IN_CONTAINER,
+    REPO,
+    engine_binary,
+    pytest_collection_modifyitems,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    unavailable,
+)
+
+sys.path.insert(0, str(REPO / "scripts"))
+import make_tiny_model
+import make_tiny_whisper
+
+TINY_MODEL_NAMES = ("alpha", "beta", "gamma")
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    return engine_binary("LLAMA_SERVER")
+
+
+@pytest.fixture(scope="session")
+def whisper_server() -> Path:
+    return engine_binary("WHISPER_SERVER")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three real llama-architecture GGUF models; "alpha" has an mmproj beside it."""
+    root = tmp_path_factory.mktemp("models")
+    models = {}
+    for seed, name in enumerate(TINY_MODEL_NAMES):
+        path = root / f"tiny-{name}.gguf"
+        make_tiny_model.write_model(str(path), name=f"tiny-{name}", seed=seed)
+        models[name] = path
+    make_tiny_model.write_mmproj(str(root / "mmproj-tiny-alpha.gguf"), "tiny-alpha", seed=0)
+    return models
+
+
+@pytest.fixture(scope="session")
+def tiny_whisper(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("whisper") / "tiny-whisper.bin"
+    make_tiny_whisper.build(str(path), seed=0)
+    return path
+
+
+@pytest.fixture
+async def systemd() -> AsyncIterator[Systemd]:
+    """The container's system manager over the system bus (only inside the container)."""
+    if not IN_CONTAINER:
+        pytest.fail("the systemd fixture is for tests marked `systemd` (they run inside "
+                    "the test container); never talk to the host's own manager")
+    sd = await Systemd.connect("system")
+    try:
+        yield sd
+    finally:
+        sd.close()
+
+
+@pytest.fixture
+def systemd_container(request: pytest.FixtureRequest) -> Iterator[SystemdContainer]:
+    """A fresh container driven from the host (for tests marked `container`)."""
+    if IN_CONTAINER:
+        pytest.fail("container tests drive a container from the host, not from inside one")
+    if reason := why_unavailable():
+        unavailable(reason)
+    name = f"t{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**6}"
+    box = SystemdContainer(name, binds=[REPO])
+    box.start()
+    try:
+        yield box
+    finally:
+        box.stop()

@@ -1,0 +1,100 @@
+"""Small helpers for tests that run real engines as units inside the container."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gatewayd.systemd import Systemd, UnitSpec
+
+CGROUP_ROOTS = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd", "/sys/fs/cgroup")
+
+
+def llama_unit(name: str, binary: Path, model: Path, *, prefix: Sequence[str] = (),
+               restart_sec: float = 0.2) -> tuple[UnitSpec, str]:
+    """A llama-server on a private unix socket under /run, as the gateway will run it."""
+    rundir = f"llm-engine-{name}"
+    sock = f"/run/{rundir}/engine.sock"
+    argv = [*prefix, str(binary), "--host", sock, "-m", str(model), "-t", "1", "-c", "512"]
+    spec = UnitSpec(name=f"{rundir}.service", argv=argv, description=f"LLM engine {name}",
+                    runtime_directory=rundir, syslog_identifier=rundir,
+                    restart_sec=restart_sec, environment={"LLM_GATEWAY_MODEL": name})
+    return spec, sock
+
+
+async def request(sock: str | None, method: str, path: str, *, json_body: Any = None,
+                  data: Any = None, url: str = "http://engine") -> tuple[int, bytes]:
+    """One HTTP request over a unix socket (or TCP when sock is None)."""
+    connector = aiohttp.UnixConnector(path=sock) if sock else aiohttp.TCPConnector()
+    async with aiohttp.ClientSession(connector=connector) as session, session.request(
+            method, url + path, json=json_body, data=data,
+            timeout=aiohttp.ClientTimeout(total=60)) as resp:
+        return resp.status, await resp.read()
+
+
+async def wait_healthy(sock: str | None, timeout: float = 30, url: str = "http://engine") -> float:
+    """Poll /health until 200; returns the seconds it took."""
+    t0 = time.monotonic()
+    last: object = None
+    while time.monotonic() - t0 < timeout:
+        try:
+            status, _ = await request(sock, "GET", "/health", url=url)
+            if status == 200:
+                return time.monotonic() - t0
+            last = status
+        except (aiohttp.ClientError, OSError) as e:
+            last = e
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"engine not healthy after {timeout}s (last: {last!r})")
+
+
+def sse_events(body: bytes) -> list[str]:
+    return [line[len(b"data: "):].decode() for line in body.splitlines()
+            if line.startswith(b"data: ")]
+
+
+def cgroup_procs(control_group: str) -> list[int]:
+    for root in CGROUP_ROOTS:
+        procs = Path(root + control_group, "cgroup.procs")
+        if procs.exists():
+            return [int(p) for p in procs.read_text().split()]
+    return []
+
+
+def cgroup_exists(control_group: str) -> bool:
+    return any(Path(root + control_group).exists() for root in CGROUP_ROOTS)
+
+
+async def wait_for(predicate: Any, timeout: float = 15, what: str = "condition") -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def journal(unit: str) -> str:
+    sync = await asyncio.create_subprocess_exec("journalctl", "--sync")
+    await sync.wait()
+    proc = await asyncio.create_subprocess_exec(
+        "journalctl", "-u", unit, "-o", "json", "--no-pager",
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return out.decode()
+
+
+def journal_messages(raw: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in raw.splitlines() if line.strip()]
+
+
+async def stop_quietly(sd: Systemd, unit: str) -> None:
+    with contextlib.suppress(Exception):  # already gone: fine for cleanup
+        await sd.stop_unit(unit)
