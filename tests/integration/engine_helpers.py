@@ -18,11 +18,11 @@ CGROUP_ROOTS = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd", "/sys/fs/cgr
 
 
 def llama_unit(name: str, binary: Path, model: Path, *, prefix: Sequence[str] = (),
-               restart_sec: float = 0.2) -> tuple[UnitSpec, str]:
+               extra: Sequence[str] = (), restart_sec: float = 0.2) -> tuple[UnitSpec, str]:
     """A llama-server on a private unix socket under /run, as the gateway will run it."""
     rundir = f"llm-engine-{name}"
     sock = f"/run/{rundir}/engine.sock"
-    argv = [*prefix, str(binary), "--host", sock, "-m", str(model), "-t", "1", "-c", "512"]
+    argv = [*prefix, str(binary), "--host", sock, "-m", str(model), "-t", "1", "-c", "512", *extra]
     spec = UnitSpec(name=f"{rundir}.service", argv=argv, description=f"LLM engine {name}",
                     runtime_directory=rundir, syslog_identifier=rundir,
                     restart_sec=restart_sec, environment={"LLM_GATEWAY_MODEL": name})

@@ -155,12 +155,16 @@ async def test_stop_kills_the_whole_cgroup(
     assert [u.name for u in await systemd.list_units([spec.name])] == []
 
 
-async def test_engine_output_goes_to_the_journal(
+async def test_engine_with_mmproj_logs_to_the_journal(
         systemd: Systemd, units: list[str], llama_server: Path,
         tiny_models: dict[str, Path]) -> None:
-    spec, sock = llama_unit("alpha-journal", llama_server, tiny_models["alpha"])
+    mmproj = tiny_models["alpha"].with_name("mmproj-tiny-alpha.gguf")
+    spec, sock = llama_unit("alpha-journal", llama_server, tiny_models["alpha"],
+                            extra=["--mmproj", str(mmproj)])
     await start(systemd, units, spec)
     await wait_healthy(sock)
+    _, body = await request(sock, "GET", "/props")
+    assert json.loads(body)["modalities"]["vision"] is True  # the generated mmproj loaded
     main_pid = await systemd.property(spec.name, SERVICE, "MainPID")
     messages = journal_messages(await journal(spec.name))
     lines = [m["MESSAGE"] for m in messages if isinstance(m.get("MESSAGE"), str)]
