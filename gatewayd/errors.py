@@ -38,6 +38,32 @@ class InvalidRequest(GatewayError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
 
 
+class ModelNotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class AlreadyRunning(GatewayError):
+    status, type, code = 409, "invalid_request_error", "already_running"
+
+
+class EngineLimitReached(GatewayError):
+    status, type, code = 503, "server_error", "engine_limit_reached"
+
+
+class InsufficientGpu(GatewayError):
+    status, type, code = 503, "server_error", "insufficient_gpu"
+
+
+class EngineNotRunning(GatewayError):
+    status, type, code = 409, "invalid_request_error", "engine_not_running"
+
+
+class EngineFailed(GatewayError):
+    """The engine could not be started or died while loading."""
+
+    status, type, code = 502, "server_error", "engine_failed"
+
+
 class ConfigError(GatewayError):
     """The configuration is wrong; the message names the key and the fix."""
 

@@ -102,8 +102,10 @@ class UnitSpec:
         props: dict[str, tuple[str, Any]] = {
             "Description": ("s", self.description or self.name),
             "Type": ("s", self.service_type),
-            # ExecStart is a(sasb): (path, argv including argv[0], ignore-failure)
-            "ExecStart": ("a(sasb)", [[self.argv[0], list(self.argv), False]]),
+            # ExecStart is a(sasb): (path, argv including argv[0], ignore-failure).
+            # systemd expands ${VAR} in the arguments (not in the path): double
+            # every $ so that an argument is always passed exactly as given.
+            "ExecStart": ("a(sasb)", [[self.argv[0], exec_args(self.argv), False]]),
             "Restart": ("s", self.restart),
             "RestartUSec": ("t", _usec(self.restart_sec)),
             "StartLimitIntervalUSec": ("t", _usec(self.start_limit_interval_sec)),
@@ -123,6 +125,11 @@ class UnitSpec:
             props["Slice"] = ("s", self.slice)
         props.update(self.extra)
         return [[key, Variant(sig, value)] for key, (sig, value) in props.items()]
+
+
+def exec_args(argv: Sequence[str]) -> list[str]:
+    """argv for an Exec*= property, immune to systemd's $VAR expansion."""
+    return [arg.replace("$", "$$") for arg in argv]
 
 
 def _usec(seconds: float) -> int:

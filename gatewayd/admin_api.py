@@ -1,0 +1,118 @@
+"""The admin HTTP API: list, start and stop engines, read their logs. Thin handlers.
+
+Model names travel in the JSON body or the query string, never in the URL
+path, so no name (with slashes, dots or anything else) can change the route.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from gatewayd.engine_manager import EngineManager
+from gatewayd.engines import Engine
+from gatewayd.errors import InvalidRequest
+from gatewayd.ports import EngineUnitInfo
+
+ENGINES = web.AppKey("engines", EngineManager)
+MAX_LOG_LINES = 10_000
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/status", status)
+    app.router.add_get("/admin/models", models)
+    app.router.add_get("/admin/engines", list_engines)
+    app.router.add_post("/admin/engines/start", start_engine)
+    app.router.add_post("/admin/engines/stop", stop_engine)
+    app.router.add_get("/admin/engines/logs", engine_logs)
+
+
+async def status(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    engines = mgr.engines()
+    return web.json_response({
+        "unit_mode": mgr.units.mode,
+        "systemd_manager": mgr.units.manager,
+        "gpu": mgr.gpu.description,
+        "max_engines": mgr.config.max_engines,
+        "engines": {state: sum(1 for e in engines if e.state.value == state)
+                    for state in sorted({e.state.value for e in engines})},
+        "models": len(mgr.catalog),
+        "desired": mgr.desired.ids,
+        "config": str(mgr.config.source) if mgr.config.source else None,
+    })
+
+
+async def models(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    return web.json_response({"models": [m.describe() for m in mgr.catalog]})
+
+
+async def list_engines(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    rows = []
+    for engine in mgr.engines():
+        rows.append(engine_json(engine, await mgr.info(engine)))
+    return web.json_response({"engines": rows})
+
+
+async def start_engine(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    model = mgr.catalog.resolve(await _model_field(request))
+    engine = await mgr.start(model.id)
+    return web.json_response({"engine": engine_json(engine, await mgr.info(engine))})
+
+
+async def stop_engine(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    name = await _model_field(request)
+    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
+    engine = await mgr.stop(model_id)
+    return web.json_response({"engine": engine_json(engine, None)})
+
+
+async def engine_logs(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    name = request.query.get("model")
+    if not name:
+        raise InvalidRequest("give the model: ?model=NAME", param="model")
+    try:
+        lines = int(request.query.get("lines", "100"))
+    except ValueError:
+        raise InvalidRequest("lines must be a number", param="lines") from None
+    if not 0 < lines <= MAX_LOG_LINES:
+        raise InvalidRequest(f"lines must be 1..{MAX_LOG_LINES}", param="lines")
+    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
+    return web.json_response({"model": model_id, "lines": await mgr.logs(model_id, lines)})
+
+
+def engine_json(engine: Engine, info: EngineUnitInfo | None) -> dict[str, Any]:
+    uptime = None
+    if info is not None and info.started_at_us and engine.state.value in ("loading", "ready"):
+        uptime = round(time.time() - info.started_at_us / 1e6, 1)
+    return {
+        "model": engine.model_id,
+        "state": engine.state.value,
+        "unit": engine.unit,
+        "pid": engine.main_pid or None,
+        "socket": engine.socket,
+        "restarts": engine.restarts,
+        "uptime_s": uptime,
+        "memory_bytes": info.memory_bytes if info else None,
+        "adopted": engine.adopted,
+        "failure": engine.failure.describe() if engine.failure else None,
+    }
+
+
+async def _model_field(request: web.Request) -> str:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError:
+        raise InvalidRequest("the body is not valid JSON") from None
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model.strip():
+        raise InvalidRequest('give the model as {"model": "NAME"}', param="model")
+    return model

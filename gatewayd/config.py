@@ -1,0 +1,237 @@
+"""The gateway's configuration: typed, frozen, validated with messages that name the key.
+
+Read from TOML (`/etc/llm-gateway/gateway.toml`, or `--config`). Every key is
+optional; a missing file means all defaults. Unknown keys are errors, so a typo
+never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from gatewayd.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
+MAX_ENGINES_RANGE = range(1, 17)
+
+
+class Backend(StrEnum):
+    LLAMA = "llama"
+    WHISPER = "whisper"
+
+
+class UnitMode(StrEnum):
+    """How engine units are created (see docs/design.md, "Privilege model")."""
+
+    AUTO = "auto"            # transient when safe (user manager, or root), else template
+    TRANSIENT = "transient"  # StartTransientUnit
+    TEMPLATE = "template"    # llm-engine@<id>.service + a settings file per instance
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One `[models.NAME]` table (or a model found in `models_dir`)."""
+
+    name: str
+    path: Path
+    backend: Backend = Backend.LLAMA
+    args: tuple[str, ...] = ()
+    mmproj: Path | None = None
+    aliases: tuple[str, ...] = ()
+    ctx_size: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    memory_max: int | None = None       # bytes (MemoryMax=)
+    cpu_quota: float | None = None      # percent of one CPU (CPUQuota=)
+    cuda_visible_devices: str | None = None
+    vram_margin_mib: int | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    models_dir: Path | None = None
+    models: tuple[ModelConfig, ...] = ()
+    max_engines: int = 4
+    vram_margin_mib: int = 1024
+    llama_server: str = "llama-server"
+    whisper_server: str = "whisper-server"
+    state_dir: Path = Path("/var/lib/llm-gateway")
+    bus: str = "auto"            # "system", "user", "auto" or a D-Bus address
+    unit_mode: UnitMode = UnitMode.AUTO
+    engine_user: str | None = None
+    load_timeout_s: float = 300.0
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    default_model: str | None = None
+    source: Path | None = None
+
+
+_MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
+               "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads"}
+_TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
+             "whisper_server", "state_dir", "bus", "unit_mode", "engine_user", "load_timeout_s",
+             "listen", "default_model"}
+
+
+def load_config(path: Path | None = None, *, required: bool = False) -> GatewayConfig:
+    """Read and validate the configuration file. A missing default file = defaults."""
+    path = path or Path(os.environ.get("LLM_GATEWAY_CONFIG", DEFAULT_CONFIG_PATH))
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"config file {path} does not exist") from None
+        return GatewayConfig()
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
+    return parse_config(data, source=path)
+
+
+def parse_config(data: Mapping[str, Any], source: Path | None = None) -> GatewayConfig:
+    where = str(source) if source else "config"
+    _no_unknown(data, _TOP_KEYS, where)
+    base = source.parent if source else Path.cwd()
+    listen = data.get("listen", {})
+    _expect(listen, dict, where, "listen")
+    _no_unknown(listen, {"host", "port"}, f"{where} [listen]")
+
+    max_engines = _expect(data.get("max_engines", 4), int, where, "max_engines")
+    if max_engines not in MAX_ENGINES_RANGE:
+        raise ConfigError(f"{where}: max_engines = {max_engines} is out of range: allowed "
+                          f"{MAX_ENGINES_RANGE.start}..{MAX_ENGINES_RANGE.stop - 1}")
+    models_table = _expect(data.get("models", {}), dict, where, "models")
+    models = tuple(_parse_model(name, table, base, where)
+                   for name, table in models_table.items())
+    try:
+        unit_mode = UnitMode(data.get("unit_mode", "auto"))
+    except ValueError:
+        raise ConfigError(f"{where}: unit_mode must be one of "
+                          f"{', '.join(m.value for m in UnitMode)}") from None
+    port = _expect(listen.get("port", 8080), int, where, "listen.port")
+    if not 0 < port < 65536:
+        raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
+    return GatewayConfig(
+        models_dir=_path(data.get("models_dir"), base, where, "models_dir"),
+        models=models,
+        max_engines=max_engines,
+        vram_margin_mib=_non_negative(data.get("vram_margin_mib", 1024), where, "vram_margin_mib"),
+        llama_server=_expect(data.get("llama_server", "llama-server"), str, where,
+                             "llama_server"),
+        whisper_server=_expect(data.get("whisper_server", "whisper-server"), str, where,
+                               "whisper_server"),
+        state_dir=_path(data.get("state_dir"), base, where, "state_dir")
+        or Path("/var/lib/llm-gateway"),
+        bus=_expect(data.get("bus", "auto"), str, where, "bus"),
+        unit_mode=unit_mode,
+        engine_user=_optional(data.get("engine_user"), str, where, "engine_user"),
+        load_timeout_s=float(_expect(data.get("load_timeout_s", 300), (int, float), where,
+                                     "load_timeout_s")),
+        listen_host=_expect(listen.get("host", "127.0.0.1"), str, where, "listen.host"),
+        listen_port=port,
+        default_model=_optional(data.get("default_model"), str, where, "default_model"),
+        source=source,
+    )
+
+
+def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
+    key = f"models.{name}"
+    _expect(table, dict, where, key)
+    _no_unknown(table, _MODEL_KEYS, f"{where} [{key}]")
+    if not name.strip():
+        raise ConfigError(f"{where}: a model name cannot be empty")
+    path = _path(table.get("path"), base, where, f"{key}.path")
+    if path is None:
+        raise ConfigError(f"{where}: [{key}] needs a path (the model file)")
+    try:
+        backend = Backend(table.get("backend", "llama"))
+    except ValueError:
+        raise ConfigError(f"{where}: {key}.backend must be 'llama' or 'whisper'") from None
+    args = _expect(table.get("args", []), list, where, f"{key}.args")
+    aliases = _expect(table.get("aliases", []), list, where, f"{key}.aliases")
+    env = _expect(table.get("env", {}), dict, where, f"{key}.env")
+    for item in (*args, *aliases, *env.values()):
+        _expect(item, str, where, f"{key} (args, aliases and env values)")
+    ctx = _optional(table.get("ctx_size"), int, where, f"{key}.ctx_size")
+    margin = table.get("vram_margin_mib")
+    return ModelConfig(
+        name=name, path=path, backend=backend, args=tuple(args),
+        mmproj=_path(table.get("mmproj"), base, where, f"{key}.mmproj"),
+        aliases=tuple(aliases), ctx_size=ctx, env=dict(env),
+        memory_max=_bytes(table.get("memory_max"), where, f"{key}.memory_max"),
+        cpu_quota=_percent(table.get("cpu_quota"), where, f"{key}.cpu_quota"),
+        cuda_visible_devices=_optional(table.get("cuda_visible_devices"), str, where,
+                                       f"{key}.cuda_visible_devices"),
+        vram_margin_mib=None if margin is None else _non_negative(margin, where,
+                                                                  f"{key}.vram_margin_mib"),
+        threads=_optional(table.get("threads"), int, where, f"{key}.threads"),
+    )
+
+
+def _no_unknown(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], where: str, key: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(f"{where}: {key} must be a {names}, not {value!r}")
+    return value
+
+
+def _optional(value: Any, kind: type, where: str, key: str) -> Any:
+    return None if value is None else _expect(value, kind, where, key)
+
+
+def _non_negative(value: Any, where: str, key: str) -> int:
+    number: int = _expect(value, int, where, key)
+    if number < 0:
+        raise ConfigError(f"{where}: {key} cannot be negative")
+    return number
+
+
+def _bytes(value: Any, where: str, key: str) -> int | None:
+    """512M, 8G, or a plain number of bytes (systemd's base-1024 suffixes)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = str(value).strip().upper()
+    try:
+        number = float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
+    except (ValueError, IndexError):
+        number = -1
+    if number <= 0:
+        raise ConfigError(f"{where}: {key} = {value!r} is not a size (use e.g. \"512M\" or "
+                          "\"8G\")")
+    return int(number)
+
+
+def _percent(value: Any, where: str, key: str) -> float | None:
+    """"150%" (of one CPU) -> 150.0."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        number = float(text.removesuffix("%")) if text.endswith("%") else -1.0
+    except ValueError:
+        number = -1.0
+    if number <= 0:
+        raise ConfigError(f"{where}: {key} = {value!r} is not a CPU quota (use e.g. \"200%\")")
+    return number
+
+
+def _path(value: Any, base: Path, where: str, key: str) -> Path | None:
+    if value is None:
+        return None
+    path = Path(_expect(value, str, where, key)).expanduser()
+    return path if path.is_absolute() else base / path

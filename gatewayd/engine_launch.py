@@ -1,0 +1,178 @@
+"""Runs a TCP-only engine (whisper-server) so that only a unix socket reaches it.
+
+    python -m gatewayd.engine_launch --socket /run/llm-engine-x/engine.sock \
+        --port 8080 -- whisper-server ... --port {port} ...
+
+This is the main process of a whisper engine unit. The unit has
+PrivateNetwork=yes, so whisper-server listens on 127.0.0.1:8080 in a network
+namespace of its own (every whisper engine can use 8080, and nothing outside
+the unit can reach it), and systemd-socket-proxyd, started through
+systemd-socket-activate on the unix socket, relays to it: the
+systemd-socket-proxyd(8) pattern, in one unit. Unix sockets are reached by
+path, across network namespaces.
+
+Where the namespace is not private (PrivateNetwork unavailable), a free
+loopback port is chosen under a lock and checked after start: whisper-server
+sets SO_REUSEPORT, so a port cannot be reserved by bind-close-pass, and two
+servers on one port would split its connections. Either way the gateway only
+ever talks to the unix socket.
+
+If either process dies, the other is stopped and the launcher exits non-zero,
+so systemd's Restart= policy applies to the pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+PROXYD_CANDIDATES = ("/lib/systemd/systemd-socket-proxyd", "/usr/lib/systemd/systemd-socket-proxyd")
+ACTIVATE = "systemd-socket-activate"
+FALLBACK_PORTS = range(39000, 40000)
+
+
+def has_private_network() -> bool:
+    """True when this process does not share the system's network namespace."""
+    try:
+        return os.stat("/proc/self/ns/net").st_ino != os.stat("/proc/1/ns/net").st_ino
+    except PermissionError:  # unprivileged: a systemd private namespace has only lo
+        return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+def listening_tcp(port: int) -> set[str]:
+    """Inodes of sockets listening on a loopback/any TCP port in this namespace."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    return inodes
+
+
+def socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    return inodes
+
+
+@contextlib.contextmanager
+def port_lock(socket_path: str) -> Iterator[None]:
+    """Serialises fallback port choice between engines started at the same time."""
+    lock = Path(socket_path).parent.parent / "llm-engine-ports.lock"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def choose_fallback_port(socket_path: str) -> int:
+    start = zlib.crc32(socket_path.encode()) % len(FALLBACK_PORTS)
+    for i in range(len(FALLBACK_PORTS)):
+        port = FALLBACK_PORTS[(start + i) % len(FALLBACK_PORTS)]
+        if not listening_tcp(port):
+            return port
+    raise SystemExit("engine_launch: no free loopback port in "
+                     f"{FALLBACK_PORTS.start}-{FALLBACK_PORTS.stop - 1}")
+
+
+def wait_exclusive_listener(server: subprocess.Popen[bytes], port: int,
+                            timeout: float = 600) -> None:
+    """Until the server listens on port; fail if anyone else listens there too."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        listeners = listening_tcp(port)
+        if listeners:
+            ours = listeners & socket_inodes(server.pid)
+            if ours and ours != listeners:
+                raise SystemExit(f"engine_launch: another process also listens on port {port}")
+            if ours:
+                return
+        time.sleep(0.05)
+
+
+def proxyd() -> str:
+    for path in PROXYD_CANDIDATES:
+        if os.access(path, os.X_OK):
+            return path
+    raise SystemExit("engine_launch: systemd-socket-proxyd not found (package systemd)")
+
+
+def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
+    os.umask(0o077)  # the unix socket is srwx------
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)  # a stale socket would make the bind fail
+    private = has_private_network()
+    children: list[subprocess.Popen[bytes]] = []
+
+    def stop_children(*_: object) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.terminate()
+
+    def on_sigterm(*_: object) -> None:
+        stop_children()
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=10)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    with port_lock(socket_path) if not private else contextlib.nullcontext():
+        if not private:
+            port = choose_fallback_port(socket_path)
+            print(f"engine_launch: no private network namespace; using 127.0.0.1:{port}",
+                  flush=True)
+        argv = [a.replace("{port}", str(port)) for a in server_argv]
+        server = subprocess.Popen(argv)
+        children.append(server)
+        if not private:
+            wait_exclusive_listener(server, port)
+    proxy = subprocess.Popen([ACTIVATE, "-l", socket_path, proxyd(), f"127.0.0.1:{port}"])
+    children.append(proxy)
+    pid, status = os.wait()
+    stop_children()
+    for child in children:
+        with contextlib.suppress(ChildProcessError):
+            child.wait(timeout=10)
+    name = "whisper-server" if pid == server.pid else "systemd-socket-proxyd"
+    code = os.waitstatus_to_exitcode(status)
+    print(f"engine_launch: {name} exited ({code}); stopping the engine", flush=True)
+    return code if code > 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gatewayd.engine_launch")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("server", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    server = args.server[1:] if args.server[:1] == ["--"] else args.server
+    if not server:
+        parser.error("no server command after --")
+    return run(args.socket, args.port, server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The small interfaces the engine layer needs from the outside world.
+
+The core and the engine manager depend on these, never on D-Bus, NVML or
+journald directly; tests pass fakes, app.py passes the real adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gatewayd.budget import GpuMemory
+from gatewayd.catalog import Model
+from gatewayd.engine_units import EngineLayout
+
+
+@dataclass(frozen=True)
+class EngineUnitInfo:
+    """What systemd knows about one engine unit."""
+
+    unit: str
+    model_id: str | None        # read back from the unit's environment
+    socket: str | None
+    active_state: str
+    sub_state: str
+    main_pid: int
+    n_restarts: int
+    memory_bytes: int | None    # systemd's MemoryCurrent (cgroup accounting)
+    started_at_us: int          # ExecMainStartTimestamp (µs since the epoch), 0 if never
+    description: str = ""
+
+
+UnitWatcher = Callable[[str, Mapping[str, Any]], None]
+
+
+class UnitControl(Protocol):
+    """Creates, stops and lists engine units. One implementation per privilege mode."""
+
+    mode: str        # "transient" or "template"
+    manager: str     # "system" or "user"
+
+    def layout(self, model_id: str) -> EngineLayout: ...
+    async def start_engine(self, model: Model) -> EngineLayout: ...
+    async def stop_engine(self, unit: str) -> None: ...
+    async def list_engines(self) -> list[EngineUnitInfo]: ...
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None: ...
+    def watch(self, callback: UnitWatcher) -> Callable[[], None]: ...
+
+
+class GpuProbe(Protocol):
+    """Fresh GPU memory readings; None means no GPU (or no NVML)."""
+
+    description: str
+
+    def memory(self, devices: str | None = None) -> GpuMemory | None: ...
+
+
+class HealthProbe(Protocol):
+    async def status(self, socket: str) -> int | None:
+        """HTTP status of GET /health over the unix socket; None if unreachable."""
+        ...
+
+
+class JournalReader(Protocol):
+    async def tail(self, unit: str, lines: int) -> list[str]: ...

@@ -1,0 +1,106 @@
+"""Engine units over systemd's D-Bus API: the UnitControl adapters.
+
+`TransientEngineUnits` creates one transient service per engine
+(StartTransientUnit). That is safe when the gateway talks to its own user
+manager, or runs as root by the administrator's choice. A non-root gateway on
+the system manager needs the static `llm-engine@.service` template and the
+scoped polkit rule instead (systemd 252 asks polkit about StartTransientUnit
+without the unit name, so allowing it would allow any unit); that adapter
+implements the same protocol and lands with the system-service packaging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+from gatewayd.catalog import Model
+from gatewayd.config import GatewayConfig
+from gatewayd.engine_units import (
+    MODEL_ENV,
+    SOCKET_ENV,
+    EngineLayout,
+    transient_spec,
+    unit_patterns,
+)
+from gatewayd.errors import UnitOperationFailed
+from gatewayd.ports import EngineUnitInfo, UnitWatcher
+from gatewayd.systemd import SERVICE, UNIT, Systemd
+
+_UNSET = 2**64 - 1  # systemd's "not set / unknown" for t properties
+
+
+class TransientEngineUnits:
+    mode = "transient"
+
+    def __init__(self, systemd: Systemd, config: GatewayConfig, *, manager: str,
+                 run_root: str) -> None:
+        self._sd = systemd
+        self._config = config
+        self.manager = manager
+        self._run_root = run_root
+
+    def layout(self, model_id: str) -> EngineLayout:
+        return EngineLayout.for_model(model_id, run_root=self._run_root)
+
+    async def start_engine(self, model: Model) -> EngineLayout:
+        layout = self.layout(model.id)
+        spec = transient_spec(model, self._config, layout)
+        # A failed unit of the same name may linger until collected: clear it.
+        info = await self.engine_info(layout.unit)
+        if info is not None and info.active_state == "failed":
+            await self._sd.reset_failed_unit(layout.unit)
+        await self._sd.start_transient(spec)
+        return layout
+
+    async def stop_engine(self, unit: str) -> None:
+        try:
+            await self._sd.stop_unit(unit)
+        except UnitOperationFailed as e:
+            if e.extra.get("dbus_error") != "org.freedesktop.systemd1.NoSuchUnit":
+                raise
+
+    async def list_engines(self) -> list[EngineUnitInfo]:
+        listed = await self._sd.list_units(unit_patterns())
+        infos = await asyncio.gather(*(self.engine_info(u.name) for u in listed))
+        return [i for i in infos if i is not None]
+
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        try:
+            unit_props = await self._sd.properties(unit, UNIT)
+            if unit_props.get("LoadState") == "not-found":
+                return None
+            service = await self._sd.properties(unit, SERVICE)
+        except UnitOperationFailed:
+            return None
+        return info_from_properties(unit, unit_props, service)
+
+    def watch(self, callback: UnitWatcher) -> Callable[[], None]:
+        return self._sd.watch(callback)
+
+
+def info_from_properties(unit: str, unit_props: dict[str, Any],
+                         service: dict[str, Any]) -> EngineUnitInfo:
+    env = dict(item.split("=", 1) for item in service.get("Environment", []) if "=" in item)
+    memory = service.get("MemoryCurrent")
+    return EngineUnitInfo(
+        unit=unit,
+        model_id=env.get(MODEL_ENV),
+        socket=env.get(SOCKET_ENV),
+        active_state=unit_props.get("ActiveState", "unknown"),
+        sub_state=unit_props.get("SubState", "unknown"),
+        main_pid=int(service.get("MainPID", 0)),
+        n_restarts=int(service.get("NRestarts", 0)),
+        memory_bytes=None if memory in (None, _UNSET) else int(memory),
+        started_at_us=int(service.get("ExecMainStartTimestamp", 0)),
+        description=unit_props.get("Description", ""),
+    )
+
+
+def runtime_root(manager: str) -> str:
+    """Where RuntimeDirectory= lives: /run for the system manager, $XDG_RUNTIME_DIR for users."""
+    if manager == "user":
+        return os.environ.get("XDG_RUNTIME_DIR", f"/run/user/{os.getuid()}")
+    return "/run"
