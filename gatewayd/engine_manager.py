@@ -90,8 +90,8 @@ class EngineManager:
         model = self._model(model_id)
         self._admit(model)
         layout = self.units.layout(model.id)
-        engine = Engine(model.id, layout.unit, layout.socket)
-        self._register(apply(engine, StartRequested(self._clock())))
+        self._register(Engine(model.id, layout.unit, layout.socket))
+        self._event(model.id, StartRequested(self._clock()))
         self.desired.add(model.id)
         log.info("starting %s as %s", model.id, layout.unit)
         try:
@@ -226,7 +226,8 @@ class EngineManager:
         self._engines[engine.model_id] = engine
         self._by_unit[engine.unit] = engine.model_id
         self._unit_props.pop(engine.unit, None)
-        self._changed(old or engine, engine)
+        if old is not None:
+            self._changed(old, engine)
 
     def _event(self, model_id: str, event: Any) -> None:
         old = self._engines.get(model_id)
@@ -280,11 +281,13 @@ class EngineManager:
             return
         lines = await self._journal.tail(engine.unit, LOG_TAIL_LINES)
         self._event(model_id, LogsRead(tuple(lines)))
-        if (current := self._engines.get(model_id)) and current.state is EngineState.FAILED:
-            error = self._failed_error(model_id)
-            for fut in self._waiters.pop(model_id, []):
-                if not fut.done():
-                    fut.set_exception(error)
+        current = self._engines.get(model_id)
+        if current is None or current.state is not EngineState.FAILED:
+            return  # stopped (waiters told), or restarting/recovered (waiters wait on)
+        error = self._failed_error(model_id)
+        for fut in self._waiters.pop(model_id, []):
+            if not fut.done():
+                fut.set_exception(error)
 
     def _failed_error(self, model_id: str) -> EngineFailed:
         engine = self._engines[model_id]

@@ -213,6 +213,12 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
             return _to(engine, EngineState.STOPPED, ev.now, main_pid=0)
         return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
 
+    if s is EngineState.FAILED and active in ("deactivating", "inactive", "failed"):
+        # a failed engine being stopped or collected stays failed, with its reason
+        settled = changes.get("failure", failure)
+        if isinstance(settled, Failure) and settled.restarting and active != "deactivating":
+            changes["failure"] = replace(settled, restarting=False)
+        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
     if active == "activating" and sub == "auto-restart":
         text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
         return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,

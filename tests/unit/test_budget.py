@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+
+from gatewayd.budget import GpuMemory, check_admission, required_mib
+from gatewayd.engines import Engine, EngineState, Failure
+from gatewayd.errors import AlreadyRunning, EngineLimitReached, InsufficientGpu
+
+
+def eng(model: str, state: EngineState, restarting: bool = False) -> Engine:
+    failure = Failure("x", restarting=restarting) if state is EngineState.FAILED else None
+    return Engine(model, f"llm-engine-{model}.service", "/s", state=state, failure=failure)
+
+
+def test_required_is_file_rounded_up_plus_margin() -> None:
+    assert required_mib(1, 1024) == 1025
+    assert required_mib(4 * 1024 * 1024, 0) == 4
+    assert required_mib(4 * 1024 * 1024 + 1, 100) == 105
+
+
+def test_already_running() -> None:
+    with pytest.raises(AlreadyRunning) as err:
+        check_admission("a", [eng("a", EngineState.LOADING)], max_engines=4, need_mib=1,
+                        gpu=None)
+    assert err.value.status == 409 and err.value.extra["state"] == "loading"
+
+
+def test_a_failed_engine_may_be_started_again_unless_systemd_restarts_it() -> None:
+    check_admission("a", [eng("a", EngineState.FAILED)], max_engines=1, need_mib=1, gpu=None)
+    with pytest.raises(AlreadyRunning):
+        check_admission("a", [eng("a", EngineState.FAILED, restarting=True)], max_engines=4,
+                        need_mib=1, gpu=None)
+
+
+def test_engine_limit_counts_active_engines_only() -> None:
+    engines = [eng("a", EngineState.READY), eng("b", EngineState.STARTING),
+               eng("c", EngineState.FAILED), eng("d", EngineState.STOPPED)]
+    check_admission("x", engines, max_engines=3, need_mib=1, gpu=None)
+    with pytest.raises(EngineLimitReached) as err:
+        check_admission("x", engines, max_engines=2, need_mib=1, gpu=None)
+    assert err.value.extra["running"] == ["a", "b"] and err.value.code == "engine_limit_reached"
+
+
+def test_vram_budget_against_fresh_free_memory() -> None:
+    gpu = GpuMemory(total_mib=24576, free_mib=3000)
+    check_admission("x", [], max_engines=4, need_mib=3000, gpu=gpu)
+    with pytest.raises(InsufficientGpu) as err:
+        check_admission("x", [], max_engines=4, need_mib=3001, gpu=gpu)
+    body = err.value.body()["error"]
+    assert err.value.status == 503 and body["code"] == "insufficient_gpu"
+    assert body["required_mib"] == 3001 and body["free_mib"] == 3000
+
+
+def test_no_gpu_means_no_vram_check() -> None:
+    check_admission("x", [], max_engines=1, need_mib=10**9, gpu=None)

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import make_tiny_model
+import pytest
+
+from gatewayd.catalog import build_catalog, discover
+from gatewayd.config import GatewayConfig, ModelConfig
+from gatewayd.errors import ConfigError, ModelNotFound
+from gatewayd.gguf_meta import GgufFacts
+
+
+def _touch(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def _facts(names: dict[str, str]) -> Callable[[Path], GgufFacts]:
+    def read(path: Path) -> GgufFacts:
+        facts = GgufFacts(path=str(path), file_size=4)
+        if path.name in names:
+            facts.metadata["general.name"] = names[path.name]
+        return facts
+    return read
+
+
+def test_discover_files_and_subdirectories(tmp_path: Path) -> None:
+    _touch(tmp_path / "qwen.gguf")
+    _touch(tmp_path / "mmproj-stray.gguf")          # a projector alone is not a model
+    _touch(tmp_path / ".hidden.gguf")
+    _touch(tmp_path / "big-00001-of-00002.gguf")
+    _touch(tmp_path / "big-00002-of-00002.gguf")    # later split parts are not models
+    _touch(tmp_path / "llava" / "llava-q4.gguf")
+    _touch(tmp_path / "llava" / "mmproj-f16.gguf")
+    (tmp_path / "notes.txt").write_text("x")
+    found = {m.name: m for m in discover(tmp_path)}
+    assert set(found) == {"qwen", "big-00001-of-00002", "llava"}
+    assert found["llava"].path.name == "llava-q4.gguf"
+    assert found["llava"].mmproj == tmp_path / "llava" / "mmproj-f16.gguf"
+    assert found["qwen"].mmproj is None
+
+
+def test_subdirectory_with_two_models_is_a_clear_error(tmp_path: Path) -> None:
+    _touch(tmp_path / "mixed" / "a.gguf")
+    _touch(tmp_path / "mixed" / "b.gguf")
+    with pytest.raises(ConfigError, match="several models"):
+        discover(tmp_path)
+
+
+def test_every_name_resolves_case_insensitively(tmp_path: Path) -> None:
+    _touch(tmp_path / "Qwen2.5-7B-Q4_K_M.gguf")
+    _touch(tmp_path / "llava" / "llava-q4.gguf")
+    config = GatewayConfig(models_dir=tmp_path, models=(
+        ModelConfig(name="chat", path=_touch(tmp_path / "elsewhere" / "c.gguf"),
+                    aliases=("GPT-4o",)),))
+    catalog = build_catalog(config, _facts({"Qwen2.5-7B-Q4_K_M.gguf": "Qwen2.5 7B Instruct"}))
+    qwen = "Qwen2.5-7B-Q4_K_M"
+    for name in (qwen, "qwen2.5-7b-q4_k_m.GGUF", "QWEN2.5 7b instruct"):
+        assert catalog.resolve(name).id == qwen
+    for name in ("llava", "LLAVA-Q4", "llava-q4.gguf"):
+        assert catalog.resolve(name).id == "llava"
+    for name in ("chat", "gpt-4o", "c.gguf", "c"):
+        assert catalog.resolve(name).id == "chat"
+
+
+def test_unknown_name_lists_available_models(tmp_path: Path) -> None:
+    _touch(tmp_path / "a.gguf")
+    catalog = build_catalog(GatewayConfig(models_dir=tmp_path), _facts({}))
+    with pytest.raises(ModelNotFound) as err:
+        catalog.resolve("gpt-5")
+    assert err.value.status == 404
+    assert err.value.body()["error"]["available_models"] == ["a"]
+
+
+def test_two_models_claiming_one_alias_is_an_error_naming_both(tmp_path: Path) -> None:
+    config = GatewayConfig(models=(
+        ModelConfig(name="one", path=_touch(tmp_path / "1.gguf"), aliases=("fast",)),
+        ModelConfig(name="two", path=_touch(tmp_path / "2.gguf"), aliases=("FAST",))))
+    with pytest.raises(ConfigError, match=r"'one' .*'two' .*claim the name 'fast'"):
+        build_catalog(config, _facts({}))
+
+
+def test_alias_colliding_with_another_models_file_name(tmp_path: Path) -> None:
+    _touch(tmp_path / "llama.gguf")
+    config = GatewayConfig(models_dir=tmp_path, models=(
+        ModelConfig(name="other", path=_touch(tmp_path / "x" / "o.gguf"), aliases=("llama",)),))
+    with pytest.raises(ConfigError, match="both claim the name 'llama'"):
+        build_catalog(config, _facts({}))
+
+
+def test_shared_gguf_name_is_ambiguous_not_fatal(tmp_path: Path) -> None:
+    _touch(tmp_path / "m-q4.gguf")
+    _touch(tmp_path / "m-q8.gguf")
+    catalog = build_catalog(GatewayConfig(models_dir=tmp_path),
+                            _facts({"m-q4.gguf": "Mistral 7B", "m-q8.gguf": "Mistral 7B"}))
+    assert catalog.resolve("m-q8").id == "m-q8"
+    with pytest.raises(ModelNotFound, match=r"ambiguous.*m-q4, m-q8"):
+        catalog.resolve("mistral 7b")
+
+
+def test_explicit_entry_wins_over_the_discovered_file(tmp_path: Path) -> None:
+    path = _touch(tmp_path / "a.gguf")
+    catalog = build_catalog(GatewayConfig(models_dir=tmp_path, models=(
+        ModelConfig(name="alpha", path=path),)), _facts({}))
+    assert catalog.ids == ["alpha"]
+    assert catalog.resolve("a").id == "alpha"
+
+
+def test_catalog_reads_real_gguf_facts(tmp_path: Path) -> None:
+    make_tiny_model.write_model(str(tmp_path / "tiny.gguf"), "Tiny Thing", seed=3, f16=True)
+    model = build_catalog(GatewayConfig(models_dir=tmp_path)).resolve("tiny thing")
+    info = model.describe()
+    assert info["architecture"] == "llama" and info["context_length"] == 2048
+    assert info["quantization"] == "F16" and info["general_name"] == "Tiny Thing"
+    assert info["size_bytes"] == (tmp_path / "tiny.gguf").stat().st_size

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gatewayd.config import Backend, GatewayConfig, UnitMode, load_config, parse_config
+from gatewayd.errors import ConfigError
+
+
+def test_missing_default_file_means_defaults(tmp_path: Path) -> None:
+    assert load_config(tmp_path / "absent.toml") == GatewayConfig()
+
+
+def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml", required=True)
+
+
+def test_full_config_parses_with_paths_relative_to_the_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text('''
+models_dir = "models"
+max_engines = 2
+vram_margin_mib = 512
+unit_mode = "transient"
+[listen]
+port = 9000
+[models.whisper-small]
+path = "/srv/whisper.bin"
+backend = "whisper"
+[models.chat]
+path = "chat.gguf"
+mmproj = "mmproj.gguf"
+aliases = ["gpt-4o", "Chat"]
+args = ["--flash-attn", "on"]
+ctx_size = 8192
+env = { GGML_X = "1" }
+memory_max = "8G"
+cpu_quota = "150%"
+cuda_visible_devices = "1"
+''')
+    config = load_config(cfg)
+    assert config.models_dir == tmp_path / "models"
+    assert config.max_engines == 2 and config.vram_margin_mib == 512
+    assert config.unit_mode is UnitMode.TRANSIENT and config.listen_port == 9000
+    whisper, chat = config.models
+    assert whisper.backend is Backend.WHISPER and whisper.path == Path("/srv/whisper.bin")
+    assert chat.path == tmp_path / "chat.gguf" and chat.mmproj == tmp_path / "mmproj.gguf"
+    assert chat.aliases == ("gpt-4o", "Chat") and chat.args == ("--flash-attn", "on")
+    assert chat.memory_max == 8 << 30 and chat.cpu_quota == 150.0
+    assert chat.env == {"GGML_X": "1"} and chat.ctx_size == 8192
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"max_engines": 0}, "max_engines = 0 is out of range: allowed 1..16"),
+    ({"max_engines": 17}, "out of range"),
+    ({"max_engines": "4"}, "max_engines must be a int"),
+    ({"max_engines": True}, "max_engines must be a int"),
+    ({"max_engine": 4}, r"unknown key\(s\) max_engine"),
+    ({"unit_mode": "magic"}, "unit_mode must be one of"),
+    ({"listen": {"port": 70000}}, "not a TCP port"),
+    ({"models": {"a": {}}}, r"\[models.a\] needs a path"),
+    ({"models": {"a": {"path": "/x", "backend": "vllm"}}}, "'llama' or 'whisper'"),
+    ({"models": {"a": {"path": "/x", "pat": 1}}}, "unknown key"),
+    ({"models": {"a": {"path": "/x", "memory_max": "lots"}}}, "is not a size"),
+    ({"models": {"a": {"path": "/x", "cpu_quota": "2"}}}, "is not a CPU quota"),
+    ({"models": {"a": {"path": "/x", "args": ["-t", 4]}}}, "must be a str"),
+])
+def test_invalid_config_names_the_key(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data)
+
+
+def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text("max_engines = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(cfg)

@@ -1,0 +1,100 @@
+"""Model ids reach systemd only escaped; argv and properties are exactly as meant."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gatewayd.catalog import Model
+from gatewayd.config import Backend, GatewayConfig, ModelConfig
+from gatewayd.engine_units import (
+    MAX_INSTANCE,
+    EngineLayout,
+    engine_instance,
+    escape_unit_component,
+    transient_spec,
+)
+from gatewayd.systemd import exec_args
+
+HOSTILE = [
+    "tiny-alpha", "Qwen2.5-7B-Instruct-Q4_K_M", ".hidden", "a/b/../../c", "../../etc/passwd",
+    "x $(touch /tmp/pwned) ${HOME} %n %%i", 'quote"\'`', "new\nline\ttab", "ünïcödé-模型",
+    "semi;colon&amp|pipe", "back\\slash", "@at@", "-leading-dash",
+]
+
+
+@pytest.mark.parametrize("model_id", HOSTILE)
+def test_escape_matches_systemd_escape(model_id: str) -> None:
+    tool = shutil.which("systemd-escape")
+    if tool is None:
+        pytest.skip("systemd-escape not installed")
+    expected = subprocess.run([tool, "--", model_id], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    assert escape_unit_component(model_id) == expected
+
+
+@pytest.mark.parametrize("model_id", [*HOSTILE, "x" * 300, "-" * 120, "é" * 90])
+def test_layout_is_safe_for_any_id(model_id: str) -> None:
+    for template in (False, True):
+        layout = EngineLayout.for_model(model_id, template=template)
+        assert set(layout.instance) <= set(
+            "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:_.\\-")
+        assert len(layout.instance) <= MAX_INSTANCE
+        assert not layout.instance.startswith(".")
+        assert "/" not in layout.runtime_directory  # one path component under /run
+        assert layout.socket == f"/run/{layout.runtime_directory}/engine.sock"
+        assert len(layout.socket.encode()) < 108              # sun_path
+        assert layout.unit.endswith(".service") and len(layout.unit) < 256
+
+
+def test_long_ids_stay_distinct() -> None:
+    a, b = "x" * 200 + "a", "x" * 200 + "b"
+    assert engine_instance(a) != engine_instance(b)
+    dashes = engine_instance("-" * 100)          # each "-" escapes to 4 characters
+    assert dashes[-13] == "_" and dashes[:-13].endswith("\\x2d")   # no escape cut in half
+
+
+def test_dollar_is_doubled_for_exec_lines() -> None:
+    assert exec_args(["/bin/x", "${HOME}", "$$", "%n"]) == ["/bin/x", "$${HOME}", "$$$$", "%n"]
+
+
+def _model(model_id: str, path: Path, **kw: object) -> Model:
+    return Model(id=model_id, config=ModelConfig(name=model_id, path=path, **kw),  # type: ignore[arg-type]
+                 names=frozenset())
+
+
+def test_llama_spec(tmp_path: Path) -> None:
+    model = _model("my model", tmp_path / "m.gguf", mmproj=tmp_path / "p.gguf", ctx_size=4096,
+                   threads=2, args=("--flash-attn", "on"), memory_max=8 << 30, cpu_quota=150.0,
+                   cuda_visible_devices="1", env={"A": "b"})
+    config = GatewayConfig(llama_server="/opt/llama-server")
+    layout = EngineLayout.for_model(model.id)
+    spec = transient_spec(model, config, layout)
+    assert spec.name == "llm-engine-my\\x20model.service"
+    assert spec.argv == ["/opt/llama-server", "--host", layout.socket, "-m", str(model.path),
+                         "--alias", "my model", "-t", "2", "--mmproj", str(tmp_path / "p.gguf"),
+                         "-c", "4096", "--flash-attn", "on"]
+    props = {name: (v.signature, v.value) for name, v in spec.properties()}
+    assert props["ExecStartPre"][1][0][1] == ["/bin/rm", "-f", "--", layout.socket]
+    assert props["MemoryMax"] == ("t", 8 << 30)
+    assert props["CPUQuotaPerSecUSec"] == ("t", 1_500_000)
+    assert props["Slice"] == ("s", "llm-engines.slice")
+    assert props["LogExtraFields"] == ("aay", [b"LLM_GATEWAY_MODEL=my model"])
+    env = props["Environment"][1]
+    assert "CUDA_VISIBLE_DEVICES=1" in env and "A=b" in env
+    assert "LLM_GATEWAY_MODEL=my model" in env and f"LLM_GATEWAY_SOCKET={layout.socket}" in env
+    assert "PrivateNetwork" not in props
+
+
+def test_whisper_spec_runs_the_launcher_in_a_private_network(tmp_path: Path) -> None:
+    model = _model("whisper", tmp_path / "w.bin", backend=Backend.WHISPER)
+    layout = EngineLayout.for_model(model.id)
+    spec = transient_spec(model, GatewayConfig(whisper_server="/opt/whisper-server"), layout)
+    props = {name: (v.signature, v.value) for name, v in spec.properties()}
+    assert props["PrivateNetwork"] == ("b", True)
+    assert spec.argv[1:5] == ["-m", "gatewayd.engine_launch", "--socket", layout.socket]
+    assert spec.argv[spec.argv.index("--") + 1] == "/opt/whisper-server"
+    assert "/v1/audio/transcriptions" in spec.argv and "{port}" in spec.argv

@@ -1,0 +1,104 @@
+"""The engine state machine, driven by the events systemd and the health probe produce."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from gatewayd.engines import (
+    CLD_EXITED,
+    CLD_KILLED,
+    Engine,
+    EngineState,
+    Event,
+    HealthReady,
+    LoadTimedOut,
+    LogsRead,
+    StartFailed,
+    StartRequested,
+    StopRequested,
+    UnitChanged,
+    UnitGone,
+    apply,
+)
+
+S = EngineState
+
+
+def run(*events: Event, start: EngineState = S.STOPPED) -> Engine:
+    engine = Engine("m", "llm-engine-m.service", "/run/llm-engine-m/engine.sock", state=start)
+    for event in events:
+        engine = apply(engine, event)
+    return engine
+
+
+def unit(active: str, sub: str = "", **kw: object) -> UnitChanged:
+    return UnitChanged(1.0, active_state=active, sub_state=sub, **kw)  # type: ignore[arg-type]
+
+
+def test_happy_path_start_to_ready() -> None:
+    engine = run(StartRequested(0.0), unit("inactive", "dead"), unit("activating", "start"),
+                 unit("active", "running", main_pid=42), HealthReady(2.0))
+    assert engine.state is S.READY and engine.main_pid == 42 and engine.ready_since == 2.0
+    assert [s for _, s in engine.history] == [S.STARTING, S.LOADING, S.READY]
+
+
+@pytest.mark.parametrize("start,event,expected", [
+    (S.STOPPED, HealthReady(1), S.STOPPED),          # health from a stopped engine: ignored
+    (S.READY, StartRequested(1), S.READY),           # a second start changes nothing
+    (S.LOADING, LoadTimedOut(1, 300), S.FAILED),
+    (S.READY, LoadTimedOut(1, 300), S.READY),
+    (S.STARTING, StartFailed(1, "no such file"), S.FAILED),
+    (S.READY, StopRequested(1), S.STOPPING),
+    (S.STOPPING, unit("inactive", "dead"), S.STOPPED),
+    (S.STOPPING, unit("failed", "failed"), S.STOPPED),  # killed by the stop: not a failure
+    (S.STOPPING, unit("active", "running"), S.STOPPING),
+    (S.READY, unit("deactivating", "stop-sigterm"), S.STOPPING),
+    (S.READY, unit("inactive", "dead"), S.STOPPED),  # stopped behind our back
+    (S.STARTING, unit("inactive", "dead"), S.STARTING),  # unit being created
+    (S.FAILED, StartRequested(1), S.STARTING),
+    (S.READY, UnitGone(1), S.STOPPED),
+])
+def test_transitions(start: EngineState, event: Event, expected: EngineState) -> None:
+    assert run(event, start=start).state is expected
+
+
+def test_crash_and_systemd_restart_is_counted() -> None:
+    engine = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
+    engine = apply(engine, unit("activating", "auto-restart", exec_code=CLD_KILLED,
+                                exec_status=signal.SIGKILL, n_restarts=0))
+    assert engine.state is S.FAILED and engine.active
+    assert engine.failure is not None and engine.failure.restarting
+    assert engine.failure.reason == "killed by SIGKILL" and engine.failure.signal == 9
+    engine = apply(engine, unit("activating", "start", n_restarts=1))
+    assert engine.state is S.STARTING and engine.restarts == 1
+    engine = apply(engine, unit("active", "running", main_pid=43))
+    engine = apply(engine, HealthReady(5))
+    assert engine.state is S.READY and engine.main_pid == 43 and engine.failure is None
+
+
+def test_exit_status_arriving_after_the_state_fills_in_the_reason() -> None:
+    engine = run(StartRequested(0), unit("active", "running", main_pid=42))
+    engine = apply(engine, unit("failed", "failed"))
+    assert engine.failure is not None and engine.failure.reason == "stopped unexpectedly"
+    engine = apply(engine, UnitChanged(2, exec_code=CLD_EXITED, exec_status=1))
+    assert engine.failure is not None and engine.failure.reason == "exited with status 1"
+    assert engine.failure.exit_code == 1 and not engine.active
+
+
+def test_restart_we_did_not_see_fails_back_to_loading() -> None:
+    engine = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
+    engine = apply(engine, unit("active", "running", main_pid=77))
+    assert engine.state is S.LOADING and engine.main_pid == 77
+
+
+def test_failed_start_limit_result_is_named() -> None:
+    engine = run(StartRequested(0), unit("failed", "failed", result="start-limit-hit"))
+    assert engine.failure is not None and "start-limit-hit" in engine.failure.reason
+
+
+def test_logs_attach_to_a_failure_only() -> None:
+    assert run(LogsRead(("x",))).failure is None
+    engine = run(StartRequested(0), StartFailed(1, "boom"), LogsRead(("line 1", "line 2")))
+    assert engine.failure is not None and engine.failure.log_tail == ("line 1", "line 2")
