@@ -6,9 +6,9 @@
 This is the main process of a whisper engine unit. The unit has
 PrivateNetwork=yes, so whisper-server listens on 127.0.0.1:8080 in a network
 namespace of its own (every whisper engine can use 8080, and nothing outside
-the unit can reach it), and systemd-socket-proxyd, started through
-systemd-socket-activate on the unix socket, relays to it: the
-systemd-socket-proxyd(8) pattern, in one unit. Unix sockets are reached by
+the unit can reach it), and systemd-socket-proxyd, handed the unix socket by
+the socket-activation protocol, relays to it: the systemd-socket-proxyd(8)
+pattern, in one unit. Unix sockets are reached by
 path, across network namespaces.
 
 Where the namespace is not private (PrivateNetwork unavailable), a free
@@ -37,7 +37,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 PROXYD_CANDIDATES = ("/lib/systemd/systemd-socket-proxyd", "/usr/lib/systemd/systemd-socket-proxyd")
-ACTIVATE = "systemd-socket-activate"
 FALLBACK_PORTS = range(39000, 40000)
 
 
@@ -149,7 +148,16 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
         children.append(server)
         if not private:
             wait_exclusive_listener(server, port)
-    proxy = subprocess.Popen([ACTIVATE, "-l", socket_path, proxyd(), f"127.0.0.1:{port}"])
+    # Bound here, under umask 077 (srwx------), and handed to systemd-socket-proxyd
+    # as fd 3 by the socket-activation protocol (LISTEN_FDS/LISTEN_PID).
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(128)
+    fd = listener.fileno()
+    proxy = subprocess.Popen(
+        ["/bin/sh", "-c", f'export LISTEN_FDS=1 LISTEN_PID=$$; exec "$0" "$@" 3<&{fd}',
+         proxyd(), f"127.0.0.1:{port}"], pass_fds=(fd,))
+    listener.close()
     children.append(proxy)
     pid, status = os.wait()
     stop_children()

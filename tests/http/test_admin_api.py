@@ -1,0 +1,77 @@
+"""The admin API over real HTTP (aiohttp test server), with the engine layer on fakes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from gatewayd import admin_api
+from gatewayd.app import error_middleware
+from tests.unit.test_engine_manager import FakeUnits, make
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[tuple[TestClient[web.Request, web.Application],
+                                                        FakeUnits]]:
+    mgr, units, _ = make(tmp_path, max_engines=2)
+    app = web.Application(middlewares=[error_middleware])
+    app[admin_api.ENGINES] = mgr
+    admin_api.add_routes(app)
+    async with TestClient(TestServer(app)) as c:
+        yield c, units
+    await mgr.close()
+
+
+Client = tuple[TestClient[web.Request, web.Application], FakeUnits]
+
+
+async def test_start_list_logs_stop(client: Client) -> None:
+    c, units = client
+    resp = await c.post("/admin/engines/start", json={"model": "A"})   # names resolve
+    assert resp.status == 200
+    engine = (await resp.json())["engine"]
+    assert engine["model"] == "a" and engine["state"] == "ready" and engine["pid"] == 101
+    listed = (await (await c.get("/admin/engines")).json())["engines"]
+    assert [e["model"] for e in listed] == ["a"]
+    logs = await (await c.get("/admin/engines/logs", params={"model": "a", "lines": "5"})).json()
+    assert logs["lines"][-1] == "last line"
+    resp = await c.post("/admin/engines/stop", json={"model": "a"})
+    assert resp.status == 200 and (await resp.json())["engine"]["state"] == "stopped"
+    status = await (await c.get("/admin/status")).json()
+    assert status["unit_mode"] == "transient" and status["engines"] == {}
+
+
+@pytest.mark.parametrize("method,path,body,status,code", [
+    ("POST", "/admin/engines/start", {"model": "nope"}, 404, "model_not_found"),
+    ("POST", "/admin/engines/start", {}, 400, "invalid_request"),
+    ("POST", "/admin/engines/start", "not json", 400, "invalid_request"),
+    ("POST", "/admin/engines/stop", {"model": "b"}, 409, "engine_not_running"),
+    ("GET", "/admin/engines/logs?model=a&lines=0", None, 400, "invalid_request"),
+    ("GET", "/admin/nothing-here", None, 404, "not_found"),
+    ("DELETE", "/admin/engines", None, 405, "method_not_allowed"),
+])
+async def test_errors_are_openai_shaped(client: Client, method: str, path: str,
+                                        body: object, status: int, code: str) -> None:
+    c, _ = client
+    kwargs = {"data": body} if isinstance(body, str) else {"json": body}
+    resp = await c.request(method, path, **kwargs)   # type: ignore[arg-type]
+    assert resp.status == status
+    assert resp.content_type == "application/json"
+    error = (await resp.json())["error"]
+    assert error["code"] == code and error["message"] and "type" in error
+
+
+async def test_already_running_and_engine_limit(client: Client) -> None:
+    c, _ = client
+    assert (await c.post("/admin/engines/start", json={"model": "a"})).status == 200
+    resp = await c.post("/admin/engines/start", json={"model": "a"})
+    assert resp.status == 409 and (await resp.json())["error"]["code"] == "already_running"
+    assert (await c.post("/admin/engines/start", json={"model": "b"})).status == 200
+    resp = await c.post("/admin/engines/start", json={"model": "c"})
+    error = (await resp.json())["error"]
+    assert resp.status == 503 and error["code"] == "engine_limit_reached"
+    assert error["running"] == ["a", "b"]

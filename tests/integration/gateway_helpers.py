@@ -1,0 +1,111 @@
+"""Run the real gateway as a service inside the test container, and talk to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def toml_str(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+@dataclass
+class GatewayService:
+    """The gateway as a transient unit of the container's systemd (it runs as root)."""
+
+    config: Path
+    port: int
+    unit: str = "llm-gateway-test.service"
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20) -> None:
+        cmd = ["systemd-run", "--quiet", f"--unit={self.unit}", "--collect",
+               "-p", f"WorkingDirectory={os.getcwd()}"]
+        for key, value in self.env.items():
+            cmd += ["-E", f"{key}={value}"]
+        cmd += [sys.executable, "-m", "gatewayd", "--config", str(self.config), "serve"]
+        subprocess.run(cmd, check=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.api("GET", "/admin/status")
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"gateway not answering after {timeout}s:\n{self.journal()}")
+
+    def stop(self) -> None:
+        subprocess.run(["systemctl", "stop", self.unit], check=False)
+
+    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gatewayd", "--config", str(self.config),
+                               *args], capture_output=True, text=True, check=False, timeout=300)
+
+    def engines(self) -> dict[str, dict[str, Any]]:
+        _, body = self.api("GET", "/admin/engines")
+        return {e["model"]: e for e in body["engines"]}
+
+    def journal(self) -> str:
+        subprocess.run(["journalctl", "--sync"], check=False)
+        return subprocess.run(["journalctl", "-u", self.unit, "-o", "cat", "--no-pager"],
+                              capture_output=True, text=True, check=False).stdout
+
+    def wait_engine(self, model: str, pred: Any, timeout: float = 20) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] | None = None
+        while time.monotonic() < deadline:
+            last = self.engines().get(model)
+            if last is not None and pred(last):
+                return last
+            time.sleep(0.05)
+        raise AssertionError(f"engine {model} never matched; last: {last}\n{self.journal()}")
+
+
+def stop_all_engine_units() -> None:
+    """Engines outlive the gateway by design: tests stop them explicitly."""
+    out = subprocess.run(["systemctl", "list-units", "--plain", "--no-legend", "--all",
+                          "llm-engine-*", "llm-engine@*"], capture_output=True, text=True,
+                         check=False).stdout
+    units = [line.split()[0] for line in out.splitlines() if line.strip()]
+    if units:
+        subprocess.run(["systemctl", "stop", *units], check=False)
+        subprocess.run(["systemctl", "reset-failed", *units], check=False,
+                       stderr=subprocess.DEVNULL)
+
+
+def tcp_listeners() -> set[tuple[str, str]]:
+    """(local address, inode) of every listening TCP socket in this network namespace."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                found.add((fields[1], fields[9]))
+    return found
+
+
+def unit_property(unit: str, prop: str) -> str:
+    return subprocess.run(["systemctl", "show", "-p", prop, "--value", unit],
+                          capture_output=True, text=True, check=True).stdout.strip()

@@ -1,0 +1,219 @@
+"""The engine layer for real: the gateway runs engines as units of a real systemd.
+
+Inside the test container (marker `systemd`): the gateway is a service of the
+container's PID 1, talks D-Bus to it, and runs the real llama-server and
+whisper-server builds on generated models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gatewayd.engine_units import EngineLayout
+from tests.integration.engine_helpers import cgroup_exists
+from tests.integration.gateway_helpers import (
+    GatewayService,
+    stop_all_engine_units,
+    tcp_listeners,
+    toml_str,
+    unit_property,
+)
+
+pytestmark = [pytest.mark.systemd, pytest.mark.engine]
+
+HOSTILE_ID = '../../x $(touch /tmp/pwned) ${HOME} %n "q";`id`'
+_ports = iter(range(18300, 18400))
+
+
+def write_config(tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path], *,
+                 extra: str = "", max_engines: int = 4) -> tuple[Path, int]:
+    port = next(_ports)
+    models = tmp_path / "models"
+    models.mkdir(exist_ok=True)
+    for name in ("alpha", "beta", "gamma"):
+        link = models / f"tiny-{name}.gguf"
+        if not link.exists():
+            link.symlink_to(tiny_models[name])
+    config = tmp_path / "gateway.toml"
+    config.write_text(f"""
+models_dir = {toml_str(str(models))}
+llama_server = {toml_str(str(llama_server))}
+state_dir = {toml_str(str(tmp_path / "state"))}
+max_engines = {max_engines}
+load_timeout_s = 60
+{extra}
+[listen]
+port = {port}
+""")
+    return config, port
+
+
+@pytest.fixture
+def gateway_factory(tmp_path: Path, llama_server: Path,
+                    tiny_models: dict[str, Path]) -> Iterator[object]:
+    started: list[GatewayService] = []
+
+    def make(extra: str = "", max_engines: int = 4,
+             env: dict[str, str] | None = None) -> GatewayService:
+        config, port = write_config(tmp_path, llama_server, tiny_models, extra=extra,
+                                    max_engines=max_engines)
+        gw = GatewayService(config, port, env=env or {})
+        gw.start()
+        started.append(gw)
+        return gw
+    yield make
+    for gw in started:
+        gw.stop()
+    stop_all_engine_units()
+
+
+@pytest.fixture
+def gateway(gateway_factory: object) -> GatewayService:
+    return gateway_factory()  # type: ignore[operator, no-any-return]
+
+
+def test_two_models_two_units_private_sockets_no_tcp(gateway: GatewayService) -> None:
+    before = tcp_listeners()
+    for model in ("tiny-alpha", "TINY-BETA.gguf"):  # any alias works
+        proc = gateway.cli("start", model)
+        assert proc.returncode == 0, proc.stderr
+        assert "ready" in proc.stdout
+    engines = gateway.engines()
+    assert set(engines) == {"tiny-alpha", "tiny-beta"}
+    for model, engine in engines.items():
+        layout = EngineLayout.for_model(model)
+        assert engine["unit"] == layout.unit and engine["state"] == "ready"
+        assert unit_property(layout.unit, "ActiveState") == "active"
+        assert unit_property(layout.unit, "MainPID") == str(engine["pid"])
+        assert unit_property(layout.unit, "Slice") == "llm-engines.slice"
+        mode = os.stat(layout.socket).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o700  # srwx------
+        assert Path(f"/proc/{engine['pid']}/exe").resolve().name == "llama-server"
+    assert tcp_listeners() == before  # no engine opened a TCP port
+    table = gateway.cli("engines").stdout
+    assert "tiny-alpha" in table and "tiny-beta" in table and "ready" in table
+
+
+def test_kill_9_systemd_restarts_and_gateway_sees_failed_then_ready(
+        gateway: GatewayService) -> None:
+    assert gateway.cli("start", "tiny-alpha").returncode == 0
+    first = gateway.engines()["tiny-alpha"]
+    os.kill(first["pid"], signal.SIGKILL)
+    again = gateway.wait_engine("tiny-alpha", lambda e: e["state"] == "ready"
+                                and e["restarts"] == 1 and e["pid"] != first["pid"])
+    assert again["failure"] is None
+    log = gateway.journal()
+    failed_at = log.index("tiny-alpha: ready -> failed (killed by SIGKILL)")
+    assert "tiny-alpha: loading -> ready" in log[failed_at:]
+    assert unit_property(again["unit"], "NRestarts") == "1"
+
+
+def test_stop_kills_the_cgroup_and_removes_the_socket(gateway: GatewayService) -> None:
+    assert gateway.cli("start", "tiny-gamma").returncode == 0
+    engine = gateway.engines()["tiny-gamma"]
+    control_group = unit_property(engine["unit"], "ControlGroup")
+    assert cgroup_exists(control_group)
+    proc = gateway.cli("stop", "tiny-gamma")
+    assert proc.returncode == 0 and "stopped" in proc.stdout
+    assert not cgroup_exists(control_group)
+    assert not Path(f"/proc/{engine['pid']}").exists()
+    assert not os.path.exists(engine["socket"])
+    assert unit_property(engine["unit"], "LoadState") == "not-found"
+    assert gateway.engines() == {}
+
+
+def test_gateway_restart_adopts_running_engines_with_the_same_pids(
+        gateway: GatewayService) -> None:
+    for model in ("tiny-alpha", "tiny-beta"):
+        assert gateway.cli("start", model).returncode == 0
+    pids = {m: e["pid"] for m, e in gateway.engines().items()}
+    gateway.stop()
+    for pid in pids.values():  # the engines do not die with the gateway
+        assert Path(f"/proc/{pid}").exists()
+    gateway.start()
+    for model, pid in pids.items():
+        engine = gateway.wait_engine(model, lambda e: e["state"] == "ready")
+        assert engine["pid"] == pid and engine["adopted"] and engine["restarts"] == 0
+    assert "adopted tiny-alpha" in gateway.journal()
+
+
+def test_logs_come_from_the_journal(gateway: GatewayService) -> None:
+    assert gateway.cli("start", "tiny-beta").returncode == 0
+    proc = gateway.cli("logs", "tiny-beta", "-n", "200")
+    assert proc.returncode == 0
+    assert "listening" in proc.stdout and "llm-engine-tiny" in proc.stdout
+
+
+def test_limits_give_the_documented_errors(gateway_factory: object) -> None:
+    gw: GatewayService = gateway_factory(max_engines=2)  # type: ignore[operator]
+    for model in ("tiny-alpha", "tiny-beta"):
+        assert gw.cli("start", model).returncode == 0
+    status, body = gw.api("POST", "/admin/engines/start", {"model": "tiny-gamma"})
+    assert status == 503 and body["error"]["code"] == "engine_limit_reached"
+    assert sorted(body["error"]["running"]) == ["tiny-alpha", "tiny-beta"]
+    status, body = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
+    assert status == 409 and body["error"]["code"] == "already_running"
+    proc = gw.cli("start", "tiny-gamma")
+    assert proc.returncode == 1 and "the limit (max_engines) is 2" in proc.stderr
+    status, body = gw.api("POST", "/admin/engines/start", {"model": "no-such-model"})
+    assert status == 404 and "tiny-alpha" in body["error"]["available_models"]
+
+
+def test_vram_budget_with_a_fake_device(gateway_factory: object) -> None:
+    gw: GatewayService = gateway_factory(  # type: ignore[operator]
+        env={"LLM_GATEWAY_FAKE_GPU": "24576:1000"})
+    status, body = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
+    assert status == 503 and body["error"]["code"] == "insufficient_gpu"
+    assert body["error"]["required_mib"] == 1025 and body["error"]["free_mib"] == 1000
+    assert "fake device" in gw.api("GET", "/admin/status")[1]["gpu"]
+    assert gw.engines() == {}
+
+
+def test_hostile_model_name_reaches_nothing_but_values(
+        gateway_factory: object, tiny_models: dict[str, Path]) -> None:
+    extra = f"[models.{toml_str(HOSTILE_ID)}]\npath = {toml_str(str(tiny_models['alpha']))}\n"
+    gw: GatewayService = gateway_factory(extra=extra)  # type: ignore[operator]
+    status, body = gw.api("POST", "/admin/engines/start", {"model": HOSTILE_ID})
+    assert status == 200, body
+    engine = body["engine"]
+    layout = EngineLayout.for_model(HOSTILE_ID)
+    assert engine["unit"] == layout.unit and engine["socket"] == layout.socket
+    assert os.path.dirname(layout.socket).startswith("/run/llm-engine-")
+    argv = Path(f"/proc/{engine['pid']}/cmdline").read_bytes().split(b"\0")[:-1]
+    assert argv[argv.index(b"--alias") + 1].decode() == HOSTILE_ID  # exactly, unexpanded
+    assert not Path("/tmp/pwned").exists()
+    out = subprocess.run(["journalctl", f"LLM_GATEWAY_MODEL={HOSTILE_ID}", "-o", "cat",
+                          "--no-pager"], capture_output=True, text=True, check=True).stdout
+    assert "listening" in out
+
+
+def test_whisper_engine_is_reachable_only_through_its_unix_socket(
+        gateway_factory: object, whisper_server: Path, tiny_whisper: Path,
+        tmp_path: Path) -> None:
+    extra = (f"whisper_server = {toml_str(str(whisper_server))}\n"
+             f"[models.whisper-tiny]\npath = {toml_str(str(tiny_whisper))}\n"
+             'backend = "whisper"\nthreads = 1\n')
+    gw: GatewayService = gateway_factory(extra=extra)  # type: ignore[operator]
+    before = tcp_listeners()
+    status, body = gw.api("POST", "/admin/engines/start", {"model": "whisper-tiny"})
+    assert status == 200, body
+    sock = body["engine"]["socket"]
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o700
+    assert tcp_listeners() == before   # whisper listens in its own network namespace
+    wav = tmp_path / "hello.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), "hello world"], check=True)
+    out = subprocess.run(
+        ["curl", "-sS", "--unix-socket", sock, "http://engine/v1/audio/transcriptions",
+         "-F", f"file=@{wav}", "-F", "temperature_inc=0", "-F", "response_format=json"],
+        capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["text"].strip()
+    pid = body["engine"]["pid"]
+    assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
