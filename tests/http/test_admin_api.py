@@ -11,26 +11,24 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gatewayd import admin_api
 from gatewayd.app import error_middleware
-from tests.unit.test_engine_manager import FakeUnits, make
+from tests.unit.test_engine_manager import make
+
+Client = TestClient[web.Request, web.Application]
 
 
 @pytest.fixture
-async def client(tmp_path: Path) -> AsyncIterator[tuple[TestClient[web.Request, web.Application],
-                                                        FakeUnits]]:
-    mgr, units, _ = make(tmp_path, max_engines=2)
+async def client(tmp_path: Path) -> AsyncIterator[Client]:
+    mgr, _, _ = make(tmp_path, max_engines=2)
     app = web.Application(middlewares=[error_middleware])
     app[admin_api.ENGINES] = mgr
     admin_api.add_routes(app)
     async with TestClient(TestServer(app)) as c:
-        yield c, units
+        yield c
     await mgr.close()
 
 
-Client = tuple[TestClient[web.Request, web.Application], FakeUnits]
-
-
 async def test_start_list_logs_stop(client: Client) -> None:
-    c, units = client
+    c = client
     resp = await c.post("/admin/engines/start", json={"model": "A"})   # names resolve
     assert resp.status == 200
     engine = (await resp.json())["engine"]
@@ -56,9 +54,9 @@ async def test_start_list_logs_stop(client: Client) -> None:
 ])
 async def test_errors_are_openai_shaped(client: Client, method: str, path: str,
                                         body: object, status: int, code: str) -> None:
-    c, _ = client
+    c = client
     kwargs = {"data": body} if isinstance(body, str) else {"json": body}
-    resp = await c.request(method, path, **kwargs)   # type: ignore[arg-type]
+    resp = await c.request(method, path, **kwargs)
     assert resp.status == status
     assert resp.content_type == "application/json"
     error = (await resp.json())["error"]
@@ -66,7 +64,7 @@ async def test_errors_are_openai_shaped(client: Client, method: str, path: str,
 
 
 async def test_already_running_and_engine_limit(client: Client) -> None:
-    c, _ = client
+    c = client
     assert (await c.post("/admin/engines/start", json={"model": "a"})).status == 200
     resp = await c.post("/admin/engines/start", json={"model": "a"})
     assert resp.status == 409 and (await resp.json())["error"]["code"] == "already_running"

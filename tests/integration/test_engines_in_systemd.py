@@ -9,11 +9,13 @@ and the model's own metadata, restarts are counted by systemd.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import stat
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -223,3 +225,39 @@ def _tcp_listeners_of(pid: int) -> list[str]:
     return listening
 
 
+
+
+async def test_whisper_launcher_without_private_network_falls_back_to_distinct_ports(
+        systemd: Systemd, units: list[str], whisper_server: Path, tiny_whisper: Path,
+        tmp_path: Path) -> None:
+    """Where PrivateNetwork is unavailable: a free loopback port each, chosen under a lock."""
+    wav = tmp_path / "hello.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), "hello"], check=True)
+    specs = []
+    for name in ("w1", "w2"):
+        rundir = f"llm-engine-{name}"
+        sock = f"/run/{rundir}/engine.sock"
+        specs.append((UnitSpec(name=f"{rundir}.service", argv=[
+            sys.executable, "-m", "gatewayd.engine_launch", "--socket", sock, "--",
+            str(whisper_server), "-m", str(tiny_whisper), "--host", "127.0.0.1", "--port",
+            "{port}", "--inference-path", "/v1/audio/transcriptions", "-t", "1"],
+            runtime_directory=rundir, restart_sec=0.2,
+            environment={"PYTHONPATH": os.getcwd()}), sock))
+    for spec, _ in specs:
+        units.append(spec.name)
+    await asyncio.gather(*(systemd.start_transient(spec) for spec, _ in specs))
+    ports = set()
+    for spec, sock in specs:
+        await wait_healthy(sock)
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o700
+        out = subprocess.run(
+            ["curl", "-sS", "--unix-socket", sock, "http://e/v1/audio/transcriptions",
+             "-F", f"file=@{wav}", "-F", "temperature_inc=0"],
+            capture_output=True, text=True, check=True).stdout
+        assert json.loads(out)["text"].strip()
+        said = [m["MESSAGE"] for m in journal_messages(await journal(spec.name))
+                if "using 127.0.0.1:" in str(m.get("MESSAGE"))]
+        port = int(said[0].rsplit(":", 1)[1])
+        assert 39000 <= port < 40000
+        ports.add(port)
+    assert len(ports) == 2
