@@ -146,13 +146,20 @@ async def test_stop_kills_the_whole_cgroup(
     control_group = await systemd.property(spec.name, SERVICE, "ControlGroup")
     main_pid = await systemd.property(spec.name, SERVICE, "MainPID")
     others = [p for p in cgroup_procs(control_group) if p != main_pid]
-    assert len(others) == 1 and Path(f"/proc/{others[0]}/comm").read_text().strip() == "sleep"
+    assert len(others) == 1, cgroup_procs(control_group)
+
+    async def child_is_sleep() -> bool:
+        return Path(f"/proc/{others[0]}/comm").read_text().strip() == "sleep"
+    await wait_for(child_is_sleep, timeout=5, what="the forked child to exec sleep")
 
     assert await systemd.stop_unit(spec.name) == "done"
 
     assert not Path(f"/proc/{main_pid}").exists()
     assert not Path(f"/proc/{others[0]}").exists()
-    assert not cgroup_exists(control_group)
+
+    async def cgroup_gone() -> bool:  # removed as the unit goes inactive; allow a moment
+        return not cgroup_exists(control_group)
+    await wait_for(cgroup_gone, timeout=5, what=f"{control_group} to be removed")
     assert not os.path.exists(os.path.dirname(sock))  # the RuntimeDirectory went with it
     assert [u.name for u in await systemd.list_units([spec.name])] == []
 
