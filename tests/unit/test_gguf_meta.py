@@ -79,3 +79,25 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     facts = read_gguf_facts(path)
     assert facts.error is not None and "bad magic" in facts.error
     assert facts.metadata == {}
+
+
+def test_mirrored_constants_match_the_gguf_package() -> None:
+    from gatewayd import gguf_meta
+
+    assert gguf.GGUF_MAGIC == gguf_meta.GGUF_MAGIC
+    packing = {t.value: "<" + f for t, f in gguf.GGUFWriter._simple_value_packing.items()}
+    assert packing == gguf_meta.VALUE_FORMATS
+    assert (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY) == (8, 9)
+    assert {t.value: t.name for t in gguf.LlamaFileType
+            if t is not gguf.LlamaFileType.GUESSED} == gguf_meta.FILE_TYPES
+
+
+def test_the_gateway_does_not_import_gguf_or_numpy() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, gatewayd.app, gatewayd.catalog, gatewayd.gguf_meta; "
+            "print('gguf' in sys.modules, 'numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"]
