@@ -26,4 +26,5 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert first_block[0].startswith("./scripts/demo")
     assert first_block[1].startswith("./scripts/test")
     ci = (REPO / ".ci" / "run").read_text()
-X
+    command = first_block[1].split("#")[0].strip()
+    assert f"\n{command}\n" in ci  # CI runs exactly the README's test command
