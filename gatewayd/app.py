@@ -1,4 +1,5 @@
-"""The composition root: the one place adapters are built and wired to the core."""
+"""The composition root: the one place adapters are built and wired to the core,
+and the gateway process's lifecycle (serve → ready → signal → drain → stop)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,30 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from gatewayd import admin_api
+from gatewayd import admin_api, openai_api
 from gatewayd.catalog import build_catalog
 from gatewayd.config import GatewayConfig, UnitMode
 from gatewayd.desired import DesiredEngines
 from gatewayd.engine_manager import EngineManager
+from gatewayd.engines import Engine, EngineState
 from gatewayd.errors import ConfigError, GatewayError
 from gatewayd.gpu import open_gpu
 from gatewayd.health import UnixHealthProbe
 from gatewayd.journal import Journalctl
+from gatewayd.notify import Notifier, inherited_socket
+from gatewayd.proxy import Upstreams
+from gatewayd.records import RecordWriter
 from gatewayd.systemd import Systemd
 from gatewayd.unit_control import TransientEngineUnits, runtime_root
 
 log = logging.getLogger("gatewayd")
 CONFIG = web.AppKey("config", GatewayConfig)
+NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -73,6 +80,8 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
                             health=UnixHealthProbe(), gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir))
     app[admin_api.ENGINES] = engines
+    notifier = app[NOTIFIER]
+    engines.subscribe(lambda old, new: _report(notifier, engines, old, new))
     log.info("%d models; engines as %s units of the %s manager; GPU: %s",
              len(catalog), units.mode, manager, gpu.description)
     await engines.adopt()
@@ -88,15 +97,76 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
         systemd.close()
 
 
-def build_app(config: GatewayConfig) -> web.Application:
-    app = web.Application(middlewares=[error_middleware])
+def _report(notifier: Notifier, engines: EngineManager, old: Engine, new: Engine) -> None:
+    if old.state is not new.state:
+        ready = sum(1 for e in engines.engines() if e.state is EngineState.READY)
+        notifier.status(f"{ready} engine(s) ready; {new.model_id} {new.state.value}")
+
+
+async def front_door(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    records = RecordWriter(config.records_file) if config.records_enabled else None
+    upstreams = Upstreams(config.read_timeout_s)
+    app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES], upstreams,
+                                                 records)
+    try:
+        yield
+    finally:
+        await upstreams.close()
+        if records is not None:
+            await asyncio.to_thread(records.close)  # drains every queued record
+
+
+def build_app(config: GatewayConfig, notifier: Notifier | None = None) -> web.Application:
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=config.max_body_bytes)
     app[CONFIG] = config
+    app[NOTIFIER] = notifier or Notifier()
     app.cleanup_ctx.append(engine_layer)
+    app.cleanup_ctx.append(front_door)
     admin_api.add_routes(app)
+    openai_api.add_routes(app)   # last: it ends with the catch-all proxy route
     return app
 
 
 def serve(config: GatewayConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    web.run_app(build_app(config), host=config.listen_host, port=config.listen_port,
-                access_log=None, print=None, shutdown_timeout=10)
+    asyncio.run(_serve(config))
+
+
+async def _serve(config: GatewayConfig) -> None:
+    notifier = Notifier()
+    app = build_app(config, notifier)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           handler_cancellation=True,
+                           shutdown_timeout=config.shutdown_timeout_s)
+    await runner.setup()
+    sock = inherited_socket()
+    site: web.BaseSite
+    if sock is not None:
+        site = web.SockSite(runner, sock)
+        where = f"the socket from systemd ({_sockname(sock)})"
+    else:
+        site = web.TCPSite(runner, config.listen_host, config.listen_port)
+        where = f"http://{config.listen_host}:{config.listen_port}"
+    await site.start()
+    log.info("serving on %s", where)
+    ready = sum(1 for e in app[admin_api.ENGINES].engines() if e.state is EngineState.READY)
+    notifier.ready(f"serving on {where}; {ready} engine(s) ready")
+    notifier.start_watchdog()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping: letting open requests finish (up to %gs)", config.shutdown_timeout_s)
+    notifier.stopping()
+    notifier.stop_watchdog()
+    await runner.cleanup()
+
+
+def _sockname(sock: object) -> str:
+    try:
+        return str(sock.getsockname())  # type: ignore[attr-defined]
+    except OSError:
+        return "?"

@@ -69,14 +69,26 @@ class GatewayConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     default_model: str | None = None
+    max_body_bytes: int = 256 * 1024 * 1024
+    read_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 30.0
+    records_enabled: bool = True
+    records_path: Path | None = None          # default: <state_dir>/records.db
+    records_store_text: bool = False
+    records_text_max_bytes: int = 4096
     source: Path | None = None
+
+    @property
+    def records_file(self) -> Path:
+        return self.records_path or self.state_dir / "records.db"
 
 
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
                "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "engine_user", "load_timeout_s",
-             "listen", "default_model"}
+             "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
+             "records"}
 
 
 def load_config(path: Path | None = None, *, required: bool = False) -> GatewayConfig:
@@ -115,6 +127,12 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None) -> Gateway
     except ValueError:
         raise ConfigError(f"{where}: unit_mode must be one of "
                           f"{', '.join(m.value for m in UnitMode)}") from None
+    records = data.get("records", {})
+    _expect(records, dict, where, "records")
+    _no_unknown(records, {"enabled", "path", "store_text", "text_max_bytes"}, f"{where} [records]")
+    max_body_mb = _expect(data.get("max_body_mb", 256), int, where, "max_body_mb")
+    if max_body_mb < 1:
+        raise ConfigError(f"{where}: max_body_mb must be at least 1")
     port = _expect(listen.get("port", 8080), int, where, "listen.port")
     if not 0 < port < 65536:
         raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
@@ -132,11 +150,22 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None) -> Gateway
         bus=_expect(data.get("bus", "auto"), str, where, "bus"),
         unit_mode=unit_mode,
         engine_user=_optional(data.get("engine_user"), str, where, "engine_user"),
-        load_timeout_s=float(_expect(data.get("load_timeout_s", 300), (int, float), where,
-                                     "load_timeout_s")),
+        load_timeout_s=float(_positive(data.get("load_timeout_s", 300), where,
+                                       "load_timeout_s")),
         listen_host=_expect(listen.get("host", "127.0.0.1"), str, where, "listen.host"),
         listen_port=port,
         default_model=_optional(data.get("default_model"), str, where, "default_model"),
+        max_body_bytes=max_body_mb * 1024 * 1024,
+        read_timeout_s=float(_positive(data.get("read_timeout_s", 600), where,
+                                       "read_timeout_s")),
+        shutdown_timeout_s=float(_positive(data.get("shutdown_timeout_s", 30), where,
+                                           "shutdown_timeout_s")),
+        records_enabled=_expect(records.get("enabled", True), bool, where, "records.enabled"),
+        records_path=_path(records.get("path"), base, where, "records.path"),
+        records_store_text=_expect(records.get("store_text", False), bool, where,
+                                   "records.store_text"),
+        records_text_max_bytes=_non_negative(records.get("text_max_bytes", 4096), where,
+                                             "records.text_max_bytes"),
         source=source,
     )
 
@@ -197,6 +226,13 @@ def _non_negative(value: Any, where: str, key: str) -> int:
     number: int = _expect(value, int, where, key)
     if number < 0:
         raise ConfigError(f"{where}: {key} cannot be negative")
+    return number
+
+
+def _positive(value: Any, where: str, key: str) -> float:
+    number: float = _expect(value, (int, float), where, key)
+    if number <= 0:
+        raise ConfigError(f"{where}: {key} must be positive")
     return number
 
 

@@ -64,6 +64,24 @@ class EngineFailed(GatewayError):
     status, type, code = 502, "server_error", "engine_failed"
 
 
+class ModelRequired(GatewayError):
+    status, type, code = 400, "invalid_request_error", "model_required"
+
+
+class NoEngineReady(GatewayError):
+    status, type, code = 503, "server_error", "no_engine_ready"
+
+
+class BodyTooLarge(GatewayError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class EngineUnavailable(GatewayError):
+    """The engine's socket refused or dropped the request before it was answered."""
+
+    status, type, code = 502, "server_error", "engine_unavailable"
+
+
 class ConfigError(GatewayError):
     """The configuration is wrong; the message names the key and the fix."""
 
