@@ -6,12 +6,14 @@ path, so no name (with slashes, dots or anything else) can change the route.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
 from aiohttp import web
 
+from gatewayd import records
 from gatewayd.engine_manager import EngineManager
 from gatewayd.engines import Engine
 from gatewayd.errors import InvalidRequest
@@ -28,6 +30,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/engines/start", start_engine)
     app.router.add_post("/admin/engines/stop", stop_engine)
     app.router.add_get("/admin/engines/logs", engine_logs)
+    app.router.add_get("/admin/records", call_records)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -87,6 +90,26 @@ async def engine_logs(request: web.Request) -> web.Response:
         raise InvalidRequest(f"lines must be 1..{MAX_LOG_LINES}", param="lines")
     model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
     return web.json_response({"model": model_id, "lines": await mgr.logs(model_id, lines)})
+
+
+async def call_records(request: web.Request) -> web.Response:
+    """Newest first; filters: model, since/until (epoch seconds), status, outcome, limit."""
+    mgr = request.app[ENGINES]
+    q = request.query
+    try:
+        since = float(q["since"]) if "since" in q else None
+        until = float(q["until"]) if "until" in q else None
+        status = int(q["status"]) if "status" in q else None
+        limit = int(q.get("limit", "100"))
+    except ValueError:
+        raise InvalidRequest("since/until are epoch seconds; status and limit are "
+                             "numbers") from None
+    if not 0 < limit <= 10_000:
+        raise InvalidRequest("limit must be 1..10000", param="limit")
+    rows = await asyncio.to_thread(
+        records.query, mgr.config.records_file, model=q.get("model"), since=since,
+        until=until, status=status, outcome=q.get("outcome"), limit=limit)
+    return web.json_response({"records": rows})
 
 
 def engine_json(engine: Engine, info: EngineUnitInfo | None) -> dict[str, Any]:

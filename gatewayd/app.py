@@ -117,12 +117,17 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
             await asyncio.to_thread(records.close)  # drains every queued record
 
 
-def build_app(config: GatewayConfig, notifier: Notifier | None = None) -> web.Application:
+EngineLayerCtx = Callable[[web.Application], AsyncIterator[None]]
+
+
+def build_app(config: GatewayConfig, notifier: Notifier | None = None,
+              engines_ctx: EngineLayerCtx = engine_layer) -> web.Application:
+    """engines_ctx sets app[ENGINES]; tests pass one that builds it on fakes."""
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[NOTIFIER] = notifier or Notifier()
-    app.cleanup_ctx.append(engine_layer)
+    app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(front_door)
     admin_api.add_routes(app)
     openai_api.add_routes(app)   # last: it ends with the catch-all proxy route

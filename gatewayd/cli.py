@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     for verb in ("start", "stop"):
         p = sub.add_parser(verb, help=f"{verb} a model's engine")
         p.add_argument("model")
+    p = sub.add_parser("records", help="call records, newest first")
+    p.add_argument("--model")
+    p.add_argument("--since", help="e.g. 30m, 2h, 1d, or epoch seconds")
+    p.add_argument("--status", type=int)
+    p.add_argument("--outcome", choices=["ok", "error", "disconnected", "engine_failed"])
+    p.add_argument("-n", "--limit", type=int, default=50)
     p = sub.add_parser("logs", help="an engine's journal")
     p.add_argument("model")
     p.add_argument("-n", "--lines", type=int, default=50)
@@ -91,11 +98,37 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         out = call(url, "POST", f"/admin/engines/{args.command}", {"model": args.model})
         engine = out["engine"]
         show(args, out, lambda: [f"{engine['model']}: {engine['state']} ({engine['unit']})"])
+    elif args.command == "records":
+        params: dict[str, Any] = {"limit": args.limit}
+        for key in ("model", "status", "outcome"):
+            if getattr(args, key) is not None:
+                params[key] = getattr(args, key)
+        if args.since:
+            params["since"] = since_epoch(args.since)
+        out = call(url, "GET", "/admin/records?" + urllib.parse.urlencode(params))
+        for row in out["records"]:
+            row["time"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["ts"]))
+            for key in ("latency_ms", "ttft_ms"):
+                if row[key] is not None:
+                    row[key] = round(row[key], 1)
+        show(args, out, lambda: table(out["records"], [
+            "time", "model", "endpoint", "status", "outcome", "prompt_tokens",
+            "completion_tokens", "latency_ms", "ttft_ms", "stream"]))
     elif args.command == "logs":
         query = urllib.parse.urlencode({"model": args.model, "lines": args.lines})
         out = call(url, "GET", f"/admin/engines/logs?{query}")
         show(args, out, lambda: out["lines"])
     return 0
+
+
+def since_epoch(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text[-1:] in units:
+            return time.time() - float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise CliError(f"--since {text!r}: use e.g. 30m, 2h, 1d or epoch seconds") from None
 
 
 def call(url: str, method: str, path: str, body: Any = None) -> Any:

@@ -50,8 +50,9 @@ class Upstreams:
         sessions = self._oneshot if stream else self._pooled
         session = sessions.get(socket)
         if session is None or session.closed:
-            connector = aiohttp.UnixConnector(path=socket, force_close=stream,
-                                              limit=0, keepalive_timeout=4)
+            connector = (aiohttp.UnixConnector(path=socket, force_close=True, limit=0)
+                         if stream else
+                         aiohttp.UnixConnector(path=socket, limit=0, keepalive_timeout=4))
             session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
                                             auto_decompress=False, skip_auto_headers=(
                                                 "User-Agent", "Accept-Encoding"))

@@ -34,7 +34,8 @@ class FakeUnits:
 
     mode, manager = "transient", "system"
 
-    def __init__(self) -> None:
+    def __init__(self, run_root: str = "/run") -> None:
+        self.run_root = run_root
         self.log: list[str] = []
         self.watchers: list[UnitWatcher] = []
         self.units: dict[str, EngineUnitInfo] = {}
@@ -42,7 +43,7 @@ class FakeUnits:
         self.next_pid = 100
 
     def layout(self, model_id: str) -> EngineLayout:
-        return EngineLayout.for_model(model_id)
+        return EngineLayout.for_model(model_id, run_root=self.run_root)
 
     def emit(self, unit: str, **props: Any) -> None:
         for watcher in list(self.watchers):
@@ -91,19 +92,21 @@ class FakeJournal:
 
 
 def make(tmp_path: Path, *, gpu: Any = None, max_engines: int = 4,
-         load_timeout_s: float = 5.0) -> tuple[EngineManager, FakeUnits, FakeHealth]:
+         load_timeout_s: float = 5.0, run_root: str = "/run",
+         **config: Any) -> tuple[EngineManager, FakeUnits, FakeHealth]:
     models = []
     for name in MODELS:
         path = tmp_path / f"{name}.gguf"
         path.write_bytes(b"x" * (3 * 1024 * 1024))
         models.append(Model(id=name, config=ModelConfig(name=name, path=path),
                             names=frozenset({name})))
-    config = GatewayConfig(max_engines=max_engines, vram_margin_mib=100,
-                           load_timeout_s=load_timeout_s, state_dir=tmp_path / "state")
-    units, health = FakeUnits(), FakeHealth()
-    mgr = EngineManager(catalog=Catalog(models, {}), config=config, units=units,
+    settings = GatewayConfig(max_engines=max_engines, vram_margin_mib=100,
+                             load_timeout_s=load_timeout_s, state_dir=tmp_path / "state",
+                             **config)
+    units, health = FakeUnits(run_root), FakeHealth()
+    mgr = EngineManager(catalog=Catalog(models, {}), config=settings, units=units,
                         health=health, gpu=gpu or NoGpu("test"), journal=FakeJournal(),
-                        desired=DesiredEngines(config.state_dir))
+                        desired=DesiredEngines(settings.state_dir))
     return mgr, units, health
 
 

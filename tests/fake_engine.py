@@ -1,0 +1,165 @@
+"""A fake engine speaking llama-server's HTTP on a unix socket: for speed and fault injection.
+
+It imitates what the gateway must cope with: /health, chat and completions
+(plain and streamed, one event per token, usage as llama-server sends it, the
+connection closed after every stream), embeddings refused with llama-server's
+501, a whisper-style transcription answer padded with whitespace. Behaviour is
+chosen by the prompt text: "die after N" drops the connection mid-stream,
+"slow N" waits N ms between tokens. It never replaces the real engine in the
+end-to-end tests.
+
+Run standalone: python -m tests.fake_engine SOCKET_PATH
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class Seen:
+    path: str
+    body: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    requests: list[Seen] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1024**3)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/props", self.props)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/audio/transcriptions", self.transcribe)
+        return app
+
+    async def start(self, socket: str) -> None:
+        Path(socket).parent.mkdir(parents=True, exist_ok=True)
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        site = web.UnixSite(self.runner, socket)
+        await site.start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _seen(self, request: web.Request) -> bytes:
+        body = await request.read()
+        self.requests.append(Seen(request.path_qs, body, dict(request.headers)))
+        return body
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def props(self, request: web.Request) -> web.Response:
+        await self._seen(request)
+        return web.json_response({"model_path": f"/models/{self.name}.gguf", "fake": self.name})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        await self._seen(request)
+        return web.Response(text=f"llamacpp:requests_processing{{fake=\"{self.name}\"}} 0\n")
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        await self._seen(request)
+        return web.json_response({"error": {"code": 501, "message": "This server does not "
+                                  "support embeddings. Start it with `--embeddings`",
+                                  "type": "not_supported_error"}}, status=501)
+
+    async def transcribe(self, request: web.Request) -> web.Response:
+        body = await self._seen(request)
+        return web.json_response({"text": " hello from " + self.name + "\n"},
+                                 headers={"X-Body-Sha256": hashlib.sha256(body).hexdigest()})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        payload = json.loads(await self._seen(request))
+        prompt = " ".join(str(m.get("content")) for m in payload.get("messages", []))
+        return await self._answer(request, payload, prompt, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        payload = json.loads(await self._seen(request))
+        return await self._answer(request, payload, str(payload.get("prompt", "")), chat=False)
+
+    async def _answer(self, request: web.Request, payload: dict[str, Any], prompt: str,
+                      chat: bool) -> web.StreamResponse:
+        n = int(payload.get("max_tokens", 4))
+        words = [f" w{i}" for i in range(n)]
+        usage = {"prompt_tokens": len(prompt.split()) + 10, "completion_tokens": n,
+                 "total_tokens": len(prompt.split()) + 10 + n}
+        base = {"id": "fake-1", "created": int(time.time()), "model": self.name}
+        if not payload.get("stream"):
+            if chat:
+                choice = {"index": 0, "finish_reason": "length",
+                          "message": {"role": "assistant", "content": "".join(words)}}
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "finish_reason": "length", "text": "".join(words)}
+                obj = "text_completion"
+            return web.json_response({**base, "object": obj, "choices": [choice],
+                                      "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Keep-Alive": "timeout=5, max=100"})
+        await response.prepare(request)
+        die = re.search(r"die after (\d+)", prompt)
+        slow = re.search(r"slow (\d+)", prompt)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def event(data: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+        if chat:
+            await event({**base, "object": obj, "choices": [
+                {"index": 0, "finish_reason": None,
+                 "delta": {"role": "assistant", "content": None}}]})
+        for i, word in enumerate(words):
+            if die and i == int(die.group(1)):
+                assert request.transport is not None
+                request.transport.abort()   # the engine "crashes" mid-stream
+                return response
+            if slow:
+                await asyncio.sleep(int(slow.group(1)) / 1000)
+            delta = {"delta": {"content": word}} if chat else {"text": word}
+            await event({**base, "object": obj, "choices": [
+                {"index": 0, "finish_reason": None, **delta}]})
+        include = (payload.get("stream_options") or {}).get("include_usage")
+        final: dict[str, Any] = {"index": 0, "finish_reason": "length",
+                                 **({"delta": {}} if chat else {"text": ""})}
+        if chat:
+            await event({**base, "object": obj, "choices": [final]})
+            if include:
+                await event({**base, "object": obj, "choices": [], "usage": usage})
+        else:
+            await event({**base, "object": obj, "choices": [final], "usage": usage})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        # like llama-server: the connection is closed after a stream
+        if request.transport is not None:
+            request.transport.close()
+        return response
+
+
+async def _main(socket: str) -> None:
+    engine = FakeEngine(Path(socket).parent.name)
+    await engine.start(socket)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main(sys.argv[1]))

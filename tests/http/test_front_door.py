@@ -1,0 +1,310 @@
+"""The OpenAI front door over real HTTP, relaying to fake engines on real unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from gatewayd import admin_api, records
+from gatewayd.app import build_app
+from gatewayd.engine_manager import EngineManager
+from tests.fake_engine import FakeEngine
+from tests.unit.test_engine_manager import make
+
+
+@dataclass
+class Gateway:
+    client: TestClient[web.Request, web.Application]
+    engines: EngineManager
+    fakes: dict[str, FakeEngine]
+    records_file: Path
+
+    async def records(self, count: int, timeout: float = 5) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        rows: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            rows = records.query(self.records_file, limit=1000)
+            if len(rows) >= count:
+                return rows
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"expected {count} records, have {rows}")
+
+
+async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
+                   ) -> AsyncIterator[Gateway]:
+    run_root = tempfile.mkdtemp(prefix="fe", dir="/tmp")  # short: sun_path is 108 bytes
+    config.setdefault("records_store_text", True)
+    mgr, units, _ = make(tmp_path, run_root=run_root, **config)
+    fakes = {}
+    for name in ("a", "b", "c"):
+        fakes[name] = FakeEngine(name)
+        await fakes[name].start(units.layout(name).socket)
+
+    async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[admin_api.ENGINES] = mgr
+        yield
+        await mgr.close()
+
+    app = build_app(mgr.config, engines_ctx=engines_ctx)
+    async with TestClient(TestServer(app)) as client:
+        for name in start:
+            await mgr.start(name)
+        yield Gateway(client, mgr, fakes, mgr.config.records_file)
+    for fake in fakes.values():
+        await fake.stop()
+    shutil.rmtree(run_root, ignore_errors=True)
+
+
+@pytest.fixture
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
+    async for g in _gateway(tmp_path, ("a", "b")):
+        yield g
+
+
+@pytest.fixture
+async def gw_one(tmp_path: Path) -> AsyncIterator[Gateway]:
+    async for g in _gateway(tmp_path, ("b",)):
+        yield g
+
+
+def chat(model: str | None = None, **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": kw.pop("prompt", "hi")}],
+                            "max_tokens": 4, **kw}
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def events(raw: bytes) -> list[Any]:
+    out: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            data = block[6:]
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+async def test_chat_is_routed_by_alias_and_recorded(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions", json=chat("A"))
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["model"] == "a" and body["usage"]["completion_tokens"] == 4
+    (row,) = await gw.records(1)
+    assert row["model"] == "a" and row["engine"] == "llm-engine-a.service"
+    assert row["endpoint"] == "/v1/chat/completions" and row["status"] == 200
+    assert row["outcome"] == "ok" and row["error_code"] is None
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (11, 4)
+    assert row["stream"] == 0 and row["disconnected"] == 0
+    assert row["bytes_in"] > 50 and row["bytes_out"] == len(await resp.read())
+    assert row["latency_ms"] > 0 and row["ttft_ms"] is None
+    assert '"model": "A"' in row["request_text"] and "w0 w1" in row["response_text"]
+
+
+async def test_stream_gets_usage_for_the_record_but_not_for_the_client(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions", json=chat("b", stream=True))
+    assert resp.status == 200
+    assert resp.headers["Content-Type"] == "text/event-stream"
+    assert resp.headers["X-Accel-Buffering"] == "no"
+    got = events(await resp.read())
+    assert got[-1] == "[DONE]"
+    assert all(e["choices"] for e in got[:-1])          # no usage-only chunk leaked
+    sent = json.loads(gw.fakes["b"].requests[-1].body)
+    assert sent["stream_options"] == {"include_usage": True}   # injected upstream
+    (row,) = await gw.records(1)
+    assert row["stream"] == 1 and row["completion_tokens"] == 4 and row["prompt_tokens"] == 11
+    assert row["ttft_ms"] is not None and 0 < row["ttft_ms"] <= row["latency_ms"]
+
+
+async def test_stream_with_usage_asked_keeps_the_usage_chunk(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions", json=chat(
+        "b", stream=True, stream_options={"include_usage": True}))
+    got = events(await resp.read())
+    assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == 4
+
+
+async def test_events_are_passed_one_by_one_not_batched(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions", json=chat(
+        "a", stream=True, prompt="slow 60", max_tokens=5))
+    arrivals = []
+    async for _ in resp.content.iter_any():
+        arrivals.append(time.monotonic())
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert len(arrivals) >= 5 and sum(g > 0.04 for g in gaps) >= 4
+
+
+async def test_completions_stream_usage_in_the_last_chunk(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/completions", json={"model": "a", "prompt": "x y",
+                                                          "max_tokens": 3, "stream": True})
+    got = events(await resp.read())
+    assert got[-2]["usage"]["completion_tokens"] == 3 and got[-2]["choices"]
+    (row,) = await gw.records(1)
+    assert row["completion_tokens"] == 3
+
+
+async def test_a_streamed_then_a_plain_request_on_one_engine(gw: Gateway) -> None:
+    # the engine closes the connection after a stream; it must not be reused
+    for _ in range(3):
+        resp = await gw.client.post("/v1/chat/completions", json=chat("a", stream=True))
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status == 200
+
+
+@pytest.mark.parametrize("body,status,code", [
+    (chat("gpt-5"), 404, "model_not_found"),
+    (chat("c"), 404, "model_not_found"),          # known, but its engine is not running
+    (chat(), 400, "model_required"),              # two engines ready
+    ({"model": 7}, 400, "invalid_request"),
+])
+async def test_routing_errors(gw: Gateway, body: dict[str, Any], status: int,
+                              code: str) -> None:
+    resp = await gw.client.post("/v1/chat/completions", json=body)
+    assert resp.status == status
+    error = (await resp.json())["error"]
+    assert error["code"] == code and error["type"] and error["message"]
+    if body.get("model") == "gpt-5":            # what exists
+        assert error["available_models"] == ["a", "b", "c"]
+    if body.get("model") == "c":                # what is loaded, and how to load c
+        assert error["available_models"] == ["a", "b"]
+        assert "llm-gateway start c" in error["message"]
+    (row,) = await gw.records(1)
+    assert row["status"] == status and row["outcome"] == "error" and row["error_code"] == code
+
+
+async def test_invalid_json_is_a_clear_400(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions", data=b'{"model": "a",',
+                                headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert "not valid JSON" in (await resp.json())["error"]["message"]
+
+
+async def test_without_model_one_ready_engine_answers(gw_one: Gateway) -> None:
+    resp = await gw_one.client.post("/v1/chat/completions", json=chat())
+    assert resp.status == 200 and (await resp.json())["model"] == "b"
+
+
+async def test_props_and_metrics_go_to_the_default_engine(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a", "b"), default_model="B"):
+        props = await (await gw.client.get("/props")).json()
+        assert props["fake"] == "b"
+        props = await (await gw.client.get("/props", params={"model": "a"})).json()
+        assert props["fake"] == "a"
+        text = await (await gw.client.get("/metrics")).text()
+        assert 'fake="b"' in text
+
+
+async def test_props_without_default_go_to_the_first_ready_engine(gw: Gateway) -> None:
+    assert (await (await gw.client.get("/props")).json())["fake"] == "a"
+
+
+async def test_body_over_the_limit_is_413(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a",), max_body_bytes=1000):
+        resp = await gw.client.post("/v1/chat/completions", json=chat("a", prompt="x" * 2000))
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == "request_too_large"
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
+            for _ in range(5):
+                yield b"x" * 500
+        resp = await gw.client.post("/v1/chat/completions", data=chunks())
+        assert resp.status == 413
+        resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status == 200                  # and the gateway serves on
+
+
+async def test_multipart_model_field_not_filename(gw: Gateway) -> None:
+    form = aiohttp.FormData()
+    form.add_field("file", b"RIFF" + bytes(range(256)) * 50, filename="model-trap.wav",
+                   content_type="audio/wav")
+    form.add_field("model", "b")
+    form.add_field("response_format", "json")
+    resp = await gw.client.post("/v1/audio/transcriptions", data=form)
+    assert resp.status == 200
+    assert (await resp.json()) == {"text": "hello from b"}   # whisper's padding removed
+    seen = gw.fakes["b"].requests[-1]
+    assert resp.headers["X-Body-Sha256"] == hashlib.sha256(seen.body).hexdigest()
+    assert b"model-trap.wav" in seen.body and b"RIFF" in seen.body   # forwarded as is
+    (row,) = await gw.records(1)
+    assert row["model"] == "b" and row["request_text"] is None   # audio is never recorded
+
+
+async def test_multipart_without_model_field_is_model_required(gw: Gateway) -> None:
+    form = aiohttp.FormData()
+    form.add_field("file", b"RIFF....", filename="model.wav", content_type="audio/wav")
+    resp = await gw.client.post("/v1/audio/transcriptions", data=form)
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "model_required"
+
+
+async def test_engine_dies_mid_stream_ends_with_an_error_event(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions", json=chat(
+        "a", stream=True, prompt="die after 2", max_tokens=6))
+    assert resp.status == 200               # sent before the engine died: it stays 200
+    got = events(await resp.read())
+    assert got[-1]["error"]["code"] == "engine_failed"
+    assert sum(1 for e in got if "choices" in e) >= 2
+    (row,) = await gw.records(1)
+    assert row["outcome"] == "engine_failed" and row["status"] == 200
+    assert row["completion_tokens"] == 3    # role event + 2 tokens: an estimate
+
+
+async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions", json=chat(
+        "a", stream=True, prompt="slow 50", max_tokens=40))
+    await resp.content.readuntil(b"\n\n")
+    await resp.content.readuntil(b"\n\n")
+    resp.close()                             # the client goes away
+    (row,) = await gw.records(1, timeout=10)
+    assert row["disconnected"] == 1 and row["outcome"] == "disconnected"
+    assert row["completion_tokens"] is not None and row["completion_tokens"] < 40
+    assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+
+
+async def test_engine_errors_pass_through(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
+    assert resp.status == 501
+    assert "--embeddings" in (await resp.json())["error"]["message"]
+    (row,) = await gw.records(1)
+    assert row["outcome"] == "error" and row["error_code"] == "501"
+
+
+async def test_v1_models_lists_loaded_engines_first(gw: Gateway) -> None:
+    data = (await (await gw.client.get("/v1/models")).json())["data"]
+    assert [m["id"] for m in data][:2] == ["a", "b"] and data[2]["id"] == "c"
+    assert data[0]["loaded"] and data[0]["state"] == "ready"
+    assert data[0]["engine"] == "llm-engine-a.service"
+    assert not data[2]["loaded"] and data[2]["state"] == "stopped"
+    assert data[0]["vram_estimate_mib"] == 3 + 100 and data[0]["object"] == "model"
+
+
+async def test_whisper_load_is_never_forwarded(gw: Gateway) -> None:
+    resp = await gw.client.post("/load", data={"model": "/etc/passwd"})
+    assert resp.status == 404
+    assert all(r.path != "/load" for f in gw.fakes.values() for r in f.requests)
+
+
+async def test_health_and_admin_records(gw: Gateway) -> None:
+    assert (await (await gw.client.get("/health")).json()) == {"status": "ok",
+                                                                "engines_ready": 2}
+    await gw.client.post("/v1/chat/completions", json=chat("a"))
+    await gw.client.post("/v1/chat/completions", json=chat("nope"))
+    await gw.records(2)
+    rows = (await (await gw.client.get("/admin/records", params={"status": "404"})).json())
+    assert [r["model"] for r in rows["records"]] == [None]
+    rows = (await (await gw.client.get("/admin/records", params={"model": "a"})).json())
+    assert len(rows["records"]) == 1 and rows["records"][0]["status"] == 200
+    resp = await gw.client.get("/admin/does-not-exist")
+    assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
