@@ -12,16 +12,15 @@ import os
 import signal
 import stat
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gatewayd.engine_units import EngineLayout
+from tests.integration.conftest import GatewayFactory
 from tests.integration.engine_helpers import cgroup_exists
 from tests.integration.gateway_helpers import (
     GatewayService,
-    stop_all_engine_units,
     tcp_listeners,
     toml_str,
     unit_property,
@@ -30,54 +29,6 @@ from tests.integration.gateway_helpers import (
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
 
 HOSTILE_ID = '../../x $(touch /tmp/pwned) ${HOME} %n "q";`id`'
-_ports = iter(range(18300, 18400))
-
-
-def write_config(tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path], *,
-                 extra: str = "", max_engines: int = 4) -> tuple[Path, int]:
-    port = next(_ports)
-    models = tmp_path / "models"
-    models.mkdir(exist_ok=True)
-    for name in ("alpha", "beta", "gamma"):
-        link = models / f"tiny-{name}.gguf"
-        if not link.exists():
-            link.symlink_to(tiny_models[name])
-    config = tmp_path / "gateway.toml"
-    config.write_text(f"""
-models_dir = {toml_str(str(models))}
-llama_server = {toml_str(str(llama_server))}
-state_dir = {toml_str(str(tmp_path / "state"))}
-max_engines = {max_engines}
-load_timeout_s = 60
-{extra}
-[listen]
-port = {port}
-""")
-    return config, port
-
-
-@pytest.fixture
-def gateway_factory(tmp_path: Path, llama_server: Path,
-                    tiny_models: dict[str, Path]) -> Iterator[object]:
-    started: list[GatewayService] = []
-
-    def make(extra: str = "", max_engines: int = 4,
-             env: dict[str, str] | None = None) -> GatewayService:
-        config, port = write_config(tmp_path, llama_server, tiny_models, extra=extra,
-                                    max_engines=max_engines)
-        gw = GatewayService(config, port, env=env or {})
-        gw.start()
-        started.append(gw)
-        return gw
-    yield make
-    for gw in started:
-        gw.stop()
-    stop_all_engine_units()
-
-
-@pytest.fixture
-def gateway(gateway_factory: object) -> GatewayService:
-    return gateway_factory()  # type: ignore[operator, no-any-return]
 
 
 def test_two_models_two_units_private_sockets_no_tcp(gateway: GatewayService) -> None:
@@ -152,8 +103,8 @@ def test_logs_come_from_the_journal(gateway: GatewayService) -> None:
     assert "listening" in proc.stdout and "llm-engine-tiny" in proc.stdout
 
 
-def test_limits_give_the_documented_errors(gateway_factory: object) -> None:
-    gw: GatewayService = gateway_factory(max_engines=2)  # type: ignore[operator]
+def test_limits_give_the_documented_errors(gateway_factory: GatewayFactory) -> None:
+    gw: GatewayService = gateway_factory(max_engines=2)
     for model in ("tiny-alpha", "tiny-beta"):
         assert gw.cli("start", model).returncode == 0
     status, body = gw.api("POST", "/admin/engines/start", {"model": "tiny-gamma"})
@@ -167,8 +118,8 @@ def test_limits_give_the_documented_errors(gateway_factory: object) -> None:
     assert status == 404 and "tiny-alpha" in body["error"]["available_models"]
 
 
-def test_vram_budget_with_a_fake_device(gateway_factory: object) -> None:
-    gw: GatewayService = gateway_factory(  # type: ignore[operator]
+def test_vram_budget_with_a_fake_device(gateway_factory: GatewayFactory) -> None:
+    gw = gateway_factory(
         env={"LLM_GATEWAY_FAKE_GPU": "24576:1000"})
     status, body = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
     assert status == 503 and body["error"]["code"] == "insufficient_gpu"
@@ -178,9 +129,9 @@ def test_vram_budget_with_a_fake_device(gateway_factory: object) -> None:
 
 
 def test_hostile_model_name_reaches_nothing_but_values(
-        gateway_factory: object, tiny_models: dict[str, Path]) -> None:
+        gateway_factory: GatewayFactory, tiny_models: dict[str, Path]) -> None:
     extra = f"[models.{toml_str(HOSTILE_ID)}]\npath = {toml_str(str(tiny_models['alpha']))}\n"
-    gw: GatewayService = gateway_factory(extra=extra)  # type: ignore[operator]
+    gw: GatewayService = gateway_factory(extra=extra)
     status, body = gw.api("POST", "/admin/engines/start", {"model": HOSTILE_ID})
     assert status == 200, body
     engine = body["engine"]
@@ -196,12 +147,12 @@ def test_hostile_model_name_reaches_nothing_but_values(
 
 
 def test_whisper_engine_is_reachable_only_through_its_unix_socket(
-        gateway_factory: object, whisper_server: Path, tiny_whisper: Path,
+        gateway_factory: GatewayFactory, whisper_server: Path, tiny_whisper: Path,
         tmp_path: Path) -> None:
     extra = (f"whisper_server = {toml_str(str(whisper_server))}\n"
              f"[models.whisper-tiny]\npath = {toml_str(str(tiny_whisper))}\n"
              'backend = "whisper"\nthreads = 1\n')
-    gw: GatewayService = gateway_factory(extra=extra)  # type: ignore[operator]
+    gw: GatewayService = gateway_factory(extra=extra)
     before = tcp_listeners()
     status, body = gw.api("POST", "/admin/engines/start", {"model": "whisper-tiny"})
     assert status == 200, body

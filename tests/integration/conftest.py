@@ -1,0 +1,66 @@
+"""Fixtures for tests that run the real gateway inside the test container."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+
+from tests.integration.gateway_helpers import GatewayService, stop_all_engine_units, toml_str
+
+_ports = iter(range(18300, 18480))
+
+
+class GatewayFactory(Protocol):
+    def __call__(self, extra: str = "", max_engines: int = 4,
+                 env: dict[str, str] | None = None) -> GatewayService: ...
+
+
+def write_config(tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path], *,
+                 extra: str = "", max_engines: int = 4) -> tuple[Path, int]:
+    """A config over the three tiny models; extra goes before [listen] (top-level keys, tables)."""
+    port = next(_ports)
+    models = tmp_path / "models"
+    models.mkdir(exist_ok=True)
+    for name in ("alpha", "beta", "gamma"):
+        link = models / f"tiny-{name}.gguf"
+        if not link.exists():
+            link.symlink_to(tiny_models[name])
+    config = tmp_path / "gateway.toml"
+    config.write_text(f"""
+models_dir = {toml_str(str(models))}
+llama_server = {toml_str(str(llama_server))}
+state_dir = {toml_str(str(tmp_path / "state"))}
+max_engines = {max_engines}
+load_timeout_s = 60
+{extra}
+[listen]
+port = {port}
+""")
+    return config, port
+
+
+@pytest.fixture
+def gateway_factory(tmp_path: Path, llama_server: Path,
+                    tiny_models: dict[str, Path]) -> Iterator[GatewayFactory]:
+    started: list[GatewayService] = []
+
+    def make(extra: str = "", max_engines: int = 4,
+             env: dict[str, str] | None = None) -> GatewayService:
+        config, port = write_config(tmp_path, llama_server, tiny_models, extra=extra,
+                                    max_engines=max_engines)
+        gw = GatewayService(config, port, env=env or {})
+        gw.start()
+        started.append(gw)
+        return gw
+    yield make
+    for gw in started:
+        gw.stop()
+    stop_all_engine_units()
+
+
+@pytest.fixture
+def gateway(gateway_factory: GatewayFactory) -> GatewayService:
+    return gateway_factory()

@@ -1,0 +1,250 @@
+"""The front door end to end: the real openai client → the gateway (a service of the
+container's systemd) → real llama-server / whisper-server units → call records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.conftest import GatewayFactory
+from tests.integration.gateway_helpers import GatewayService, toml_str, unit_property
+
+pytestmark = [pytest.mark.systemd, pytest.mark.engine]
+
+# a model with room for a long answer (~2000 tokens, most of a second), to interrupt
+LONG = '[models.long]\npath = {path}\nthreads = 1\n'
+
+
+def client(gw: GatewayService) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def start(gw: GatewayService, *models: str) -> None:
+    for model in models:
+        proc = gw.cli("start", model)
+        assert proc.returncode == 0, proc.stderr
+
+
+def records(gw: GatewayService, count: int, **filters: str) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 10
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        out = gw.cli("--json", "records", *[f"--{k}={v}" for k, v in filters.items()])
+        rows = json.loads(out.stdout)["records"] if out.returncode == 0 else []
+        if len(rows) >= count:
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"expected {count} records, got {rows}")
+
+
+def raw(gw: GatewayService, method: str, path: str, body: bytes | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(gw.url + path, data=body, method=method,
+                                 headers=headers or {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_chat_plain_and_streamed_with_usage(gateway: GatewayService) -> None:
+    start(gateway, "tiny-alpha")
+    oa = client(gateway)
+    answer = oa.chat.completions.create(
+        model="tiny-alpha", messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+    assert answer.model == "tiny-alpha"
+    assert answer.choices[0].message.content
+    assert answer.usage is not None and answer.usage.completion_tokens == 8
+
+    chunks = list(oa.chat.completions.create(
+        model="tiny-alpha", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    plain = list(oa.chat.completions.create(
+        model="tiny-alpha", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+        stream=True))
+    assert all(c.usage is None and c.choices for c in plain)   # exactly what was asked
+
+    rows = records(gateway, 3)
+    streamed_plain, streamed_usage, plain_row = rows     # newest first
+    for row in rows:
+        assert row["model"] == "tiny-alpha" and row["status"] == 200 and row["outcome"] == "ok"
+        assert row["engine"] == "llm-engine-tiny\\x2dalpha.service"
+        assert row["endpoint"] == "/v1/chat/completions"
+        assert row["completion_tokens"] == 8 and row["prompt_tokens"] > 0
+        assert row["bytes_in"] > 0 and row["bytes_out"] > 0 and row["latency_ms"] > 0
+    assert plain_row["stream"] == 0 and plain_row["ttft_ms"] is None
+    assert streamed_plain["stream"] == 1 and streamed_usage["stream"] == 1
+    assert 0 < streamed_plain["ttft_ms"] <= streamed_plain["latency_ms"]
+    assert plain_row["prompt_tokens"] == streamed_plain["prompt_tokens"]
+
+
+def test_completions_embeddings_and_switching_by_alias(gateway: GatewayService) -> None:
+    start(gateway, "tiny-alpha", "tiny-beta")
+    oa = client(gateway)
+    done = oa.completions.create(model="TINY-BETA.gguf", prompt="once upon", max_tokens=5)
+    assert done.model == "tiny-beta" and done.usage and done.usage.completion_tokens == 5
+    assert oa.completions.create(model="tiny-alpha", prompt="x", max_tokens=1).model == \
+        "tiny-alpha"
+    with pytest.raises(openai.APIStatusError) as err:   # the engine's own error, passed on
+        oa.embeddings.create(model="tiny-alpha", input="hello")
+    assert err.value.status_code == 501 and "--embeddings" in str(err.value)
+
+
+def test_routing_rules(gateway: GatewayService) -> None:
+    start(gateway, "tiny-alpha", "tiny-beta")
+    oa = client(gateway)
+    with pytest.raises(openai.NotFoundError) as nf:
+        oa.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
+    body = nf.value.body
+    assert isinstance(body, dict) and body["code"] == "model_not_found"
+    assert {"tiny-alpha", "tiny-beta", "tiny-gamma"} <= set(body["available_models"])
+    status, body = raw(gateway, "POST", "/v1/chat/completions",
+                       b'{"messages": [{"role": "user", "content": "x"}]}')
+    assert status == 400 and body["error"]["code"] == "model_required"
+    status, body = raw(gateway, "POST", "/v1/chat/completions",
+                       json.dumps({"model": "tiny-gamma", "messages": []}).encode())
+    assert status == 404 and "llm-gateway start tiny-gamma" in body["error"]["message"]
+    status, props = raw(gateway, "GET", "/props")            # the default engine
+    assert status == 200 and props["model_path"].endswith("tiny-alpha.gguf")
+    status, props = raw(gateway, "GET", "/props?model=tiny-beta")
+    assert props["model_path"].endswith("tiny-beta.gguf")
+    models = client(gateway).models.list().data
+    assert [m.id for m in models][:2] == ["tiny-alpha", "tiny-beta"]
+    status, body = raw(gateway, "POST", "/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_body_limit_is_413_and_nothing_breaks(gateway_factory: GatewayFactory) -> None:
+    gw = gateway_factory(extra="max_body_mb = 1")
+    start(gw, "tiny-alpha")
+    status, body = raw(gw, "POST", "/v1/chat/completions", json.dumps(
+        {"model": "tiny-alpha", "messages": [{"role": "user", "content": "x" * 2_000_000}]})
+        .encode())
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert client(gw).chat.completions.create(
+        model="tiny-alpha", messages=[{"role": "user", "content": "x"}], max_tokens=1).usage
+
+
+def test_transcription_multipart_with_a_trap_filename(
+        gateway_factory: GatewayFactory, whisper_server: Path, tiny_whisper: Path,
+        tmp_path: Path) -> None:
+    gw = gateway_factory(extra=(
+        f"whisper_server = {toml_str(str(whisper_server))}\n"
+        f"[models.whisper-tiny]\npath = {toml_str(str(tiny_whisper))}\n"
+        'backend = "whisper"\nthreads = 1\n'))
+    start(gw, "whisper-tiny", "tiny-alpha")
+    wav = tmp_path / "speech.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), "hello world"], check=True)
+    with wav.open("rb") as f:
+        text = client(gw).audio.transcriptions.create(
+            model="whisper-tiny", file=("model-trap.wav", f, "audio/wav"),
+            extra_body={"temperature_inc": 0})
+    assert text.text and text.text == text.text.strip()   # whisper's padding removed
+    (row,) = records(gw, 1, model="whisper-tiny")
+    assert row["endpoint"] == "/v1/audio/transcriptions" and row["status"] == 200
+    assert row["bytes_in"] > wav.stat().st_size and row["request_text"] is None
+
+
+def test_client_disconnect_mid_stream_is_recorded(gateway_factory: GatewayFactory,
+                                                  tiny_models: dict[str, Path]) -> None:
+    gw = gateway_factory(extra=LONG.format(path=toml_str(str(tiny_models["alpha"]))))
+    start(gw, "long")
+    stream = client(gw).chat.completions.create(
+        model="long", messages=[{"role": "user", "content": "go"}], max_tokens=60000,
+        stream=True)
+    for n, _ in enumerate(stream):
+        if n == 5:
+            break
+    stream.close()                               # the client goes away
+    (row,) = records(gw, 1, model="long")
+    assert row["disconnected"] == 1 and row["outcome"] == "disconnected"
+    assert row["completion_tokens"] is not None and 0 < row["completion_tokens"] < 60000
+    # the engine is free again at once: the gateway closed its connection
+    answer = client(gw).chat.completions.create(
+        model="long", messages=[{"role": "user", "content": "x"}], max_tokens=2, timeout=20)
+    assert answer.usage and answer.usage.completion_tokens == 2
+
+
+def test_engine_killed_mid_stream_ends_with_an_error_event(
+        gateway_factory: GatewayFactory, tiny_models: dict[str, Path]) -> None:
+    gw = gateway_factory(extra=LONG.format(path=toml_str(str(tiny_models["alpha"]))))
+    start(gw, "long")
+    pid = gw.engines()["long"]["pid"]
+    stream = client(gw).chat.completions.create(
+        model="long", messages=[{"role": "user", "content": "go"}], max_tokens=60000,
+        stream=True)
+    with pytest.raises(openai.APIError) as err:
+        for n, _ in enumerate(stream):
+            if n == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert "engine stopped in the middle" in str(err.value)
+    (row,) = records(gw, 1, model="long")
+    assert row["outcome"] == "engine_failed" and row["status"] == 200 and row["stream"] == 1
+    # systemd restarts the engine and the gateway sees it ready again
+    gw.wait_engine("long", lambda e: e["state"] == "ready" and e["restarts"] == 1)
+
+
+def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_server: Path,
+                                                       tiny_models: dict[str, Path]) -> None:
+    from tests.integration.conftest import write_config
+    from tests.integration.gateway_helpers import stop_all_engine_units
+    config, port = write_config(tmp_path, llama_server, tiny_models,
+                                extra=LONG.format(path=toml_str(str(tiny_models["alpha"]))))
+    name = "llm-gateway-sa"
+    Path(f"/run/systemd/system/{name}.socket").write_text(
+        f"[Socket]\nListenStream=127.0.0.1:{port}\n")
+    Path(f"/run/systemd/system/{name}.service").write_text(
+        f"[Unit]\nRequires={name}.socket\nAfter={name}.socket\n[Service]\nType=notify\n"
+        f"WorkingDirectory={os.getcwd()}\nWatchdogSec=10\n"
+        f"ExecStart={__import__('sys').executable} -m gatewayd --config {config} serve\n")
+    gw = GatewayService(config, port, unit=f"{name}.service")
+    try:
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        subprocess.run(["systemctl", "start", f"{name}.socket"], check=True)
+        assert unit_property(f"{name}.service", "ActiveState") == "inactive"
+        status, body = raw(gw, "GET", "/health")               # the first request starts it
+        assert status == 200 and body["status"] == "ok"
+        assert unit_property(f"{name}.service", "ActiveState") == "active"
+        assert unit_property(f"{name}.service", "TriggeredBy") == f"{name}.socket"
+        assert "serving on the socket from systemd" in unit_property(
+            f"{name}.service", "StatusText")
+        start(gw, "long")
+        assert "engine(s) ready" in unit_property(f"{name}.service", "StatusText")
+        stream = client(gw).chat.completions.create(
+            model="long", messages=[{"role": "user", "content": "go"}], max_tokens=20000,
+            stream=True, stream_options={"include_usage": True})
+        chunks = []
+        for n, chunk in enumerate(stream):
+            chunks.append(chunk)
+            if n == 2:   # stop the gateway while the stream runs: it must finish
+                subprocess.run(["systemctl", "stop", "--no-block", f"{name}.service"],
+                               check=True)
+        # the whole answer arrived (llama-server stops at the model's 2048-token context)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 1000
+        deadline = time.monotonic() + 30
+        while unit_property(f"{name}.service", "ActiveState") != "inactive":
+            assert time.monotonic() < deadline, "the gateway did not stop"
+            time.sleep(0.05)
+        assert "letting open requests finish" in gw.journal()
+        status, _ = raw(gw, "GET", "/health")   # the socket stays: systemd starts it again
+        assert status == 200
+    finally:
+        subprocess.run(["systemctl", "stop", f"{name}.socket", f"{name}.service"], check=False)
+        for suffix in ("socket", "service"):
+            Path(f"/run/systemd/system/{name}.{suffix}").unlink(missing_ok=True)
+        subprocess.run(["systemctl", "daemon-reload"], check=False)
+        stop_all_engine_units()
