@@ -128,7 +128,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         record.status, record.outcome = e.status, "error"
         raise
     except asyncio.CancelledError:
-        record.disconnected, record.outcome = True, "disconnected"
+        if not record.stream:  # a stream's relay knows whether it was all delivered
+            record.disconnected, record.outcome = True, "disconnected"
         raise
     finally:
         record.latency_ms = (time.monotonic() - t0) * 1000

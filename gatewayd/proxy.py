@@ -128,6 +128,7 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
         "X-Accel-Buffering": "no"})
     await response.prepare(request)
     sse = SseRelay(drop_usage_event=out.drop_usage_event)
+    delivered = False  # [DONE] written: a client closing now has everything
     try:
         try:
             async for chunk in upstream.content.iter_any():
@@ -141,6 +142,7 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                 await _write(response, tail, record)
             if not sse.saw_done:
                 raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+            delivered = True
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The engine died mid-stream. The status is sent: end with an error event.
             record.outcome, record.error_code = "engine_failed", "engine_failed"
@@ -149,9 +151,11 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
                 "engine_failed"), record)
         await response.write_eof()
     except _ClientGone:
-        _client_left(record, upstream)
+        if not delivered:
+            _client_left(record, upstream)
     except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
-        _client_left(record, upstream)
+        if not delivered:
+            _client_left(record, upstream)
         raise
     finally:
         _stream_usage(record, sse)

@@ -83,6 +83,20 @@ class GatewayService:
         raise AssertionError(f"engine {model} never matched; last: {last}\n{self.journal()}")
 
 
+def journal_until(needle: str, *args: str, timeout: float = 10) -> str:
+    """journalctl ARGS -o cat, polled until it shows needle (journald writes lag a little)."""
+    deadline = time.monotonic() + timeout
+    out = ""
+    while time.monotonic() < deadline:
+        subprocess.run(["journalctl", "--sync"], check=False)
+        out = subprocess.run(["journalctl", *args, "-o", "cat", "--no-pager"],
+                             capture_output=True, text=True, check=False).stdout
+        if needle in out:
+            return out
+        time.sleep(0.1)
+    raise AssertionError(f"{needle!r} not in journalctl {' '.join(args)}:\n{out[-2000:]}")
+
+
 def stop_all_engine_units() -> None:
     """Engines outlive the gateway by design: tests stop them explicitly."""
     out = subprocess.run(["systemctl", "list-units", "--plain", "--no-legend", "--all",

@@ -21,6 +21,7 @@ from tests.integration.conftest import GatewayFactory
 from tests.integration.engine_helpers import cgroup_exists
 from tests.integration.gateway_helpers import (
     GatewayService,
+    journal_until,
     tcp_listeners,
     toml_str,
     unit_property,
@@ -98,6 +99,7 @@ def test_gateway_restart_adopts_running_engines_with_the_same_pids(
 
 def test_logs_come_from_the_journal(gateway: GatewayService) -> None:
     assert gateway.cli("start", "tiny-beta").returncode == 0
+    journal_until("listening", "-u", "llm-engine-tiny\\x2dbeta.service")
     proc = gateway.cli("logs", "tiny-beta", "-n", "200")
     assert proc.returncode == 0
     assert "listening" in proc.stdout and "llm-engine-tiny" in proc.stdout
@@ -141,9 +143,7 @@ def test_hostile_model_name_reaches_nothing_but_values(
     argv = Path(f"/proc/{engine['pid']}/cmdline").read_bytes().split(b"\0")[:-1]
     assert argv[argv.index(b"--alias") + 1].decode() == HOSTILE_ID  # exactly, unexpanded
     assert not Path("/tmp/pwned").exists()
-    out = subprocess.run(["journalctl", f"LLM_GATEWAY_MODEL={HOSTILE_ID}", "-o", "cat",
-                          "--no-pager"], capture_output=True, text=True, check=True).stdout
-    assert "listening" in out
+    journal_until("listening", f"LLM_GATEWAY_MODEL={HOSTILE_ID}")
 
 
 def test_whisper_engine_is_reachable_only_through_its_unix_socket(
