@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gatewayd.catalog import Model
 from gatewayd.config import Backend, GatewayConfig
-from gatewayd.systemd import UnitSpec, exec_args
+from gatewayd.unit_spec import UnitSpec, exec_args
 
 UNIT_PREFIX = "llm-engine"
 ENGINES_SLICE = "llm-engines.slice"

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dbus_fast import BusType, Message, MessageType, Variant
@@ -26,6 +25,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.errors import AuthError
 
 from gatewayd.errors import AccessDenied, SystemdUnavailable, UnitOperationFailed
+from gatewayd.unit_spec import UnitSpec
 
 SYSTEMD = "org.freedesktop.systemd1"
 SYSTEMD_PATH = "/org/freedesktop/systemd1"
@@ -70,70 +70,6 @@ def unit_name_from_path(path: str) -> str | None:
             out.append(ord(escaped[i]))
             i += 1
     return out.decode(errors="replace")
-
-
-@dataclass(frozen=True)
-class UnitSpec:
-    """What a transient service unit should be. Times are in seconds."""
-
-    name: str
-    argv: Sequence[str]
-    description: str = ""
-    environment: Mapping[str, str] = field(default_factory=dict)
-    runtime_directory: str | None = None
-    runtime_directory_mode: int = 0o700
-    umask: int = 0o077
-    restart: str = "on-failure"
-    restart_sec: float = 1.0
-    start_limit_interval_sec: float = 60.0
-    start_limit_burst: int = 5
-    timeout_stop_sec: float = 10.0
-    kill_mode: str = "control-group"
-    collect_mode: str = "inactive-or-failed"
-    service_type: str = "exec"
-    syslog_identifier: str | None = None
-    slice: str | None = None
-    extra: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
-
-    def properties(self) -> list[list[Any]]:
-        """The a(sv) property array of StartTransientUnit."""
-        if not self.argv or not os.path.isabs(self.argv[0]):
-            raise ValueError("argv[0] must be an absolute path")
-        props: dict[str, tuple[str, Any]] = {
-            "Description": ("s", self.description or self.name),
-            "Type": ("s", self.service_type),
-            # ExecStart is a(sasb): (path, argv including argv[0], ignore-failure).
-            # systemd expands ${VAR} in the arguments (not in the path): double
-            # every $ so that an argument is always passed exactly as given.
-            "ExecStart": ("a(sasb)", [[self.argv[0], exec_args(self.argv), False]]),
-            "Restart": ("s", self.restart),
-            "RestartUSec": ("t", _usec(self.restart_sec)),
-            "StartLimitIntervalUSec": ("t", _usec(self.start_limit_interval_sec)),
-            "StartLimitBurst": ("u", self.start_limit_burst),
-            "TimeoutStopUSec": ("t", _usec(self.timeout_stop_sec)),
-            "KillMode": ("s", self.kill_mode),
-            "CollectMode": ("s", self.collect_mode),
-            "UMask": ("u", self.umask),
-            "Environment": ("as", [f"{k}={v}" for k, v in self.environment.items()]),
-        }
-        if self.runtime_directory:
-            props["RuntimeDirectory"] = ("as", [self.runtime_directory])
-            props["RuntimeDirectoryMode"] = ("u", self.runtime_directory_mode)
-        if self.syslog_identifier:
-            props["SyslogIdentifier"] = ("s", self.syslog_identifier)
-        if self.slice:
-            props["Slice"] = ("s", self.slice)
-        props.update(self.extra)
-        return [[key, Variant(sig, value)] for key, (sig, value) in props.items()]
-
-
-def exec_args(argv: Sequence[str]) -> list[str]:
-    """argv for an Exec*= property, immune to systemd's $VAR expansion."""
-    return [arg.replace("$", "$$") for arg in argv]
-
-
-def _usec(seconds: float) -> int:
-    return round(seconds * 1_000_000)
 
 
 @dataclass(frozen=True)
@@ -186,8 +122,9 @@ class Systemd:
 
     async def start_transient(self, spec: UnitSpec, mode: str = "fail") -> str:
         """Create and start a transient unit; returns the job result ("done")."""
+        props = [[name, Variant(sig, value)] for name, sig, value in spec.properties()]
         (job,) = await self._manager("StartTransientUnit", "ssa(sv)a(sa(sv))",
-                                     [spec.name, mode, spec.properties(), []])
+                                     [spec.name, mode, props, []])
         return await self._job_result(job, spec.name, "start")
 
     async def start_unit(self, name: str, mode: str = "replace") -> str:

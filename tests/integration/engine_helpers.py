@@ -12,7 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from gatewayd.systemd import Systemd, UnitSpec
+from gatewayd.systemd import Systemd
+from gatewayd.unit_spec import UnitSpec
 
 CGROUP_ROOTS = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd", "/sys/fs/cgroup")
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from gatewayd.systemd import SERVICE, UNIT, Systemd, UnitSpec
+from gatewayd.systemd import SERVICE, UNIT, Systemd
+from gatewayd.unit_spec import UnitSpec
 from tests.integration.engine_helpers import (
     cgroup_exists,
     cgroup_procs,

@@ -17,7 +17,7 @@ from gatewayd.engine_units import (
     escape_unit_component,
     transient_spec,
 )
-from gatewayd.systemd import exec_args
+from gatewayd.unit_spec import exec_args
 
 HOSTILE = [
     "tiny-alpha", "Qwen2.5-7B-Instruct-Q4_K_M", ".hidden", "a/b/../../c", "../../etc/passwd",
@@ -77,7 +77,7 @@ def test_llama_spec(tmp_path: Path) -> None:
     assert spec.argv == ["/opt/llama-server", "--host", layout.socket, "-m", str(model.path),
                          "--alias", "my model", "-t", "2", "--mmproj", str(tmp_path / "p.gguf"),
                          "-c", "4096", "--flash-attn", "on"]
-    props = {name: (v.signature, v.value) for name, v in spec.properties()}
+    props = {name: (sig, value) for name, sig, value in spec.properties()}
     assert props["ExecStartPre"][1][0][1] == ["/bin/rm", "-f", "--", layout.socket]
     assert props["MemoryMax"] == ("t", 8 << 30)
     assert props["CPUQuotaPerSecUSec"] == ("t", 1_500_000)
@@ -93,7 +93,7 @@ def test_whisper_spec_runs_the_launcher_in_a_private_network(tmp_path: Path) -> 
     model = _model("whisper", tmp_path / "w.bin", backend=Backend.WHISPER)
     layout = EngineLayout.for_model(model.id)
     spec = transient_spec(model, GatewayConfig(whisper_server="/opt/whisper-server"), layout)
-    props = {name: (v.signature, v.value) for name, v in spec.properties()}
+    props = {name: (sig, value) for name, sig, value in spec.properties()}
     assert props["PrivateNetwork"] == ("b", True)
     assert spec.argv[1:5] == ["-m", "gatewayd.engine_launch", "--socket", layout.socket]
     assert spec.argv[spec.argv.index("--") + 1] == "/opt/whisper-server"

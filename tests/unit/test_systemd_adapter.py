@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gatewayd.systemd import UnitSpec, unit_name_from_path, unit_object_path
+from gatewayd.systemd import unit_name_from_path, unit_object_path
+from gatewayd.unit_spec import UnitSpec
 
 
 @pytest.mark.parametrize("unit,path", [
@@ -25,7 +26,7 @@ def test_properties_carry_times_in_microseconds_and_argv_as_exec_start() -> None
     spec = UnitSpec(name="llm-engine-x.service", argv=["/usr/bin/llama-server", "-m", "m.gguf"],
                     runtime_directory="llm-engine-x", restart_sec=0.5, timeout_stop_sec=7,
                     environment={"A": "b c"})
-    props = {name: (v.signature, v.value) for name, v in spec.properties()}
+    props = {name: (sig, value) for name, sig, value in spec.properties()}
     assert props["ExecStart"] == ("a(sasb)", [["/usr/bin/llama-server",
                                                ["/usr/bin/llama-server", "-m", "m.gguf"], False]])
     assert props["RestartUSec"] == ("t", 500_000)
