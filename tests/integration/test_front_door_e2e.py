@@ -15,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 
+from gatewayd.records import query
 from tests.integration.conftest import GatewayFactory
 from tests.integration.gateway_helpers import GatewayService, toml_str, unit_property
 
@@ -209,7 +210,7 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
         f"[Socket]\nListenStream=127.0.0.1:{port}\n")
     Path(f"/run/systemd/system/{name}.service").write_text(
         f"[Unit]\nRequires={name}.socket\nAfter={name}.socket\n[Service]\nType=notify\n"
-        f"WorkingDirectory={os.getcwd()}\nWatchdogSec=10\n"
+        f"WorkingDirectory={os.getcwd()}\nWatchdogSec=1\n"
         f"ExecStart={__import__('sys').executable} -m gatewayd --config {config} serve\n")
     gw = GatewayService(config, port, unit=f"{name}.service")
     try:
@@ -224,6 +225,9 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
             f"{name}.service", "StatusText")
         start(gw, "long")
         assert "engine(s) ready" in unit_property(f"{name}.service", "StatusText")
+        time.sleep(2.5)   # WatchdogSec=1: without the pings systemd would have killed it
+        assert unit_property(f"{name}.service", "ActiveState") == "active"
+        assert unit_property(f"{name}.service", "NRestarts") == "0"
         stream = client(gw).chat.completions.create(
             model="long", messages=[{"role": "user", "content": "go"}], max_tokens=20000,
             stream=True, stream_options={"include_usage": True})
@@ -240,6 +244,10 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
             assert time.monotonic() < deadline, "the gateway did not stop"
             time.sleep(0.05)
         assert "letting open requests finish" in gw.journal()
+        # the call that finished during shutdown was written before the process ended
+        (row,) = [r for r in query(tmp_path / "state" / "records.db") if r["model"] == "long"
+                  and r["stream"]]
+        assert row["outcome"] == "ok" and row["completion_tokens"] > 1000
         status, _ = raw(gw, "GET", "/health")   # the socket stays: systemd starts it again
         assert status == 200
     finally:
