@@ -16,6 +16,7 @@ from gatewayd import admin_api, openai_api
 from gatewayd.catalog import build_catalog
 from gatewayd.config import GatewayConfig, UnitMode
 from gatewayd.desired import DesiredEngines
+from gatewayd.dispatcher import Dispatcher
 from gatewayd.engine_manager import EngineManager
 from gatewayd.engines import Engine, EngineState
 from gatewayd.errors import ConfigError, GatewayError
@@ -32,6 +33,7 @@ log = logging.getLogger("gatewayd")
 CONFIG = web.AppKey("config", GatewayConfig)
 NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -42,7 +44,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except GatewayError as e:
-        return web.json_response(e.body(), status=e.status)
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+        return web.json_response(e.body(), status=e.status, headers=headers)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -80,19 +83,22 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
                             health=UnixHealthProbe(), gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir))
     app[admin_api.ENGINES] = engines
+    app[DISPATCHER] = dispatcher = Dispatcher(engines)
     notifier = app[NOTIFIER]
     engines.subscribe(lambda old, new: _report(notifier, engines, old, new))
     log.info("%d models; engines as %s units of the %s manager; GPU: %s",
              len(catalog), units.mode, manager, gpu.description)
     await engines.adopt()
-    # Restore runs in the background, one engine at a time, while we serve.
+    # Restore (and preload) runs in the background, one engine at a time, while we serve.
     app[RESTORE] = asyncio.get_running_loop().create_task(engines.restore())
+    dispatcher.start_timers()
     try:
         yield
     finally:
         app[RESTORE].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[RESTORE]
+        await dispatcher.close()
         await engines.close()
         systemd.close()
 
@@ -107,8 +113,8 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     records = RecordWriter(config.records_file) if config.records_enabled else None
     upstreams = Upstreams(config.read_timeout_s)
-    app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES], upstreams,
-                                                 records)
+    app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES],
+                                                 app[DISPATCHER], upstreams, records)
     try:
         yield
     finally:
@@ -122,7 +128,7 @@ EngineLayerCtx = Callable[[web.Application], AsyncIterator[None]]
 
 def build_app(config: GatewayConfig, notifier: Notifier | None = None,
               engines_ctx: EngineLayerCtx = engine_layer) -> web.Application:
-    """engines_ctx sets app[ENGINES]; tests pass one that builds it on fakes."""
+    """engines_ctx sets app[ENGINES] and app[DISPATCHER]; tests pass one on fakes."""
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config

@@ -51,6 +51,11 @@ class ModelConfig:
     cuda_visible_devices: str | None = None
     vram_margin_mib: int | None = None
     threads: int | None = None
+    pin: bool = False                    # never evicted
+    preload: bool = False                # started when the gateway starts
+    idle_ttl_s: float | None = None      # stopped after this long without requests
+    max_concurrency: int | None = None   # requests served at once; above: 429
+    queue_limit: int | None = None       # requests waiting for it; above: 503
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,9 @@ class GatewayConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     default_model: str | None = None
+    autoload: bool = True                # a request for a stopped model starts it
+    eviction_wait_s: float = 30.0        # how long a start waits for room to free up
+    queue_limit: int = 100               # default per-model queue limit
     max_body_bytes: int = 256 * 1024 * 1024
     read_timeout_s: float = 600.0
     shutdown_timeout_s: float = 30.0
@@ -84,11 +92,12 @@ class GatewayConfig:
 
 
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
-               "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads"}
+               "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
+               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "engine_user", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
-             "records"}
+             "records", "autoload", "eviction_wait_s", "queue_limit"}
 
 
 def load_config(path: Path | None = None, *, required: bool = False) -> GatewayConfig:
@@ -160,6 +169,10 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None) -> Gateway
                                        "read_timeout_s")),
         shutdown_timeout_s=float(_positive(data.get("shutdown_timeout_s", 30), where,
                                            "shutdown_timeout_s")),
+        autoload=_expect(data.get("autoload", True), bool, where, "autoload"),
+        eviction_wait_s=float(_positive(data.get("eviction_wait_s", 30), where,
+                                        "eviction_wait_s")),
+        queue_limit=_non_negative(data.get("queue_limit", 100), where, "queue_limit"),
         records_enabled=_expect(records.get("enabled", True), bool, where, "records.enabled"),
         records_path=_path(records.get("path"), base, where, "records.path"),
         records_store_text=_expect(records.get("store_text", False), bool, where,
@@ -201,6 +214,15 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
         vram_margin_mib=None if margin is None else _non_negative(margin, where,
                                                                   f"{key}.vram_margin_mib"),
         threads=_optional(table.get("threads"), int, where, f"{key}.threads"),
+        pin=_expect(table.get("pin", False), bool, where, f"{key}.pin"),
+        preload=_expect(table.get("preload", False), bool, where, f"{key}.preload"),
+        idle_ttl_s=None if table.get("idle_ttl_s") is None else float(
+            _positive(table["idle_ttl_s"], where, f"{key}.idle_ttl_s")),
+        max_concurrency=None if table.get("max_concurrency") is None else int(
+            _positive(_expect(table["max_concurrency"], int, where, f"{key}.max_concurrency"),
+                      where, f"{key}.max_concurrency")),
+        queue_limit=None if table.get("queue_limit") is None else _non_negative(
+            table["queue_limit"], where, f"{key}.queue_limit"),
     )
 
 

@@ -69,6 +69,7 @@ class EngineManager:
         self._settling: dict[str, asyncio.Task[None]] = {}
         self._health_watch: dict[str, asyncio.Task[None]] = {}
         self._listeners: list[EngineListener] = []
+        self.stop_reasons: dict[str, str] = {}   # why each engine was last stopped
         self._unwatch = units.watch(self._on_unit_change)
 
     # -- queries ---------------------------------------------------------------------
@@ -85,10 +86,14 @@ class EngineManager:
 
     # -- start / stop --------------------------------------------------------------
 
-    async def start(self, model_id: str, *, wait: bool = True) -> Engine:
-        """Start a model's engine; with wait, return once it is ready (or raise)."""
+    async def start(self, model_id: str, *, wait: bool = True, force: bool = False) -> Engine:
+        """Start a model's engine; with wait, return once it is ready (or raise).
+
+        force skips the VRAM estimate (the scheduler's "nothing else is running,
+        try anyway"); the engine limit and one-instance rule always hold.
+        """
         model = self._model(model_id)
-        self._admit(model)
+        self._admit(model, force=force)
         layout = self.units.layout(model.id)
         self._register(Engine(model.id, layout.unit, layout.socket))
         self._event(model.id, StartRequested(self._clock()))
@@ -121,18 +126,19 @@ class EngineManager:
             with contextlib.suppress(ValueError):
                 self._waiters.get(model_id, []).remove(fut)
 
-    async def stop(self, model_id: str) -> Engine:
+    async def stop(self, model_id: str, *, reason: str = "requested") -> Engine:
         engine = self._engines.get(model_id)
         if engine is None:
             raise EngineNotRunning(f"no engine for {model_id!r} is running", model=model_id)
-        self.desired.remove(model_id)
+        self.desired.remove(model_id)   # not running at the next boot either
+        self.stop_reasons[model_id] = reason
         self._event(model_id, StopRequested(self._clock()))
         stopped_early = EngineNotRunning(f"the engine for {model_id!r} was stopped",
                                          model=model_id)
         for fut in self._waiters.pop(model_id, []):
             if not fut.done():
                 fut.set_exception(stopped_early)
-        log.info("stopping %s (%s)", model_id, engine.unit)
+        log.info("stopping %s (%s): %s", model_id, engine.unit, reason)
         await self.units.stop_engine(engine.unit)
         self._event(model_id, UnitGone(self._clock()))
         stopped = self._engines.pop(model_id)
@@ -171,8 +177,9 @@ class EngineManager:
         return adopted
 
     async def restore(self) -> None:
-        """Start the desired engines that are not running, one at a time, in order."""
-        for model_id in self.desired.ids:
+        """Start the desired engines, then the preload ones, one at a time, in order."""
+        preload = [m.id for m in self.catalog if m.config.preload]
+        for model_id in [*self.desired.ids, *(p for p in preload if p not in self.desired.ids)]:
             current = self._engines.get(model_id)
             if current is not None and current.active:
                 continue
@@ -211,13 +218,13 @@ class EngineManager:
                                 available_models=self.catalog.ids)
         return model
 
-    def _admit(self, model: Model) -> None:
+    def _admit(self, model: Model, *, force: bool = False) -> None:
         margin = model.config.vram_margin_mib
         need = budget.required_mib(model.size_bytes, self.config.vram_margin_mib
                                    if margin is None else margin)
+        gpu = None if force else self.gpu.memory(model.config.cuda_visible_devices)
         budget.check_admission(model.id, self._engines.values(),
-                               max_engines=self.config.max_engines, need_mib=need,
-                               gpu=self.gpu.memory(model.config.cuda_visible_devices))
+                               max_engines=self.config.max_engines, need_mib=need, gpu=gpu)
 
     def _register(self, engine: Engine) -> None:
         old = self._engines.get(engine.model_id)

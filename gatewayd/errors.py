@@ -16,10 +16,12 @@ class GatewayError(Exception):
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, **extra: Any) -> None:
+    def __init__(self, message: str, *, param: str | None = None,
+                 retry_after: int | None = None, **extra: Any) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.retry_after = retry_after   # seconds, sent as a Retry-After header
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
@@ -80,6 +82,20 @@ class EngineUnavailable(GatewayError):
     """The engine's socket refused or dropped the request before it was answered."""
 
     status, type, code = 502, "server_error", "engine_unavailable"
+
+
+class ModelNotLoaded(GatewayError):
+    """The model's engine is not running and the request said autoload=false."""
+
+    status, type, code = 503, "server_error", "model_not_loaded"
+
+
+class ConcurrencyLimit(GatewayError):
+    status, type, code = 429, "rate_limit_error", "concurrency_limit"
+
+
+class QueueFull(GatewayError):
+    status, type, code = 503, "server_error", "queue_full"
 
 
 class ConfigError(GatewayError):

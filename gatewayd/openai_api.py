@@ -18,12 +18,13 @@ from aiohttp.streams import StreamReader
 
 from gatewayd.budget import required_mib
 from gatewayd.config import GatewayConfig
+from gatewayd.dispatcher import Dispatcher
 from gatewayd.engine_manager import EngineManager
 from gatewayd.engines import EngineState
 from gatewayd.errors import BodyTooLarge, GatewayError, InvalidRequest
 from gatewayd.proxy import Outgoing, Upstreams, forward_headers, relay
 from gatewayd.records import CallRecord, RecordWriter
-from gatewayd.routing import choose_engine
+from gatewayd.routing import choose_model
 
 # where llama-server honours stream_options.include_usage
 USAGE_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
@@ -36,6 +37,7 @@ BLOCKED_PATHS = frozenset({"/load"})   # whisper-server: loads any path; a bad o
 class FrontDoor:
     config: GatewayConfig
     engines: EngineManager
+    dispatcher: Dispatcher
     upstreams: Upstreams
     records: RecordWriter | None
 
@@ -96,11 +98,12 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, front.config.max_body_bytes)
         record.bytes_in = len(body)
         model, payload, multipart = await model_of(request, body)
-        engine = choose_engine(request.path, model or request.query.get("model"),
-                               catalog=front.engines.catalog,
-                               engines=front.engines.engines(),
-                               default_model=front.config.default_model)
-        record.model, record.engine = engine.model_id, engine.unit
+        model_id = choose_model(request.path, model or request.query.get("model"),
+                                catalog=front.engines.catalog,
+                                engines=front.engines.engines(),
+                                default_model=front.config.default_model)
+        record.model = model_id
+        autoload = front.config.autoload and request.query.get("autoload") != "false"
         stream = payload is not None and payload.get("stream") is True
         drop_usage = False
         if stream and request.path in USAGE_PATHS and payload is not None:
@@ -113,10 +116,12 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                 drop_usage = True
         if front.config.records_store_text and not multipart:
             record.request_text = _capped(body, front.config.records_text_max_bytes)
-        response = await relay(request, front.upstreams, Outgoing(
-            socket=engine.socket, method=request.method, path_qs=request.path_qs, body=body,
-            headers=forward_headers(request.headers), stream=stream,
-            drop_usage_event=drop_usage), record, t0)
+        async with front.dispatcher.serve(model_id, autoload=autoload) as engine:
+            record.engine = engine.unit
+            response = await relay(request, front.upstreams, Outgoing(
+                socket=engine.socket, method=request.method, path_qs=request.path_qs,
+                body=body, headers=forward_headers(request.headers), stream=stream,
+                drop_usage_event=drop_usage), record, t0)
         if front.config.records_store_text and isinstance(response, web.Response) \
                 and isinstance(response.body, bytes):
             record.response_text = _capped(response.body, front.config.records_text_max_bytes)

@@ -20,10 +20,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gatewayd import admin_api, records
-from gatewayd.app import build_app
+from gatewayd.app import DISPATCHER, build_app
+from gatewayd.dispatcher import Dispatcher
 from gatewayd.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
-from tests.unit.test_engine_manager import make
+from tests.unit.test_engine_manager import FakeUnits, make
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Gateway:
     engines: EngineManager
     fakes: dict[str, FakeEngine]
     records_file: Path
+    units: FakeUnits
 
     async def records(self, count: int, timeout: float = 5) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -56,14 +58,16 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         app[admin_api.ENGINES] = mgr
+        app[DISPATCHER] = Dispatcher(mgr)
         yield
+        await app[DISPATCHER].close()
         await mgr.close()
 
     app = build_app(mgr.config, engines_ctx=engines_ctx)
     async with TestClient(TestServer(app)) as client:
         for name in start:
             await mgr.start(name)
-        yield Gateway(client, mgr, fakes, mgr.config.records_file)
+        yield Gateway(client, mgr, fakes, mgr.config.records_file, units)
     for fake in fakes.values():
         await fake.stop()
     shutil.rmtree(run_root, ignore_errors=True)
@@ -166,7 +170,6 @@ async def test_a_streamed_then_a_plain_request_on_one_engine(gw: Gateway) -> Non
 
 @pytest.mark.parametrize("body,status,code", [
     (chat("gpt-5"), 404, "model_not_found"),
-    (chat("c"), 404, "model_not_found"),          # known, but its engine is not running
     (chat(), 400, "model_required"),              # two engines ready
     ({"model": 7}, 400, "invalid_request"),
 ])
@@ -178,9 +181,6 @@ async def test_routing_errors(gw: Gateway, body: dict[str, Any], status: int,
     assert error["code"] == code and error["type"] and error["message"]
     if body.get("model") == "gpt-5":            # what exists
         assert error["available_models"] == ["a", "b", "c"]
-    if body.get("model") == "c":                # what is loaded, and how to load c
-        assert error["available_models"] == ["a", "b"]
-        assert "llm-gateway start c" in error["message"]
     (row,) = await gw.records(1)
     assert row["status"] == status and row["outcome"] == "error" and row["error_code"] == code
 
@@ -308,3 +308,18 @@ async def test_health_and_admin_records(gw: Gateway) -> None:
     assert len(rows["records"]) == 1 and rows["records"][0]["status"] == 200
     resp = await gw.client.get("/admin/does-not-exist")
     assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
+
+
+async def test_a_stopped_model_is_started_once_for_many_requests(gw: Gateway) -> None:
+    answers = await asyncio.gather(*(gw.client.post("/v1/chat/completions", json=chat("c"))
+                                     for _ in range(20)))
+    assert [r.status for r in answers] == [200] * 20
+    assert gw.units.log.count("start c") == 1      # one loader, twenty waiters
+
+
+async def test_autoload_false_answers_model_not_loaded(gw: Gateway) -> None:
+    resp = await gw.client.post("/v1/chat/completions?autoload=false", json=chat("c"))
+    assert resp.status == 503
+    error = (await resp.json())["error"]
+    assert error["code"] == "model_not_loaded" and error["state"] == "stopped"
+    assert "start c" not in gw.units.log

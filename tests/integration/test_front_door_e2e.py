@@ -116,9 +116,10 @@ def test_routing_rules(gateway: GatewayService) -> None:
     status, body = raw(gateway, "POST", "/v1/chat/completions",
                        b'{"messages": [{"role": "user", "content": "x"}]}')
     assert status == 400 and body["error"]["code"] == "model_required"
-    status, body = raw(gateway, "POST", "/v1/chat/completions",
+    status, body = raw(gateway, "POST", "/v1/chat/completions?autoload=false",
                        json.dumps({"model": "tiny-gamma", "messages": []}).encode())
-    assert status == 404 and "llm-gateway start tiny-gamma" in body["error"]["message"]
+    assert status == 503 and body["error"]["code"] == "model_not_loaded"
+    assert body["error"]["state"] == "stopped"
     status, props = raw(gateway, "GET", "/props")            # the default engine
     assert status == 200 and props["model_path"].endswith("tiny-alpha.gguf")
     status, props = raw(gateway, "GET", "/props?model=tiny-beta")

@@ -93,12 +93,14 @@ class FakeJournal:
 
 def make(tmp_path: Path, *, gpu: Any = None, max_engines: int = 4,
          load_timeout_s: float = 5.0, run_root: str = "/run",
+         models_config: dict[str, dict[str, Any]] | None = None,
          **config: Any) -> tuple[EngineManager, FakeUnits, FakeHealth]:
     models = []
     for name in MODELS:
         path = tmp_path / f"{name}.gguf"
         path.write_bytes(b"x" * (3 * 1024 * 1024))
-        models.append(Model(id=name, config=ModelConfig(name=name, path=path),
+        settings_ = (models_config or {}).get(name, {})
+        models.append(Model(id=name, config=ModelConfig(name=name, path=path, **settings_),
                             names=frozenset({name})))
     settings = GatewayConfig(max_engines=max_engines, vram_margin_mib=100,
                              load_timeout_s=load_timeout_s, state_dir=tmp_path / "state",

@@ -1,0 +1,180 @@
+"""The dispatcher against a fake systemd: autoload, one loader, eviction, limits, TTL."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatewayd.budget import GpuMemory
+from gatewayd.dispatcher import Dispatcher
+from gatewayd.engine_manager import EngineManager
+from gatewayd.engines import EngineState
+from gatewayd.errors import (
+    ConcurrencyLimit,
+    EngineFailed,
+    EngineLimitReached,
+    ModelNotLoaded,
+    QueueFull,
+)
+from tests.unit.test_engine_manager import FakeHealth, FakeUnits, make
+
+
+class LedgerGpu:
+    """A device whose free memory follows the engines running (103 MiB each, 3 + margin)."""
+
+    description = "ledger"
+
+    def __init__(self, total_mib: int) -> None:
+        self.total = total_mib
+        self.mgr: EngineManager | None = None
+
+    def memory(self, devices: str | None = None) -> GpuMemory:
+        assert self.mgr is not None
+        used = 103 * sum(1 for e in self.mgr.engines() if e.active)
+        return GpuMemory(total_mib=self.total, free_mib=self.total - used)
+
+
+def setup(tmp_path: Path, **kw: Any) -> tuple[Dispatcher, FakeUnits, FakeHealth]:
+    mgr, units, health = make(tmp_path, **kw)
+    if isinstance(kw.get("gpu"), LedgerGpu):
+        kw["gpu"].mgr = mgr
+    return Dispatcher(mgr), units, health
+
+
+async def use(d: Dispatcher, model: str) -> None:
+    async with d.serve(model, autoload=True):
+        pass
+
+
+async def test_lru_idle_engine_is_evicted_when_slots_run_out(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path, max_engines=2)
+    await use(d, "a")
+    await use(d, "b")
+    await use(d, "a")          # a is now the most recently used
+    await use(d, "c")
+    assert units.log == ["start a", "start b", "stop llm-engine-b.service", "start c"]
+    assert d.evictions[-1][0] == "b" and "max_engines" in d.evictions[-1][1]
+
+
+async def test_a_busy_engine_is_never_evicted(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path, max_engines=2)
+    await use(d, "b")
+    async with d.serve("a", autoload=True):       # a busy, and least recently used... no:
+        await use(d, "c")                          # b is idle: b goes, a stays
+    assert "stop llm-engine-a.service" not in units.log
+    assert "stop llm-engine-b.service" in units.log
+
+
+async def test_pinned_and_awaited_engines_stay_and_the_wait_is_bounded(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path, max_engines=2, eviction_wait_s=0.3,
+                        models_config={"a": {"pin": True}})
+    await use(d, "a")
+    async with d.serve("b", autoload=True):
+        with pytest.raises(EngineLimitReached) as err:
+            await use(d, "c")
+    body = err.value.body()["error"]
+    assert "a (pinned)" in body["message"] and "b (serving 1 request(s))" in body["message"]
+    assert err.value.retry_after is not None
+    assert units.log == ["start a", "start b"]
+
+
+async def test_a_start_waits_for_a_busy_engine_to_become_idle(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path, max_engines=1, eviction_wait_s=5)
+    await d.acquire("a", autoload=True)                 # a busy
+    wanted = asyncio.ensure_future(use(d, "b"))
+    await asyncio.sleep(0.2)
+    assert units.log == ["start a"]                    # b waits: a is never preempted
+    d.release("a")
+    await asyncio.wait_for(wanted, 5)
+    assert units.log == ["start a", "stop llm-engine-a.service", "start b"]
+
+
+async def test_vram_budget_evicts_until_it_fits(tmp_path: Path) -> None:
+    gpu = LedgerGpu(total_mib=250)                      # room for two engines
+    d, units, _ = setup(tmp_path, gpu=gpu)
+    await use(d, "a")
+    await use(d, "b")
+    await use(d, "c")
+    assert units.log == ["start a", "start b", "stop llm-engine-a.service", "start c"]
+    assert "MiB free" in d.evictions[-1][1]
+
+
+async def test_too_big_with_nothing_else_running_is_tried_anyway(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path, gpu=LedgerGpu(total_mib=50))
+    await use(d, "a")
+    assert units.log == ["start a"]
+
+
+async def test_concurrency_limit_is_429_with_retry_after(tmp_path: Path) -> None:
+    d, _, _ = setup(tmp_path, models_config={"a": {"max_concurrency": 1}})
+    async with d.serve("a", autoload=True):
+        with pytest.raises(ConcurrencyLimit) as err:
+            await d.acquire("a", autoload=True)
+    assert err.value.status == 429 and err.value.retry_after == 1
+    await use(d, "a")                                    # free again afterwards
+
+
+async def test_queue_limit_and_fair_wakeup(tmp_path: Path) -> None:
+    d, units, health = setup(tmp_path, models_config={"c": {"queue_limit": 2}})
+    health.all_ready = False
+    order: list[int] = []
+
+    async def request(n: int) -> None:
+        async with d.serve("c", autoload=True):
+            order.append(n)
+    first = [asyncio.ensure_future(request(n)) for n in range(2)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(QueueFull) as err:
+        await d.acquire("c", autoload=True)
+    assert err.value.status == 503 and err.value.retry_after
+    health.all_ready = True
+    await asyncio.wait_for(asyncio.gather(*first), 5)
+    assert order == [0, 1] and units.log == ["start c"]
+
+
+async def test_a_waiter_that_leaves_does_not_cancel_the_load(tmp_path: Path) -> None:
+    d, units, health = setup(tmp_path)
+    health.all_ready = False
+    leaving = asyncio.ensure_future(use(d, "c"))
+    staying = asyncio.ensure_future(use(d, "c"))
+    await asyncio.sleep(0.05)
+    leaving.cancel()
+    await asyncio.sleep(0.05)
+    health.all_ready = True
+    await asyncio.wait_for(staying, 5)
+    assert units.log == ["start c"]
+    engine = d.engines.get("c")
+    assert engine is not None and engine.state is EngineState.READY
+
+
+async def test_load_failure_reaches_every_waiter(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path)
+    units.fail_start = "no such file: /models/c.gguf"
+    results = await asyncio.gather(*(use(d, "c") for _ in range(5)), return_exceptions=True)
+    assert all(isinstance(r, EngineFailed) and "no such file" in r.message for r in results)
+    assert units.log == ["start c"]
+
+
+async def test_autoload_off(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path)
+    with pytest.raises(ModelNotLoaded) as err:
+        await d.acquire("c", autoload=False)
+    assert err.value.status == 503 and err.value.extra["state"] == "stopped"
+    assert units.log == []
+
+
+async def test_idle_ttl_stops_an_idle_engine(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path, models_config={"a": {"idle_ttl_s": 0.3}})
+    d.start_timers()
+    await use(d, "a")
+    async with d.serve("b", autoload=True):
+        for _ in range(40):
+            if "stop llm-engine-a.service" in units.log:
+                break
+            await asyncio.sleep(0.05)
+    assert "stop llm-engine-a.service" in units.log
+    assert "stop llm-engine-b.service" not in units.log     # b has no TTL
+    await d.close()

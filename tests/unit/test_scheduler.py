@@ -1,0 +1,63 @@
+"""Scheduling decisions, table-driven: who goes to make room, and when nothing may."""
+
+from __future__ import annotations
+
+import pytest
+
+from gatewayd.engines import EngineState
+from gatewayd.scheduler import Blocked, Evict, Fits, TryAnyway, Usage, idle_expired, plan_start
+
+R, L, S = EngineState.READY, EngineState.LOADING, EngineState.STOPPING
+
+
+def u(model: str, state: EngineState = R, **kw: object) -> Usage:
+    return Usage(model, state, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("usages,max_engines,need,free,expected", [
+    # room in slots and memory
+    ([u("a")], 2, 100, 1000, Fits()),
+    ([u("a")], 2, 100, None, Fits()),                        # no GPU: slots only
+    # slots full: the least recently used idle engine goes
+    ([u("a", last_used=5), u("b", last_used=1)], 2, 1, None, Evict("b", "")),
+    ([u("a", last_used=5), u("b", last_used=1, in_flight=1)], 2, 1, None, Evict("a", "")),
+    ([u("a", last_used=5, queued=2), u("b", last_used=1, pinned=True)], 2, 1, None,
+     Blocked("engine_limit", (("a", "awaited by 2 request(s)"), ("b", "pinned")))),
+    ([u("a", L), u("b", S)], 2, 1, None,
+     Blocked("engine_limit", (("a", "loading"), ("b", "stopping")))),
+    ([u("a", in_flight=3)], 1, 1, None,
+     Blocked("engine_limit", (("a", "serving 3 request(s)"),))),
+    # memory short: evict by LRU as well
+    ([u("a", last_used=3), u("b", last_used=2)], 4, 500, 100, Evict("b", "")),
+    ([u("a", in_flight=1)], 4, 500, 100,
+     Blocked("gpu_memory", (("a", "serving 1 request(s)"),))),
+    # nothing else running and it still does not fit: the estimate is conservative
+    ([], 4, 50000, 24000, TryAnyway()),
+    ([u("x", EngineState.STOPPED)], 1, 1, None, Fits()),     # stopped engines hold nothing
+    ([u("x", EngineState.FAILED)], 1, 1, None, Fits()),
+])
+def test_plan_start(usages: list[Usage], max_engines: int, need: int, free: int | None,
+                    expected: object) -> None:
+    got = plan_start("new", usages, max_engines=max_engines, need_mib=need, free_mib=free)
+    if isinstance(expected, Evict):
+        assert isinstance(got, Evict) and got.model_id == expected.model_id and got.reason
+    else:
+        assert got == expected
+
+
+def test_the_model_itself_is_never_its_own_victim() -> None:
+    assert plan_start("a", [u("a"), u("b", in_flight=1)], max_engines=2, need_mib=1,
+                      free_mib=None) == Fits()
+
+
+@pytest.mark.parametrize("usage,expired", [
+    (u("a", last_used=0, idle_ttl_s=10), True),
+    (u("a", last_used=95, idle_ttl_s=10), False),
+    (u("a", last_used=0, idle_ttl_s=None), False),
+    (u("a", last_used=0, idle_ttl_s=10, in_flight=1), False),   # busy is not idle
+    (u("a", last_used=0, idle_ttl_s=10, queued=1), False),
+    (u("a", last_used=0, idle_ttl_s=10, pinned=True), False),
+    (u("a", L, last_used=0, idle_ttl_s=10), False),
+])
+def test_idle_ttl(usage: Usage, expired: bool) -> None:
+    assert idle_expired([usage], now=100) == (["a"] if expired else [])
