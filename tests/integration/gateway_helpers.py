@@ -24,8 +24,11 @@ class GatewayService:
 
     config: Path
     port: int
-    unit: str = "llm-gateway-test.service"
+    unit: str = ""          # default: llm-gateway-test-<port>.service, own journal per test
     env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.unit = self.unit or f"llm-gateway-test-{self.port}.service"
 
     @property
     def url(self) -> str:

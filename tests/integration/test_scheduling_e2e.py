@@ -28,19 +28,28 @@ def ask(gw: GatewayService, model: str, max_tokens: int = 2) -> int:
     return answer.usage.completion_tokens
 
 
-def unit_starts(model_unit: str) -> int:
+def journal_cursor() -> str:
+    out = subprocess.run(["journalctl", "-n", "0", "--show-cursor", "--no-pager"],
+                         capture_output=True, text=True, check=True).stdout
+    return out.strip().rsplit("-- cursor: ", 1)[1]
+
+
+def unit_starts(model_unit: str, after: str) -> int:
+    """How often systemd started the unit since the cursor."""
     subprocess.run(["journalctl", "--sync"], check=False)
-    out = subprocess.run(["journalctl", "-u", model_unit, "-o", "cat", "--no-pager"],
+    out = subprocess.run(["journalctl", "-u", model_unit, "-o", "cat", "--no-pager",
+                          f"--after-cursor={after}"],
                          capture_output=True, text=True, check=False).stdout
     return sum(1 for line in out.splitlines() if line.startswith("Started "))
 
 
 def test_twenty_concurrent_requests_start_one_engine(gateway: GatewayService) -> None:
+    cursor = journal_cursor()
     with ThreadPoolExecutor(20) as pool:
         tokens = list(pool.map(lambda _: ask(gateway, "tiny-gamma"), range(20)))
     assert tokens == [2] * 20
     assert gateway.journal().count("starting tiny-gamma as") == 1
-    assert unit_starts("llm-engine-tiny\\x2dgamma.service") == 1
+    assert unit_starts("llm-engine-tiny\\x2dgamma.service", cursor) == 1
 
 
 def test_cycling_three_models_in_two_slots_never_evicts_the_streaming_one(
