@@ -15,11 +15,14 @@ from aiohttp import web
 
 from gatewayd import records
 from gatewayd.engine_manager import EngineManager
-from gatewayd.engines import Engine
+from gatewayd.engines import Engine, EngineState
 from gatewayd.errors import InvalidRequest
+from gatewayd.events import EventHub
 from gatewayd.ports import EngineUnitInfo
 
 ENGINES = web.AppKey("engines", EngineManager)
+EVENTS = web.AppKey("events", EventHub)
+HEARTBEAT_S = 15.0
 MAX_LOG_LINES = 10_000
 
 
@@ -31,6 +34,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/engines/stop", stop_engine)
     app.router.add_get("/admin/engines/logs", engine_logs)
     app.router.add_get("/admin/records", call_records)
+    app.router.add_get("/admin/events", follow_events)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -110,6 +114,51 @@ async def call_records(request: web.Request) -> web.Response:
         records.query, mgr.config.records_file, model=q.get("model"), since=since,
         until=until, status=status, outcome=q.get("outcome"), limit=limit)
     return web.json_response({"records": rows})
+
+
+def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) -> None:
+    """Engine state changes as events: starting, ready, failed (reason), stopped (why)."""
+    if old.state is new.state:
+        return
+    event: dict[str, Any] = {"type": "engine", "model": new.model_id, "state": new.state.value,
+                             "from": old.state.value, "unit": new.unit,
+                             "restarts": new.restarts}
+    if new.state is EngineState.FAILED and new.failure is not None:
+        event["reason"] = new.failure.reason
+    elif new.state in (EngineState.STOPPING, EngineState.STOPPED):
+        event["reason"] = mgr.stop_reasons.get(new.model_id, "stopped outside the gateway")
+    hub.publish(event)
+
+
+async def follow_events(request: web.Request) -> web.StreamResponse:
+    """SSE: a snapshot first, then every engine state change and queue depth change."""
+    mgr, hub = request.app[ENGINES], request.app[EVENTS]
+    queue = hub.follow()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    try:
+        await response.prepare(request)
+        snapshot = {"type": "snapshot", "engines": [
+            {"model": e.model_id, "state": e.state.value, "unit": e.unit}
+            for e in mgr.engines()]}
+        await response.write(_sse(snapshot))
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")
+                continue
+            await response.write(_sse(event))
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        hub.unfollow(queue)
+    return response
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 def engine_json(engine: Engine, info: EngineUnitInfo | None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from gatewayd.dispatcher import Dispatcher
 from gatewayd.engine_manager import EngineManager
 from gatewayd.engines import Engine, EngineState
 from gatewayd.errors import ConfigError, GatewayError
+from gatewayd.events import EventHub
 from gatewayd.gpu import open_gpu
 from gatewayd.health import UnixHealthProbe
 from gatewayd.journal import Journalctl
@@ -111,6 +112,10 @@ def _report(notifier: Notifier, engines: EngineManager, old: Engine, new: Engine
 
 async def front_door(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    engines, dispatcher, hub = app[admin_api.ENGINES], app[DISPATCHER], app[admin_api.EVENTS]
+    engines.subscribe(lambda old, new: admin_api.publish_engine(hub, engines, old, new))
+    dispatcher.on_queue = lambda model, depth: hub.publish(
+        {"type": "queue", "model": model, "depth": depth})
     records = RecordWriter(config.records_file) if config.records_enabled else None
     upstreams = Upstreams(config.read_timeout_s)
     app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES],
@@ -133,6 +138,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[NOTIFIER] = notifier or Notifier()
+    app[admin_api.EVENTS] = EventHub()
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(front_door)
     admin_api.add_routes(app)

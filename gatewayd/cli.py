@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     for verb in ("start", "stop"):
         p = sub.add_parser(verb, help=f"{verb} a model's engine")
         p.add_argument("model")
+    sub.add_parser("events", help="follow engine state changes and queue depths (Ctrl-C ends)")
     p = sub.add_parser("records", help="call records, newest first")
     p.add_argument("--model")
     p.add_argument("--since", help="e.g. 30m, 2h, 1d, or epoch seconds")
@@ -98,6 +99,8 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         out = call(url, "POST", f"/admin/engines/{args.command}", {"model": args.model})
         engine = out["engine"]
         show(args, out, lambda: [f"{engine['model']}: {engine['state']} ({engine['unit']})"])
+    elif args.command == "events":
+        follow_events(url, as_json=args.json)
     elif args.command == "records":
         params: dict[str, Any] = {"limit": args.limit}
         for key in ("model", "status", "outcome"):
@@ -119,6 +122,34 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         out = call(url, "GET", f"/admin/engines/logs?{query}")
         show(args, out, lambda: out["lines"])
     return 0
+
+
+def follow_events(url: str, *, as_json: bool) -> None:
+    try:
+        with urllib.request.urlopen(url + "/admin/events", timeout=3600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                print(json.dumps(event) if as_json else describe_event(event), flush=True)
+    except urllib.error.URLError as e:
+        raise CliError(f"cannot reach the gateway at {url}: {e.reason}") from None
+    except KeyboardInterrupt:
+        pass
+
+
+def describe_event(event: dict[str, Any]) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(event.get("ts", time.time())))
+    if event["type"] == "engine":
+        reason = f" ({event['reason']})" if event.get("reason") else ""
+        return f"{when} {event['model']}: {event['from']} -> {event['state']}{reason}"
+    if event["type"] == "queue":
+        return f"{when} {event['model']}: {event['depth']} waiting"
+    if event["type"] == "snapshot":
+        running = ", ".join(f"{e['model']} {e['state']}" for e in event["engines"]) or "none"
+        return f"{when} engines: {running}"
+    return json.dumps(event)
 
 
 def since_epoch(text: str) -> float:

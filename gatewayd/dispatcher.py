@@ -50,6 +50,7 @@ class Dispatcher:
     def __init__(self, engines: EngineManager, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.engines = engines
+        self.on_queue: Callable[[str, int], None] = lambda model, depth: None
         self.config = engines.config
         self._clock = clock
         self._use: dict[str, _Use] = {}
@@ -97,12 +98,14 @@ class Dispatcher:
                                 f"(queue limit {limit})", retry_after=5, model=model_id)
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             use.waiters.append(waiter)
+            self.on_queue(model_id, len(use.waiters))
             self._ensure_loader(model)
             try:
                 await waiter          # ready (then take a slot above), or the load error
             finally:
                 with contextlib.suppress(ValueError):
                     use.waiters.remove(waiter)
+                    self.on_queue(model_id, len(use.waiters))
 
     def release(self, model_id: str) -> None:
         use = self._use[model_id]

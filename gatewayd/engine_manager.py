@@ -94,6 +94,7 @@ class EngineManager:
         """
         model = self._model(model_id)
         self._admit(model, force=force)
+        self.stop_reasons.pop(model.id, None)
         layout = self.units.layout(model.id)
         self._register(Engine(model.id, layout.unit, layout.socket))
         self._event(model.id, StartRequested(self._clock()))

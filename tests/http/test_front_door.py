@@ -323,3 +323,32 @@ async def test_autoload_false_answers_model_not_loaded(gw: Gateway) -> None:
     error = (await resp.json())["error"]
     assert error["code"] == "model_not_loaded" and error["state"] == "stopped"
     assert "start c" not in gw.units.log
+
+
+async def test_events_follow_autoload_queue_and_eviction(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a", "b"), max_engines=2):
+        resp = await gw.client.get("/admin/events")
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        seen: list[dict[str, Any]] = []
+
+        async def follow() -> None:
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    seen.append(json.loads(line[6:]))
+                    if seen[-1].get("model") == "c" and seen[-1].get("state") == "ready":
+                        return
+        follower = asyncio.ensure_future(follow())
+        await asyncio.sleep(0.05)
+        answers = await asyncio.gather(*(gw.client.post("/v1/chat/completions",
+                                                        json=chat("c")) for _ in range(3)))
+        assert all(r.status == 200 for r in answers)
+        await asyncio.wait_for(follower, 5)
+        resp.close()
+        assert seen[0]["type"] == "snapshot"
+        assert {e["model"] for e in seen[0]["engines"]} == {"a", "b"}
+        depths = [e["depth"] for e in seen if e["type"] == "queue"]
+        assert max(depths) == 3 and depths[-1] == 0    # three waited, then none
+        states = [(e["model"], e["state"], e.get("reason")) for e in seen
+                  if e["type"] == "engine"]
+        assert ("a", "stopping", "evicted") in states and ("a", "stopped", "evicted") in states
+        assert [s for m, s, _ in states if m == "c"] == ["starting", "loading", "ready"]
