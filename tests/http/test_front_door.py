@@ -331,13 +331,7 @@ async def test_events_follow_autoload_queue_and_eviction(tmp_path: Path) -> None
         assert resp.headers["Content-Type"] == "text/event-stream"
         seen: list[dict[str, Any]] = []
 
-        async def follow() -> None:
-            async for line in resp.content:
-                if line.startswith(b"data: "):
-                    seen.append(json.loads(line[6:]))
-                    if seen[-1].get("model") == "c" and seen[-1].get("state") == "ready":
-                        return
-        follower = asyncio.ensure_future(follow())
+        follower = asyncio.ensure_future(_follow_until(resp, seen, "c"))
         await asyncio.sleep(0.05)
         answers = await asyncio.gather(*(gw.client.post("/v1/chat/completions",
                                                         json=chat("c")) for _ in range(3)))
@@ -347,8 +341,19 @@ async def test_events_follow_autoload_queue_and_eviction(tmp_path: Path) -> None
         assert seen[0]["type"] == "snapshot"
         assert {e["model"] for e in seen[0]["engines"]} == {"a", "b"}
         depths = [e["depth"] for e in seen if e["type"] == "queue"]
-        assert max(depths) == 3 and depths[-1] == 0    # three waited, then none
+        assert max(depths) == 3 and depths[-1] == 0, depths  # three waited, then none
         states = [(e["model"], e["state"], e.get("reason")) for e in seen
                   if e["type"] == "engine"]
         assert ("a", "stopping", "evicted") in states and ("a", "stopped", "evicted") in states
         assert [s for m, s, _ in states if m == "c"] == ["starting", "loading", "ready"]
+
+
+async def _follow_until(resp: aiohttp.ClientResponse, seen: list[dict[str, Any]],
+                        model: str) -> None:
+    """Collect events until model's queue is empty again (the last event of an autoload)."""
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            event = json.loads(line[6:])
+            seen.append(event)
+            if event.get("model") == model and event.get("depth") == 0:
+                return
