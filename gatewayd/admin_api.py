@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from gatewayd import records
+from gatewayd.dispatcher import Dispatcher
 from gatewayd.engine_manager import EngineManager
 from gatewayd.engines import Engine, EngineState
 from gatewayd.errors import InvalidRequest
@@ -21,6 +22,7 @@ from gatewayd.events import EventHub
 from gatewayd.ports import EngineUnitInfo
 
 ENGINES = web.AppKey("engines", EngineManager)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 EVENTS = web.AppKey("events", EventHub)
 HEARTBEAT_S = 15.0
 MAX_LOG_LINES = 10_000
@@ -49,6 +51,7 @@ async def status(request: web.Request) -> web.Response:
                     for state in sorted({e.state.value for e in engines})},
         "models": len(mgr.catalog),
         "desired": mgr.desired.ids,
+        "gpu_memory_mib": _ledger(request),
         "config": str(mgr.config.source) if mgr.config.source else None,
     })
 
@@ -114,6 +117,16 @@ async def call_records(request: web.Request) -> web.Response:
         records.query, mgr.config.records_file, model=q.get("model"), since=since,
         until=until, status=status, outcome=q.get("outcome"), limit=limit)
     return web.json_response({"records": rows})
+
+
+def _ledger(request: web.Request) -> dict[str, int] | None:
+    dispatcher = request.app.get(DISPATCHER)
+    ledger = dispatcher.ledger() if dispatcher is not None else None
+    if ledger is None:
+        return None
+    return {"total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines":
+            ledger.held_mib, "pending_loads": ledger.pending_mib,
+            "external": ledger.external_mib, "free_for_planning": ledger.plan_free_mib}
 
 
 def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) -> None:

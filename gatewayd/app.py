@@ -34,7 +34,7 @@ log = logging.getLogger("gatewayd")
 CONFIG = web.AppKey("config", GatewayConfig)
 NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
-DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+DISPATCHER = admin_api.DISPATCHER
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

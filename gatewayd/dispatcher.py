@@ -157,9 +157,12 @@ class Dispatcher:
                 await self._wait_change(deadline)
                 continue
             gpu = self.engines.gpu.memory(model.config.cuda_visible_devices)
+            usages = self.usages()
+            free = None if gpu is None else scheduler.memory_ledger(
+                gpu.total_mib, gpu.free_mib, usages).plan_free_mib
             decision = scheduler.plan_start(
-                model.id, self.usages(), max_engines=self.config.max_engines, need_mib=need,
-                free_mib=gpu.free_mib if gpu else None)
+                model.id, usages, max_engines=self.config.max_engines, need_mib=need,
+                free_mib=free)
             match decision:
                 case scheduler.Fits() | scheduler.TryAnyway():
                     if isinstance(decision, scheduler.TryAnyway):
@@ -212,17 +215,30 @@ class Dispatcher:
     # -- state ---------------------------------------------------------------------------
 
     def usages(self) -> list[scheduler.Usage]:
+        per_process = self.engines.gpu.process_mib()
         rows = []
         for engine in self.engines.engines():
             use = self._use.get(engine.model_id) or _Use()
             model = self.engines.catalog.get(engine.model_id)
-            mem = budget.required_mib(model.size_bytes, 0) if model else 0
+            estimate = 0
+            if model is not None:
+                margin = model.config.vram_margin_mib
+                estimate = budget.required_mib(model.size_bytes, self.config.vram_margin_mib
+                                               if margin is None else margin)
+            measured = per_process.get(engine.main_pid) if per_process is not None else None
             rows.append(scheduler.Usage(
                 model_id=engine.model_id, state=engine.state, in_flight=use.in_flight,
                 queued=len(use.waiters), pinned=bool(model and model.config.pin),
-                last_used=use.last_used or (engine.ready_since or 0.0), mem_mib=mem,
+                last_used=use.last_used or (engine.ready_since or 0.0),
+                estimate_mib=estimate, measured_mib=measured,
                 idle_ttl_s=model.config.idle_ttl_s if model else None))
         return rows
+
+    def ledger(self) -> scheduler.Ledger | None:
+        gpu = self.engines.gpu.memory()
+        if gpu is None:
+            return None
+        return scheduler.memory_ledger(gpu.total_mib, gpu.free_mib, self.usages())
 
     def queue_depths(self) -> dict[str, int]:
         return {m: len(u.waiters) for m, u in self._use.items() if u.waiters}

@@ -27,6 +27,9 @@ class NoGpu:
     def memory(self, devices: str | None = None) -> GpuMemory | None:
         return None
 
+    def process_mib(self) -> dict[int, int] | None:
+        return None
+
 
 class FakeGpu:
     """A fixed device, set from the environment or by tests."""
@@ -37,6 +40,9 @@ class FakeGpu:
 
     def memory(self, devices: str | None = None) -> GpuMemory | None:
         return GpuMemory(total_mib=self.total_mib, free_mib=self.free_mib, devices=("fake",))
+
+    def process_mib(self) -> dict[int, int] | None:
+        return None
 
 
 class NvmlGpu:
@@ -59,6 +65,19 @@ class NvmlGpu:
             free += info.free
         return GpuMemory(total_mib=total // MIB, free_mib=free // MIB,
                          devices=tuple(self._uuids[i] for i in chosen))
+
+    def process_mib(self) -> dict[int, int] | None:
+        """GPU memory each process holds (MiB, summed over devices), from NVML."""
+        held: dict[int, int] = {}
+        for handle in self._handles:
+            try:
+                procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except self._nvml.NVMLError:
+                return None
+            for proc in procs:
+                used = proc.usedGpuMemory or 0   # None when the driver cannot tell
+                held[proc.pid] = held.get(proc.pid, 0) + used // MIB
+        return held
 
     def _select(self, devices: str | None) -> list[int]:
         """Device indices named by a CUDA_VISIBLE_DEVICES value (indices or UUIDs)."""

@@ -54,6 +54,9 @@ class GpuProbe(Protocol):
     description: str
 
     def memory(self, devices: str | None = None) -> GpuMemory | None: ...
+    def process_mib(self) -> dict[int, int] | None:
+        """MiB of GPU memory per process (NVML), or None where that is unknown."""
+        ...
 
 
 class HealthProbe(Protocol):

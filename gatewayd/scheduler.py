@@ -28,7 +28,8 @@ class Usage:
     queued: int = 0           # requests waiting for this engine
     pinned: bool = False
     last_used: float = 0.0    # monotonic time of the last inference request
-    mem_mib: int = 0          # what it holds (estimate, or measured once ready)
+    estimate_mib: int = 0     # what it is expected to hold (file + mmproj + margin)
+    measured_mib: int | None = None   # what NVML says its process holds, where known
     idle_ttl_s: float | None = None
 
     @property
@@ -101,6 +102,40 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
         return TryAnyway()
     holders = tuple((u.model_id, u.why_not_evictable() or "running") for u in others)
     return Blocked(limit, holders)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """GPU memory, accounted for. All MiB.
+
+    held     = Σ measured use of the engines' processes (NVML per process; 0 where unknown)
+    pending  = Σ over starting/loading engines of max(0, estimate - measured): memory a
+               load will still take, which NVML's free figure does not show yet
+    external = max(0, total - free - held): what other processes hold
+    plan_free = max(0, free - pending): what a new engine may count on
+    """
+
+    total_mib: int
+    free_mib: int
+    held_mib: int
+    pending_mib: int
+    external_mib: int
+
+    @property
+    def plan_free_mib(self) -> int:
+        return max(0, self.free_mib - self.pending_mib)
+
+
+def memory_ledger(total_mib: int, free_mib: int, usages: Iterable[Usage]) -> Ledger:
+    held = pending = 0
+    for u in usages:
+        if not u.holds_slot:
+            continue
+        held += u.measured_mib or 0
+        if u.state in (EngineState.STARTING, EngineState.LOADING):
+            pending += max(0, u.estimate_mib - (u.measured_mib or 0))
+    return Ledger(total_mib=total_mib, free_mib=free_mib, held_mib=held, pending_mib=pending,
+                  external_mib=max(0, total_mib - free_mib - held))
 
 
 def idle_expired(usages: Iterable[Usage], now: float) -> list[str]:

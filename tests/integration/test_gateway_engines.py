@@ -126,7 +126,11 @@ def test_vram_budget_with_a_fake_device(gateway_factory: GatewayFactory) -> None
     status, body = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
     assert status == 503 and body["error"]["code"] == "insufficient_gpu"
     assert body["error"]["required_mib"] == 1025 and body["error"]["free_mib"] == 1000
-    assert "fake device" in gw.api("GET", "/admin/status")[1]["gpu"]
+    status_body = gw.api("GET", "/admin/status")[1]
+    assert "fake device" in status_body["gpu"]
+    assert status_body["gpu_memory_mib"] == {
+        "total": 24576, "free": 1000, "held_by_engines": 0, "pending_loads": 0,
+        "external": 23576, "free_for_planning": 1000}
     assert gw.engines() == {}
 
 

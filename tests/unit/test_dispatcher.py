@@ -36,6 +36,9 @@ class LedgerGpu:
         used = 103 * sum(1 for e in self.mgr.engines() if e.active)
         return GpuMemory(total_mib=self.total, free_mib=self.total - used)
 
+    def process_mib(self) -> dict[int, int] | None:
+        return None
+
 
 def setup(tmp_path: Path, **kw: Any) -> tuple[Dispatcher, FakeUnits, FakeHealth]:
     mgr, units, health = make(tmp_path, **kw)

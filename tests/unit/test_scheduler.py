@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from gatewayd.engines import EngineState
-from gatewayd.scheduler import Blocked, Evict, Fits, TryAnyway, Usage, idle_expired, plan_start
+from gatewayd.scheduler import (
+    Blocked,
+    Evict,
+    Fits,
+    TryAnyway,
+    Usage,
+    idle_expired,
+    memory_ledger,
+    plan_start,
+)
 
 R, L, S = EngineState.READY, EngineState.LOADING, EngineState.STOPPING
 
@@ -61,3 +70,20 @@ def test_the_model_itself_is_never_its_own_victim() -> None:
 ])
 def test_idle_ttl(usage: Usage, expired: bool) -> None:
     assert idle_expired([usage], now=100) == (["a"] if expired else [])
+
+
+def test_ledger_counts_what_loading_engines_will_still_take() -> None:
+    usages = [u("ready", R, estimate_mib=5000, measured_mib=4800),
+              u("loading", L, estimate_mib=8000, measured_mib=1000),
+              u("starting", EngineState.STARTING, estimate_mib=3000),
+              u("gone", EngineState.STOPPED, estimate_mib=9999, measured_mib=9999)]
+    ledger = memory_ledger(total_mib=24000, free_mib=16000, usages=usages)
+    assert ledger.held_mib == 4800 + 1000
+    assert ledger.pending_mib == 7000 + 3000
+    assert ledger.external_mib == 24000 - 16000 - 5800
+    assert ledger.plan_free_mib == 6000
+
+
+def test_ledger_without_per_process_figures() -> None:
+    ledger = memory_ledger(24000, 20000, [u("a", L, estimate_mib=30000)])
+    assert ledger.held_mib == 0 and ledger.external_mib == 4000 and ledger.plan_free_mib == 0
