@@ -63,14 +63,16 @@ class Dispatcher:
     # -- the request path ----------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def serve(self, model_id: str, *, autoload: bool) -> AsyncIterator[Engine]:
-        engine = await self.acquire(model_id, autoload=autoload)
+    async def serve(self, model_id: str, *, autoload: bool,
+                    counts_as_use: bool = True) -> AsyncIterator[Engine]:
+        engine = await self.acquire(model_id, autoload=autoload, counts_as_use=counts_as_use)
         try:
             yield engine
         finally:
-            self.release(model_id)
+            self.release(model_id, counts_as_use=counts_as_use)
 
-    async def acquire(self, model_id: str, *, autoload: bool) -> Engine:
+    async def acquire(self, model_id: str, *, autoload: bool,
+                      counts_as_use: bool = True) -> Engine:
         use = self._use.setdefault(model_id, _Use())
         model = self.engines.catalog.get(model_id)
         while True:
@@ -83,7 +85,8 @@ class Dispatcher:
                         f"(max_concurrency); try again shortly", retry_after=1,
                         model=model_id, max_concurrency=limit)
                 use.in_flight += 1
-                use.last_used = self._clock()
+                if counts_as_use:
+                    use.last_used = self._clock()
                 return engine
             state = engine.state.value if engine else EngineState.STOPPED.value
             if not autoload or model is None:
@@ -107,10 +110,11 @@ class Dispatcher:
                     use.waiters.remove(waiter)
                     self.on_queue(model_id, len(use.waiters))
 
-    def release(self, model_id: str) -> None:
+    def release(self, model_id: str, *, counts_as_use: bool = True) -> None:
         use = self._use[model_id]
         use.in_flight -= 1
-        use.last_used = self._clock()
+        if counts_as_use:
+            use.last_used = self._clock()
         if use.in_flight == 0:
             self._changed()
 

@@ -103,7 +103,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                                 engines=front.engines.engines(),
                                 default_model=front.config.default_model)
         record.model = model_id
-        autoload = front.config.autoload and request.query.get("autoload") != "false"
+        # Inference (POST) may load a model and counts as use for eviction; polls such
+        # as GET /props or /metrics?model= neither load one nor keep one alive.
+        inference = request.method == "POST"
+        autoload = (inference and front.config.autoload
+                    and request.query.get("autoload") != "false")
         stream = payload is not None and payload.get("stream") is True
         drop_usage = False
         if stream and request.path in USAGE_PATHS and payload is not None:
@@ -116,7 +120,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                 drop_usage = True
         if front.config.records_store_text and not multipart:
             record.request_text = _capped(body, front.config.records_text_max_bytes)
-        async with front.dispatcher.serve(model_id, autoload=autoload) as engine:
+        async with front.dispatcher.serve(model_id, autoload=autoload,
+                                          counts_as_use=inference) as engine:
             record.engine = engine.unit
             response = await relay(request, front.upstreams, Outgoing(
                 socket=engine.socket, method=request.method, path_qs=request.path_qs,

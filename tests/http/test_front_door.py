@@ -357,3 +357,9 @@ async def _follow_until(resp: aiohttp.ClientResponse, seen: list[dict[str, Any]]
             seen.append(event)
             if event.get("model") == model and event.get("depth") == 0:
                 return
+
+
+async def test_a_get_never_autoloads(gw: Gateway) -> None:
+    resp = await gw.client.get("/props", params={"model": "c"})
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "model_not_loaded"
+    assert "start c" not in gw.units.log

@@ -181,3 +181,13 @@ async def test_idle_ttl_stops_an_idle_engine(tmp_path: Path) -> None:
     assert "stop llm-engine-a.service" in units.log
     assert "stop llm-engine-b.service" not in units.log     # b has no TTL
     await d.close()
+
+
+async def test_polls_do_not_count_as_use(tmp_path: Path) -> None:
+    d, units, _ = setup(tmp_path, max_engines=2)
+    await use(d, "a")
+    await use(d, "b")
+    async with d.serve("a", autoload=False, counts_as_use=False):   # GET /props?model=a
+        pass
+    await use(d, "c")
+    assert "stop llm-engine-a.service" in units.log   # a is still the least recently *used*
