@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -151,7 +152,15 @@ def serve(config: GatewayConfig) -> None:
     asyncio.run(_serve(config))
 
 
+def _raise_fd_limit() -> None:
+    """A proxy holds two descriptors per open request; systemd's default soft limit is 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def _serve(config: GatewayConfig) -> None:
+    _raise_fd_limit()
     notifier = Notifier()
     app = build_app(config, notifier)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,

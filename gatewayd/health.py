@@ -24,7 +24,7 @@ class UnixHealthProbe:
             return None
 
 
-def poll_delays(first: float = 0.01, factor: float = 1.5, cap: float = 0.5) -> list[float]:
+def poll_delays(first: float = 0.002, factor: float = 1.3, cap: float = 0.5) -> list[float]:
     """Tight at first (small models load in milliseconds), then backing off."""
     delays, delay, total = [], first, 0.0
     while total < 3600:

@@ -1,0 +1,89 @@
+"""results.json -> results.md (tables with ratios) and latency.png."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _added(warm: dict[str, Any], path: str, key: str = "p50_ms") -> float:
+    return float(warm[path][key] - warm["direct"][key])
+
+
+def write_report(r: dict[str, Any], out: Path) -> None:
+    lines = [f"# llm-gateway benchmarks ({r['plan']['rounds']} interleaved rounds, "
+             f"{r['machine']['cores']} cores, {r['machine']['cpu']})", ""]
+    lines += ["## Warm requests (max_tokens=1 chat, tiny model)", "",
+              "| concurrency | path | p50 ms | p99 ms | req/s | added p50 ms |",
+              "|---|---|---|---|---|---|"]
+    for c, per in r["warm"].items():
+        for path, s in per.items():
+            added = "-" if path == "direct" else f"{_added(per, path):+.3f}"
+            lines.append(f"| {c} | {path} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | "
+                         f"{s['req_per_s']} | {added} |")
+    lines += ["", "| concurrency | gateway added ÷ router added (p50) | gateway minus bare proxy "
+              "(p50 ms, what our features cost) |", "|---|---|---|"]
+    for c, per in r["warm"].items():
+        router = _added(per, "router")
+        ratio = _added(per, "gateway") / router if router > 0 else float("nan")
+        features = per["gateway"]["p50_ms"] - per["bare"]["p50_ms"]
+        lines.append(f"| {c} | {ratio:.2f} | {features:+.3f} |")
+    ce = r["ceiling"]
+    lines += ["", "## Proxy ceiling (instant fake engine, concurrency 64)", "",
+              "| path | req/s | p50 ms | p99 ms | CPU µs/request |", "|---|---|---|---|---|"]
+    for path, s in ce.items():
+        lines.append(f"| {path} | {s['req_per_s']} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | "
+                     f"{s.get('cpu_us_per_req', '-')} |")
+    if ce["bare"].get("req_per_s"):
+        lines.append(f"\ngateway ÷ bare proxy throughput: "
+                     f"{ce['gateway']['req_per_s'] / ce['bare']['req_per_s']:.2f}")
+    lines += ["", "## Streaming (256 tokens)", "",
+              "| path | tokens/s | gap p50 ms | gap p99 ms | events per read |",
+              "|---|---|---|---|---|"]
+    for path, s in r["streaming"].items():
+        lines.append(f"| {path} | {s['tokens_per_s']} | {s['gap_p50_ms']} | {s['gap_p99_ms']} "
+                     f"| {s['events_per_read']} |")
+    cs = r["cold_swap"]
+    lines += ["", "## Cold start and swap (first byte, ms; 2 slots, 3 models)", "",
+              "| | gateway | router |", "|---|---|---|",
+              f"| cold start (stopped model) | {cs['cold_first_byte_ms']['gateway']} | "
+              f"{cs['cold_first_byte_ms']['router']} |",
+              f"| swap, every request evicts (p50) | {cs['swap_first_byte_ms']['gateway']} | "
+              f"{cs['swap_first_byte_ms']['router']} |",
+              f"| swap p99 | {cs['swap_p99_ms']['gateway']} | {cs['swap_p99_ms']['router']} |"]
+    fp = r["footprint"]
+    lines += ["", "## Footprint (gateway process)", "",
+              f"- RSS idle: {fp['rss_idle_mib']} MiB; with {fp['open_streams']} open streams: "
+              f"{fp['rss_peak_open_streams_mib']} MiB ({fp['open_stream_errors']} errors)",
+              f"- socket activation to the first answer: "
+              f"{fp['socket_activation_to_first_answer_ms']} ms", "",
+              f"Run took {r.get('seconds', '?')} s. Raw numbers: results.json; plot: latency.png."]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    _plot(r, out / "latency.png")
+
+
+def _plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, values in r["warm_raw_c1"].items():
+        xs = sorted(values)
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        left.plot(xs, ys, label=name)
+    left.set_xscale("log")
+    left.set_xlabel("latency, ms (max_tokens=1, sequential)")
+    left.set_ylabel("fraction of requests")
+    left.set_title("warm request latency (CDF)")
+    left.legend()
+    for name, gaps in r["streaming_gaps"].items():
+        if gaps:
+            right.hist(gaps, bins=50, histtype="step", label=name)
+    right.set_xlabel("gap between reads, ms (256-token stream)")
+    right.set_ylabel("reads")
+    right.set_yscale("log")
+    right.set_title("streaming: gaps between chunks")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

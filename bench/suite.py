@@ -1,0 +1,424 @@
+"""The benchmark suite. Runs inside the systemd test container (bench/run boots it).
+
+Paths measured side by side, interleaved round by round (A B C D, B C D A, ...) so
+drift of a noisy machine falls on every path alike:
+  direct   - the engine's own unix socket
+  gateway  - llm-gateway (a systemd service, engines as units)
+  router   - llama.cpp's router (llama-server --models-dir, no -m)
+  bare     - bench/bare_proxy.py, the floor of any aiohttp gateway
+Same llama-server binary, same generated tiny models. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import make_tiny_model  # noqa: E402
+
+PY = sys.executable
+TICK = os.sysconf("SC_CLK_TCK")
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Target:
+    name: str
+    base: str
+    socket: str | None = None
+
+    def session(self, limit: int = 100) -> aiohttp.ClientSession:
+        connector: aiohttp.BaseConnector = (
+            aiohttp.UnixConnector(path=self.socket, limit=limit) if self.socket
+            else aiohttp.TCPConnector(limit=limit))
+        return aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=300))
+
+
+@dataclass
+class Samples:
+    latencies_ms: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    cpu_us_per_req: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies_ms)
+        out: dict[str, Any] = {"n": len(lat)}
+        if lat:
+            out.update(p50_ms=round(pct(lat, 50), 3), p99_ms=round(pct(lat, 99), 3))
+        if self.rates:
+            out["req_per_s"] = round(statistics.median(self.rates), 1)
+            out["req_per_s_spread"] = [round(min(self.rates), 1), round(max(self.rates), 1)]
+        if self.cpu_us_per_req:
+            out["cpu_us_per_req"] = round(statistics.median(self.cpu_us_per_req), 1)
+        return out
+
+
+def pct(sorted_values: Sequence[float], p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def chat(model: str, max_tokens: int = 1, stream: bool = False, prompt: str = "hi"
+         ) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
+                            "messages": [{"role": "user", "content": prompt}]}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+async def load(target: Target, body: dict[str, Any], n: int, concurrency: int,
+               samples: Samples, cpu_pid: int | None = None) -> None:
+    """n requests, `concurrency` at a time; latency of each, throughput of the whole."""
+    async with target.session(limit=concurrency) as session:
+        payload = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        per_worker = [n // concurrency + (1 if i < n % concurrency else 0)
+                      for i in range(concurrency)]
+
+        async def worker(count: int) -> None:
+            for _ in range(count):
+                t0 = time.perf_counter()
+                async with session.post(target.base + CHAT, data=payload,
+                                        headers=headers) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"{target.name}: HTTP {resp.status}")
+                samples.latencies_ms.append((time.perf_counter() - t0) * 1000)
+        cpu0 = cpu_seconds(cpu_pid)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in per_worker))
+        wall = time.perf_counter() - t0
+        samples.rates.append(n / wall)
+        if cpu_pid is not None:
+            samples.cpu_us_per_req.append((cpu_seconds(cpu_pid) - cpu0) / n * 1e6)
+
+
+async def stream_once(target: Target, body: dict[str, Any]) -> tuple[float, list[float], int,
+                                                                    int]:
+    """(seconds, gaps between reads in ms, reads, content events) of one streamed answer."""
+    async with target.session() as session, session.post(target.base + CHAT,
+                                                         json=body) as resp:
+        t0 = last = time.perf_counter()
+        gaps, reads, events = [], 0, 0
+        async for chunk in resp.content.iter_any():
+            now = time.perf_counter()
+            if reads:
+                gaps.append((now - last) * 1000)
+            last = now
+            reads += 1
+            events += chunk.count(b'"content":"')
+        return time.perf_counter() - t0, gaps, reads, events
+
+
+def cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main_pid(unit: str) -> int:
+    return int(sh("systemctl", "show", "-p", "MainPID", "--value", unit))
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def run_unit(unit: str, argv: Sequence[str], *, notify: bool = False,
+             env: dict[str, str] | None = None) -> None:
+    cmd = ["systemd-run", "--quiet", f"--unit={unit}", "--collect",
+           "-p", f"WorkingDirectory={REPO}"]
+    if notify:
+        cmd += ["-p", "Type=notify"]
+    for k, v in (env or {}).items():
+        cmd += ["-E", f"{k}={v}"]
+    subprocess.run([*cmd, *argv], check=True)
+
+
+async def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} not up after {timeout}s")
+
+
+async def post_json(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+def interleave(items: Sequence[Target], rnd: int) -> list[Target]:
+    k = rnd % len(items)
+    return [*items[k:], *items[:k]]
+
+
+# -- the suite -------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    rounds: int
+    n_seq: int
+    n_c8: int
+    n_c64: int
+    n_ceiling: int
+    streams: int
+    cycles: int
+    open_streams: int
+
+
+PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, streams=5,
+                      cycles=3, open_streams=1000),
+         "smoke": Plan(rounds=1, n_seq=20, n_c8=40, n_c64=64, n_ceiling=200, streams=1,
+                       cycles=1, open_streams=100)}
+
+
+async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
+    results: dict[str, Any] = {"plan": plan.__dict__, "machine": machine()}
+    models = work / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    for seed, name in enumerate(("alpha", "beta", "gamma")):
+        make_tiny_model.write_model(str(models / f"tiny-{name}.gguf"), f"tiny-{name}", seed)
+    fake_models = work / "fake-models"
+    fake_models.mkdir(exist_ok=True)
+    (fake_models / "fake.gguf").write_bytes(b"GGUF")
+    gw_cfg = write_config(work / "gw.toml", models, llama, work / "gw-state", 18600)
+    fake_cfg = write_config(work / "fake.toml", fake_models, str(REPO / "bench/fake-llama-server"),
+                            work / "fake-state", 18610)
+    run_unit("bench-gateway", [PY, "-m", "gatewayd", "--config", str(gw_cfg), "serve"],
+             notify=True)
+    run_unit("bench-gateway-fake", [PY, "-m", "gatewayd", "--config", str(fake_cfg), "serve"],
+             notify=True)
+    run_unit("bench-router", [llama, "--models-dir", str(models), "--models-max", "2",
+                              "--host", "127.0.0.1", "--port", "18601"])
+    await wait_http("http://127.0.0.1:18601/health")
+    status, body = await post_json("http://127.0.0.1:18600/admin/engines/start",
+                                   {"model": "tiny-alpha"})
+    assert status == 200, body
+    socket = body["engine"]["socket"]
+    status, body = await post_json("http://127.0.0.1:18610/admin/engines/start",
+                                   {"model": "fake"})
+    assert status == 200, body
+    fake_socket = body["engine"]["socket"]
+    run_unit("bench-bare", [PY, "-m", "bench.bare_proxy", "--socket", socket, "--port", "18602"])
+    run_unit("bench-bare-fake", [PY, "-m", "bench.bare_proxy", "--socket", fake_socket,
+                                 "--port", "18612"])
+    await wait_http("http://127.0.0.1:18602/health")
+    await wait_http("http://127.0.0.1:18612/health")
+    router_id = await router_model_id("tiny-alpha")
+    targets = [Target("direct", "http://engine", socket),
+               Target("gateway", "http://127.0.0.1:18600"),
+               Target("router", "http://127.0.0.1:18601"),
+               Target("bare", "http://127.0.0.1:18602")]
+    model_for = {"router": router_id}
+    for t in targets:   # warm every path (router loads its child here)
+        await load(t, chat(model_for.get(t.name, "tiny-alpha")), 5, 1, Samples())
+
+    # 1. warm request overhead
+    warm: dict[str, dict[str, Samples]] = {}
+    for c, n in ((1, plan.n_seq), (8, plan.n_c8), (64, plan.n_c64)):
+        per = warm.setdefault(f"c{c}", {t.name: Samples() for t in targets})
+        for rnd in range(plan.rounds):
+            for t in interleave(targets, rnd):
+                await load(t, chat(model_for.get(t.name, "tiny-alpha")), n, c, per[t.name])
+    results["warm"] = {c: {name: s.summary() for name, s in per.items()}
+                       for c, per in warm.items()}
+    results["warm_raw_c1"] = {name: s.latencies_ms for name, s in warm["c1"].items()}
+
+    # 2. proxy ceiling against an instant engine
+    fake_targets = [Target("direct", "http://engine", fake_socket),
+                    Target("gateway", "http://127.0.0.1:18610"),
+                    Target("bare", "http://127.0.0.1:18612")]
+    pids = {"gateway": main_pid("bench-gateway-fake.service"),
+            "bare": main_pid("bench-bare-fake.service")}
+    ceiling = {t.name: Samples() for t in fake_targets}
+    for rnd in range(plan.rounds):
+        for t in interleave(fake_targets, rnd):
+            await load(t, chat("fake"), plan.n_ceiling, 64, ceiling[t.name],
+                       cpu_pid=pids.get(t.name))
+    results["ceiling"] = {name: s.summary() for name, s in ceiling.items()}
+
+    # 3. streaming, 256 tokens
+    streaming: dict[str, dict[str, list[float]]] = {
+        t.name: {"tok_s": [], "gaps": [], "one_event_reads": []} for t in targets}
+    for rnd in range(plan.streams):
+        for t in interleave(targets, rnd):
+            secs, gaps, reads, events = await stream_once(
+                t, chat(model_for.get(t.name, "tiny-alpha"), 256, stream=True))
+            streaming[t.name]["tok_s"].append(events / secs)
+            streaming[t.name]["gaps"].extend(gaps)
+            streaming[t.name]["one_event_reads"].append(min(1.0, events / max(1, reads)))
+    results["streaming"] = {name: {
+        "tokens_per_s": round(statistics.median(v["tok_s"]), 1),
+        "gap_p50_ms": round(pct(sorted(v["gaps"]), 50), 3),
+        "gap_p99_ms": round(pct(sorted(v["gaps"]), 99), 3),
+        "events_per_read": round(statistics.median(v["one_event_reads"]), 3)}
+        for name, v in streaming.items()}
+    results["streaming_gaps"] = {name: v["gaps"] for name, v in streaming.items()}
+
+    # 4. cold start and swap (gateway: max_engines=2; router: --models-max 2)
+    results["cold_swap"] = await cold_and_swap(plan)
+
+    # 5. footprint
+    results["footprint"] = await footprint(plan, fake_cfg)
+    return results
+
+
+async def router_model_id(stem: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get("http://127.0.0.1:18601/v1/models") as r:
+        data = await r.json()
+    for m in data.get("data", []):
+        if stem in m["id"]:
+            return str(m["id"])
+    raise RuntimeError(f"router does not list {stem}: {data}")
+
+
+async def first_byte_ms(target: Target, model: str) -> float:
+    async with target.session() as session:
+        t0 = time.perf_counter()
+        async with session.post(target.base + CHAT, json=chat(model)) as resp:
+            await resp.content.readany()
+            took = (time.perf_counter() - t0) * 1000
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{target.name}: HTTP {resp.status}")
+            return took
+
+
+async def cold_and_swap(plan: Plan) -> dict[str, Any]:
+    gw = Target("gateway", "http://127.0.0.1:18600")
+    router = Target("router", "http://127.0.0.1:18601")
+    ids = {stem: await router_model_id(stem) for stem in ("tiny-alpha", "tiny-beta",
+                                                          "tiny-gamma")}
+    cold: dict[str, list[float]] = {"gateway": [], "router": []}
+    for _ in range(plan.streams):
+        await post_json(gw.base + "/admin/engines/stop", {"model": "tiny-beta"})
+        cold["gateway"].append(await first_byte_ms(gw, "tiny-beta"))
+        await post_json(router.base + "/models/unload", {"model": ids["tiny-beta"]})
+        await asyncio.sleep(0.2)
+        cold["router"].append(await first_byte_ms(router, ids["tiny-beta"]))
+    swap: dict[str, list[float]] = {"gateway": [], "router": []}
+    order = ["tiny-gamma", "tiny-alpha", "tiny-beta"]   # with 2 slots, each evicts one
+    for _ in range(plan.cycles):
+        for stem in order:
+            swap["gateway"].append(await first_byte_ms(gw, stem))
+            swap["router"].append(await first_byte_ms(router, ids[stem]))
+    return {"cold_first_byte_ms": {k: round(statistics.median(v), 2) for k, v in cold.items()},
+            "swap_first_byte_ms": {k: round(statistics.median(v), 2) for k, v in swap.items()},
+            "swap_p99_ms": {k: round(pct(sorted(v), 99), 2) for k, v in swap.items()}}
+
+
+async def footprint(plan: Plan, fake_cfg: Path) -> dict[str, Any]:
+    pid = main_pid("bench-gateway-fake.service")
+    idle = rss_mib(pid)
+    peak = idle
+    target = Target("gateway", "http://127.0.0.1:18610")
+    body = chat("fake", max_tokens=40, stream=True, prompt="slow 100")   # ~4 s each
+    async with target.session(limit=0) as session:
+        async def one() -> None:
+            async with session.post(target.base + CHAT, json=body) as resp:
+                await resp.read()
+        tasks = [asyncio.ensure_future(one()) for _ in range(plan.open_streams)]
+        while not all(t.done() for t in tasks):
+            peak = max(peak, rss_mib(pid))
+            await asyncio.sleep(0.2)
+        errors = sum(1 for t in tasks if t.exception() is not None)
+    # socket activation to the first answer
+    activation = []
+    for i in range(3):
+        unit = f"bench-sa{i}"
+        Path(f"/run/systemd/system/{unit}.socket").write_text(
+            f"[Socket]\nListenStream=127.0.0.1:{18620 + i}\n")
+        Path(f"/run/systemd/system/{unit}.service").write_text(
+            f"[Unit]\nRequires={unit}.socket\n[Service]\nType=notify\n"
+            f"WorkingDirectory={REPO}\nExecStart={PY} -m gatewayd --config {fake_cfg} serve\n")
+        sh("systemctl", "daemon-reload")
+        sh("systemctl", "start", f"{unit}.socket")
+        t0 = time.perf_counter()
+        async with aiohttp.ClientSession() as s, \
+                s.get(f"http://127.0.0.1:{18620 + i}/health") as resp:
+            await resp.read()
+        activation.append((time.perf_counter() - t0) * 1000)
+        sh("systemctl", "stop", f"{unit}.socket", f"{unit}.service")
+    return {"rss_idle_mib": round(idle, 1), "rss_peak_open_streams_mib": round(peak, 1),
+            "open_streams": plan.open_streams, "open_stream_errors": errors,
+            "socket_activation_to_first_answer_ms": round(statistics.median(activation), 1)}
+
+
+def write_config(path: Path, models: Path, llama: str, state: Path, port: int) -> Path:
+    path.write_text(f'models_dir = "{models}"\nllama_server = "{llama}"\n'
+                    f'state_dir = "{state}"\nmax_engines = 2\n[listen]\nport = {port}\n')
+    return path
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0]}
+
+
+def cleanup() -> None:
+    units = sh("systemctl", "list-units", "--plain", "--no-legend", "--all", "bench-*",
+               "llm-engine-*").splitlines()
+    names = [u.split()[0] for u in units if u.strip()]
+    if names:
+        subprocess.run(["systemctl", "stop", *names], check=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.suite")
+    ap.add_argument("--mode", choices=sorted(PLANS), default="full")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/llm-gateway-bench"))
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        results = asyncio.run(suite(PLANS[a.mode], a.work, a.llama_server))
+    finally:
+        cleanup()
+    results["seconds"] = round(time.monotonic() - t0, 1)
+    (a.out / "results.json").write_text(json.dumps(results, indent=1))
+    from bench.report import write_report
+    write_report(results, a.out)
+    print((a.out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
