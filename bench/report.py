@@ -66,6 +66,7 @@ def _plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, values in r["warm_raw_c1"].items():
@@ -73,6 +74,9 @@ def _plot(r: dict[str, Any], path: Path) -> None:
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         left.plot(xs, ys, label=name)
     left.set_xscale("log")
+    left.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.set_xticks([1, 2, 3, 5, 10, 20, 50, 100])
     left.set_xlabel("latency, ms (max_tokens=1, sequential)")
     left.set_ylabel("fraction of requests")
     left.set_title("warm request latency (CDF)")
