@@ -27,8 +27,7 @@ def main() -> None:
     ap.add_argument("--host", required=True)
     ap.add_argument("-m", "--model", default="fake")
     ap.add_argument("--alias", default="fake")
-    _, _unknown = ap.parse_known_args()   # -t, -c, --mmproj ...: accepted, ignored
-    args = ap.parse_known_args()[0]
+    args, _ignored = ap.parse_known_args()   # -t, -c, --mmproj ...: accepted, ignored
     asyncio.run(serve(args.host, args.alias))
 
 
