@@ -29,7 +29,7 @@ from gatewayd.notify import Notifier, inherited_socket
 from gatewayd.proxy import Upstreams
 from gatewayd.records import RecordWriter
 from gatewayd.systemd import Systemd
-from gatewayd.unit_control import TransientEngineUnits, runtime_root
+from gatewayd.unit_control import TemplateEngineUnits, TransientEngineUnits, runtime_root
 
 log = logging.getLogger("gatewayd")
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -61,25 +61,48 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                                  .body(), status=500)
 
 
-def systemd_target(config: GatewayConfig) -> tuple[str, str]:
-    """(bus, manager kind): the system manager as root, else the user's own manager."""
+TEMPLATE_PATHS = ("/etc/systemd/system/llm-engine@.service",
+                  "/usr/lib/systemd/system/llm-engine@.service",
+                  "/lib/systemd/system/llm-engine@.service")
+
+
+def unit_mode(config: GatewayConfig) -> tuple[UnitMode, str, str]:
+    """(how engines are run, bus, manager kind), picked by the gateway itself:
+
+    - root: transient units of the system manager (the administrator's choice);
+    - not root, with the llm-engine@ template installed (the packaged system
+      service): template instances on the system manager, allowed by polkit;
+    - not root otherwise: transient units of the user's own manager.
+    """
+    root = os.geteuid() == 0
+    template_installed = any(os.path.exists(p) for p in TEMPLATE_PATHS)
+    mode = config.unit_mode
+    if mode is UnitMode.AUTO:
+        mode = UnitMode.TEMPLATE if not root and template_installed else UnitMode.TRANSIENT
+    if mode is UnitMode.TEMPLATE:
+        if not template_installed:
+            raise ConfigError("unit_mode = \"template\" needs llm-engine@.service installed "
+                              f"(one of {', '.join(TEMPLATE_PATHS)}); install the package, or "
+                              "use \"auto\"")
+        return mode, (config.bus if config.bus not in ("auto", "user") else "system"), "system"
     if config.bus == "auto":
-        return ("system", "system") if os.geteuid() == 0 else ("user", "user")
+        return (mode, "system", "system") if root else (mode, "user", "user")
     if config.bus in ("system", "user"):
-        return config.bus, config.bus
-    return config.bus, "system"  # an explicit address: a system manager's bus
+        return mode, config.bus, config.bus
+    return mode, config.bus, "system"  # an explicit address: a system manager's bus
 
 
 async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    if config.unit_mode is UnitMode.TEMPLATE:
-        raise ConfigError("unit_mode = \"template\" needs the llm-engine@.service template, "
-                          "which ships with the system-service packaging; use \"auto\"")
     catalog = build_catalog(config)
-    bus, manager = systemd_target(config)
+    mode, bus, manager = unit_mode(config)
     systemd = await Systemd.connect(bus)
-    units = TransientEngineUnits(systemd, config, manager=manager,
-                                 run_root=runtime_root(manager))
+    units: TransientEngineUnits | TemplateEngineUnits
+    if mode is UnitMode.TEMPLATE:
+        units = TemplateEngineUnits(systemd, config)
+    else:
+        units = TransientEngineUnits(systemd, config, manager=manager,
+                                     run_root=runtime_root(manager))
     gpu = open_gpu()
     engines = EngineManager(catalog=catalog, config=config, units=units,
                             health=UnixHealthProbe(), gpu=gpu, journal=Journalctl(manager),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -170,15 +171,40 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
     return code if code > 0 else 1
 
 
+def run_settings(path: str) -> int:
+    """Template mode: llm-engine@.service runs this with the settings file the gateway wrote.
+
+    {"backend": "llama"|"whisper", "argv": [...], "socket": "...", "env": {...}}
+    A llama engine is exec'd (its process becomes the unit's main process); a whisper
+    engine gets the unix-socket arrangement above.
+    """
+    try:
+        settings = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        print(f"engine_launch: cannot read the engine settings {path}: {e}", flush=True)
+        return 2
+    os.environ.update(settings.get("env", {}))
+    argv = [str(a) for a in settings["argv"]]
+    if settings.get("backend") == "whisper":
+        return run(settings["socket"], int(settings.get("port", 8080)), argv)
+    os.umask(0o077)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(settings["socket"])   # llama-server refuses to start on a stale socket
+    os.execv(argv[0], argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gatewayd.engine_launch")
-    parser.add_argument("--socket", required=True)
+    parser.add_argument("--settings", help="template mode: the engine's settings file")
+    parser.add_argument("--socket")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("server", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.settings:
+        return run_settings(args.settings)
     server = args.server[1:] if args.server[:1] == ["--"] else args.server
-    if not server:
-        parser.error("no server command after --")
+    if not server or not args.socket:
+        parser.error("give --settings FILE, or --socket PATH -- SERVER ARGV")
     return run(args.socket, args.port, server)
 
 

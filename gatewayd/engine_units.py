@@ -86,8 +86,11 @@ def unit_patterns() -> list[str]:
     return [f"{UNIT_PREFIX}-*.service", f"{UNIT_PREFIX}@*.service"]
 
 
-def engine_argv(model: Model, config: GatewayConfig, layout: EngineLayout) -> list[str]:
-    """The engine command line (argv[0] resolved to an absolute path)."""
+def server_argv(model: Model, config: GatewayConfig, layout: EngineLayout) -> list[str]:
+    """The engine server's own command line (argv[0] resolved to an absolute path).
+
+    For whisper, "{port}" stands for the loopback port the launcher chooses.
+    """
     mc = model.config
     threads = ["-t", str(mc.threads)] if mc.threads else []
     if model.backend is Backend.LLAMA:
@@ -98,13 +101,45 @@ def engine_argv(model: Model, config: GatewayConfig, layout: EngineLayout) -> li
         if mc.ctx_size:
             argv += ["-c", str(mc.ctx_size)]
         return argv + list(mc.args)
+    return [resolve_binary(config.whisper_server), "-m", str(mc.path),
+            "--host", "127.0.0.1", "--port", "{port}",
+            "--inference-path", "/v1/audio/transcriptions", *threads, *mc.args]
+
+
+def engine_argv(model: Model, config: GatewayConfig, layout: EngineLayout) -> list[str]:
+    """ExecStart of a transient engine unit."""
+    argv = server_argv(model, config, layout)
+    if model.backend is Backend.LLAMA:
+        return argv
     # whisper-server is TCP-only: the launcher runs it on a loopback port inside
     # the unit's private network namespace and exposes it on the unix socket.
-    server = [resolve_binary(config.whisper_server), "-m", str(mc.path),
-              "--host", "127.0.0.1", "--port", "{port}",
-              "--inference-path", "/v1/audio/transcriptions", *threads, *mc.args]
     return [sys.executable, "-m", "gatewayd.engine_launch", "--socket", layout.socket,
-            "--port", str(WHISPER_PORT), "--", *server]
+            "--port", str(WHISPER_PORT), "--", *argv]
+
+
+def engine_env(model: Model, layout: EngineLayout) -> dict[str, str]:
+    env = {MODEL_ENV: model.id, SOCKET_ENV: layout.socket, **model.config.env}
+    if model.config.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = model.config.cuda_visible_devices
+    return env
+
+
+def template_settings(model: Model, config: GatewayConfig, layout: EngineLayout
+                      ) -> dict[str, object]:
+    """What llm-engine@<instance>.service reads (gatewayd.engine_launch --settings)."""
+    return {"model": model.id, "backend": model.backend.value, "socket": layout.socket,
+            "port": WHISPER_PORT, "argv": server_argv(model, config, layout),
+            "env": engine_env(model, layout)}
+
+
+def resource_limits(model: Model) -> list[tuple[str, str, object]]:
+    """Per-model cgroup limits as (property, D-Bus signature, value)."""
+    limits: list[tuple[str, str, object]] = []
+    if model.config.memory_max is not None:
+        limits.append(("MemoryMax", "t", model.config.memory_max))
+    if model.config.cpu_quota is not None:   # percent -> CPU time per second
+        limits.append(("CPUQuotaPerSecUSec", "t", round(model.config.cpu_quota * 10_000)))
+    return limits
 
 
 def resolve_binary(name: str) -> str:
@@ -119,10 +154,7 @@ def resolve_binary(name: str) -> str:
 
 def transient_spec(model: Model, config: GatewayConfig, layout: EngineLayout) -> UnitSpec:
     """The transient service unit that runs this model's engine."""
-    mc = model.config
-    env = {MODEL_ENV: model.id, SOCKET_ENV: layout.socket, **mc.env}
-    if mc.cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = mc.cuda_visible_devices
+    env = engine_env(model, layout)
     extra: dict[str, tuple[str, object]] = {
         # llama-server refuses to start on a leftover socket file; the runtime
         # directory is recreated on every start, and this makes sure regardless.
@@ -133,10 +165,8 @@ def transient_spec(model: Model, config: GatewayConfig, layout: EngineLayout) ->
     }
     if model.backend is Backend.WHISPER:
         extra["PrivateNetwork"] = ("b", True)
-    if mc.memory_max is not None:
-        extra["MemoryMax"] = ("t", mc.memory_max)
-    if mc.cpu_quota is not None:
-        extra["CPUQuotaPerSecUSec"] = ("t", round(mc.cpu_quota * 10_000))  # % -> usec/s
+    for name, signature, value in resource_limits(model):
+        extra[name] = (signature, value)
     return UnitSpec(
         name=layout.unit,
         argv=engine_argv(model, config, layout),

@@ -135,6 +135,11 @@ class Systemd:
         (job,) = await self._manager("StopUnit", "ss", [name, mode])
         return await self._job_result(job, name, "stop")
 
+    async def set_unit_properties(self, name: str, properties: Sequence[tuple[str, str, Any]],
+                                  runtime: bool = True) -> None:
+        props = [[key, Variant(sig, value)] for key, sig, value in properties]
+        await self._manager("SetUnitProperties", "sba(sv)", [name, runtime, props])
+
     async def kill_unit(self, name: str, signal: int, whom: str = "main") -> None:
         await self._manager("KillUnit", "ssi", [name, whom, signal])
 

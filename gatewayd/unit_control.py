@@ -3,17 +3,20 @@
 `TransientEngineUnits` creates one transient service per engine
 (StartTransientUnit). That is safe when the gateway talks to its own user
 manager, or runs as root by the administrator's choice. A non-root gateway on
-the system manager needs the static `llm-engine@.service` template and the
-scoped polkit rule instead (systemd 252 asks polkit about StartTransientUnit
-without the unit name, so allowing it would allow any unit); that adapter
-implements the same protocol and lands with the system-service packaging.
+the system manager uses `TemplateEngineUnits` instead: instances of the static
+`llm-engine@.service` template, each reading a settings file the gateway
+writes, allowed by a polkit rule scoped to `llm-engine@*.service` (systemd 252
+asks polkit about StartTransientUnit without the unit name, so allowing it
+would allow any unit).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gatewayd.catalog import Model
@@ -21,7 +24,10 @@ from gatewayd.config import GatewayConfig
 from gatewayd.engine_units import (
     MODEL_ENV,
     SOCKET_ENV,
+    UNIT_PREFIX,
     EngineLayout,
+    resource_limits,
+    template_settings,
     transient_spec,
     unit_patterns,
 )
@@ -76,6 +82,71 @@ class TransientEngineUnits:
         except UnitOperationFailed:
             return None
         return info_from_properties(unit, unit_props, service)
+
+    def watch(self, callback: UnitWatcher) -> Callable[[], None]:
+        return self._sd.watch(callback)
+
+
+class TemplateEngineUnits:
+    """Engines as instances of llm-engine@.service (the unprivileged system service)."""
+
+    mode = "template"
+    manager = "system"
+
+    def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
+        self._sd = systemd
+        self._config = config
+        self.settings_dir = config.state_dir / "engines"
+
+    def layout(self, model_id: str) -> EngineLayout:
+        return EngineLayout.for_model(model_id, template=True)
+
+    def _settings_file(self, layout: EngineLayout) -> Path:
+        return self.settings_dir / f"{layout.instance}.json"
+
+    async def start_engine(self, model: Model) -> EngineLayout:
+        layout = self.layout(model.id)
+        self.settings_dir.mkdir(parents=True, exist_ok=True)
+        path = self._settings_file(layout)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(template_settings(model, self._config, layout)))
+        os.replace(tmp, path)
+        info = await self.engine_info(layout.unit)
+        if info is not None and info.active_state == "failed":
+            await self._sd.reset_failed_unit(layout.unit)
+        if limits := resource_limits(model):
+            await self._sd.set_unit_properties(layout.unit, limits, runtime=True)
+        await self._sd.start_unit(layout.unit)
+        return layout
+
+    async def stop_engine(self, unit: str) -> None:
+        try:
+            await self._sd.stop_unit(unit)
+        except UnitOperationFailed as e:
+            if e.extra.get("dbus_error") != "org.freedesktop.systemd1.NoSuchUnit":
+                raise
+
+    async def list_engines(self) -> list[EngineUnitInfo]:
+        listed = await self._sd.list_units([f"{UNIT_PREFIX}@*.service"])
+        infos = await asyncio.gather(*(self.engine_info(u.name) for u in listed))
+        return [i for i in infos if i is not None]
+
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        try:
+            unit_props = await self._sd.properties(unit, UNIT)
+            if unit_props.get("LoadState") == "not-found":
+                return None
+            service = await self._sd.properties(unit, SERVICE)
+        except UnitOperationFailed:
+            return None
+        info = info_from_properties(unit, unit_props, service)
+        instance = unit.removeprefix(f"{UNIT_PREFIX}@").removesuffix(".service")
+        try:   # the model id and socket live in the settings file, not the unit
+            settings = json.loads((self.settings_dir / f"{instance}.json").read_text())
+        except (OSError, ValueError):
+            return info
+        return EngineUnitInfo(**{**info.__dict__, "model_id": settings.get("model"),
+                                 "socket": settings.get("socket")})
 
     def watch(self, callback: UnitWatcher) -> Callable[[], None]:
         return self._sd.watch(callback)

@@ -1,0 +1,177 @@
+"""The Debian package, end to end, as a user would run it: install it in a booted systemd,
+the socket activates an unprivileged gateway, engines run as llm-engine@ instances allowed by
+polkit and nothing else, a killed gateway loses no connection, a reboot restores the engines,
+and a purge leaves nothing behind. Driven from the host (marker `container`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import make_tiny_model
+import pytest
+
+from tests.harness.container import SystemdContainer, why_unavailable
+from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
+
+pytestmark = [pytest.mark.container, pytest.mark.engine, pytest.mark.slow]
+
+ENGINE = "llm-engine@tiny\\x2dalpha.service"
+
+
+@pytest.fixture(scope="module")
+def deb() -> Iterator[Path]:
+    if reason := why_unavailable():
+        unavailable(reason)
+    out = Path(tempfile.mkdtemp(prefix="llmgw-deb-", dir="/var/tmp"))
+    proc = subprocess.run(["bash", str(REPO / "packaging/build-deb.sh"), str(out)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    yield Path(proc.stdout.strip())
+    shutil.rmtree(out)
+
+
+@pytest.fixture
+def models() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="llmgw-models-", dir="/var/tmp"))
+    make_tiny_model.write_model(str(path / "tiny-alpha.gguf"), "tiny-alpha", 0)
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.fixture
+def box(deb: Path, models: Path) -> Iterator[SystemdContainer]:
+    ro = [deb.parent, models] + ([ENGINE_CACHE] if ENGINE_CACHE.is_dir() else [])
+    container = SystemdContainer(f"pkg-{os.getpid() % 100000}", binds_ro=ro)
+    container.start()
+    try:
+        yield container
+    finally:
+        container.stop()
+
+
+def wait(box: SystemdContainer, script: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = box.exec("bash", "-c", script, check=False)
+        if proc.returncode == 0:
+            return proc.stdout
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out: {script}\n{proc.stdout}{proc.stderr}")
+        time.sleep(0.2)
+
+
+def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
+                                         models: Path) -> None:
+    llama = engine_binary("LLAMA_SERVER")
+    out = box.shell(f"dpkg -i {deb} 2>&1")
+    assert "Setting up llm-gateway" in out, out
+    # a user's setup: an engine binary and a model where the default config looks
+    box.shell(f"install -m755 {llama} /usr/local/bin/llama-server && "
+              f"install -o llm-gateway -m644 {models}/tiny-alpha.gguf /var/lib/llm-gateway/models/ "
+              "&& sed -i 's|^llama_server = .*|llama_server = \"/usr/local/bin/llama-server\"|' "
+              "/etc/llm-gateway/gateway.toml")
+    units = "/lib/systemd/system/"
+    verify = box.exec("systemd-analyze", "verify", *(units + u for u in (
+        "llm-gateway.service", "llm-gateway.socket", "llm-engine@.service",
+        "llm-engines.slice")), check=False)
+    assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
+    security = box.shell("systemd-analyze security llm-gateway.service --no-pager | tail -1")
+    exposure = float(security.split("llm-gateway.service:")[1].split()[0])
+    print(f"systemd-analyze security exposure: {exposure}")
+    assert exposure <= 2.0, security
+
+    # socket activation: the first request starts the service, as llm-gateway
+    assert box.shell("systemctl is-active llm-gateway.socket").strip() == "active"
+    assert box.shell("systemctl is-active llm-gateway.service || true").strip() == "inactive"
+    health = json.loads(box.shell("curl -sf http://127.0.0.1:8080/health"))
+    assert health["status"] == "ok"
+    show = box.shell("systemctl show -p TriggeredBy -p User -p StatusText llm-gateway.service")
+    assert "TriggeredBy=llm-gateway.socket" in show and "User=llm-gateway" in show
+    assert "StatusText=serving on the socket from systemd" in show
+    status = json.loads(box.shell("llm-gateway --url http://127.0.0.1:8080 --json status"))
+    assert status["unit_mode"] == "template" and status["systemd_manager"] == "system"
+
+    # a request autoloads an engine: an llm-engine@ instance running as llm-gateway
+    answer = json.loads(box.shell(
+        "curl -sf http://127.0.0.1:8080/v1/chat/completions -d "
+        "'{\"model\":\"tiny-alpha\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+        "\"max_tokens\":3}'"))
+    assert answer["usage"]["completion_tokens"] == 3
+    engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
+    assert box.shell(f"ps -o user= -p {engine_pid}").strip() == "llm-gateway"
+    assert "llama-server" in box.shell(f"cat /proc/{engine_pid}/comm")
+    wait(box, f"journalctl -u '{ENGINE}' -o cat --no-pager | grep -q listening")
+
+    # polkit: the gateway's user may manage its engines, and nothing else
+    assert box.exec("runuser", "-u", "llm-gateway", "--", "systemctl", "restart", ENGINE,
+                    check=False).returncode == 0
+    for argv in (["systemctl", "stop", "dbus.service"],
+                 ["systemctl", "start", "llm-gateway-evil@x.service"],
+                 ["systemd-run", "--unit=evil", "/bin/true"]):
+        denied = box.exec("runuser", "-u", "llm-gateway", "--", *argv, check=False)
+        assert denied.returncode != 0 and "Access denied" in denied.stderr, (argv, denied)
+    assert box.shell("systemctl is-active dbus.service").strip() == "active"
+    wait(box, "curl -sf http://127.0.0.1:8080/v1/models | grep -q '\"loaded\": true'")
+    engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
+
+    # kill -9 the gateway while clients keep sending: no connection refused, engines stay
+    result = box.shell(f"""
+        {REPO}/.venv/bin/python - <<'PY' &
+import json, time, urllib.request, urllib.error
+results = []
+t0 = time.monotonic()
+while time.monotonic() - t0 < 4:
+    req = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions", data=json.dumps(
+        {{"model": "tiny-alpha", "max_tokens": 1,
+          "messages": [{{"role": "user", "content": "x"}}]}}).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            results.append(resp.status)
+    except urllib.error.HTTPError as e:
+        results.append(e.code)
+    except Exception as e:
+        results.append(type(e).__name__ + ": " + str(e))
+open("/root/clients.json", "w").write(json.dumps(results))
+PY
+        client=$!
+        sleep 1
+        kill -9 $(systemctl show -p MainPID --value llm-gateway.service)
+        wait $client
+        cat /root/clients.json""")
+    outcomes = json.loads(result.strip().splitlines()[-1])
+    failed = [o for o in outcomes if o != 200]
+    # the one request the killed process was answering is lost with it; no connection is
+    # ever refused (systemd holds the socket), and every later request is answered
+    assert len(outcomes) > 10 and not any("Refused" in str(o) for o in outcomes), failed
+    assert len(failed) <= 1 and all("Disconnected" in str(o) or "Reset" in str(o)
+                                    for o in failed), failed
+    assert outcomes[-1] == 200
+    assert box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip() == engine_pid
+    wait(box, "journalctl -u llm-gateway -o cat --no-pager | grep -q 'adopted tiny-alpha'")
+
+    # reboot: the enabled service restores the engine the user had running, unasked
+    box.reboot()
+    wait(box, f"systemctl is-active --quiet '{ENGINE}'", timeout=60)
+    wait(box, "journalctl -b -u llm-gateway -o cat --no-pager | grep -q 'restore: tiny-alpha "
+              "ready'", timeout=60)
+
+    # purge: the package's files, user, state and units go; model files stay
+    out = box.shell("dpkg --purge llm-gateway 2>&1")
+    assert "kept /var/lib/llm-gateway/models" in out, out
+    assert box.shell("ls -A /var/lib/llm-gateway").split() == ["models"]
+    assert box.shell("ls -A /var/lib/llm-gateway/models").split() == ["tiny-alpha.gguf"]
+    for path in ("/etc/llm-gateway", "/usr/lib/llm-gateway", "/usr/bin/llm-gateway",
+                 "/usr/share/polkit-1/rules.d/50-llm-gateway.rules",
+                 "/lib/systemd/system/llm-gateway.service",
+                 "/lib/systemd/system/llm-engine@.service"):
+        assert box.exec("test", "-e", path, check=False).returncode != 0, path
+    assert box.exec("getent", "passwd", "llm-gateway", check=False).returncode != 0
+    assert box.shell("systemctl list-units --no-legend --all 'llm-*'").strip() == ""
+    assert ":8080 " not in box.shell("ss -ltn")
