@@ -66,7 +66,7 @@ class GatewayConfig:
     vram_margin_mib: int = 1024
     llama_server: str = "llama-server"
     whisper_server: str = "whisper-server"
-    state_dir: Path = Path("/var/lib/llm-gateway")
+    state_dir: Path = field(default_factory=lambda: default_state_dir())
     bus: str = "auto"            # "system", "user", "auto" or a D-Bus address
     unit_mode: UnitMode = UnitMode.AUTO
     engine_user: str | None = None
@@ -154,8 +154,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None) -> Gateway
                              "llama_server"),
         whisper_server=_expect(data.get("whisper_server", "whisper-server"), str, where,
                                "whisper_server"),
-        state_dir=_path(data.get("state_dir"), base, where, "state_dir")
-        or Path("/var/lib/llm-gateway"),
+        state_dir=_path(data.get("state_dir"), base, where, "state_dir") or default_state_dir(),
         bus=_expect(data.get("bus", "auto"), str, where, "bus"),
         unit_mode=unit_mode,
         engine_user=_optional(data.get("engine_user"), str, where, "engine_user"),
@@ -249,6 +248,12 @@ def _non_negative(value: Any, where: str, key: str) -> int:
     if number < 0:
         raise ConfigError(f"{where}: {key} cannot be negative")
     return number
+
+
+def default_state_dir() -> Path:
+    """systemd's StateDirectory= (it sets $STATE_DIRECTORY), else /var/lib/llm-gateway."""
+    given = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    return Path(given) if given else Path("/var/lib/llm-gateway")
 
 
 def _positive(value: Any, where: str, key: str) -> float:
