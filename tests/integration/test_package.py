@@ -123,7 +123,7 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
 
     # kill -9 the gateway while clients keep sending: no connection refused, engines stay
     result = box.shell(f"""
-        {REPO}/.venv/bin/python - <<'PY' &
+        /usr/bin/python3 - <<'PY' &
 import json, time, urllib.request, urllib.error
 results = []
 t0 = time.monotonic()
