@@ -122,15 +122,15 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
 
     # kill -9 the gateway while clients keep sending: no connection refused, engines stay
-    result = box.shell(f"""
+    result = box.shell("""
         /usr/bin/python3 - <<'PY' &
 import json, time, urllib.request, urllib.error
 results = []
 t0 = time.monotonic()
 while time.monotonic() - t0 < 4:
     req = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions", data=json.dumps(
-        {{"model": "tiny-alpha", "max_tokens": 1,
-          "messages": [{{"role": "user", "content": "x"}}]}}).encode())
+        {"model": "tiny-alpha", "max_tokens": 1,
+          "messages": [{"role": "user", "content": "x"}]}).encode())
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             results.append(resp.status)
