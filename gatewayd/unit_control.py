@@ -16,7 +16,7 @@ import asyncio
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from gatewayd.catalog import Model
@@ -38,28 +38,16 @@ from gatewayd.systemd import SERVICE, UNIT, Systemd
 _UNSET = 2**64 - 1  # systemd's "not set / unknown" for t properties
 
 
-class TransientEngineUnits:
-    mode = "transient"
+class _EngineUnits:
+    """What both modes share: stopping, listing, inspecting and watching engine units."""
 
-    def __init__(self, systemd: Systemd, config: GatewayConfig, *, manager: str,
-                 run_root: str) -> None:
+    mode: str
+    manager: str
+    patterns: tuple[str, ...]
+
+    def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
         self._sd = systemd
         self._config = config
-        self.manager = manager
-        self._run_root = run_root
-
-    def layout(self, model_id: str) -> EngineLayout:
-        return EngineLayout.for_model(model_id, run_root=self._run_root)
-
-    async def start_engine(self, model: Model) -> EngineLayout:
-        layout = self.layout(model.id)
-        spec = transient_spec(model, self._config, layout)
-        # A failed unit of the same name may linger until collected: clear it.
-        info = await self.engine_info(layout.unit)
-        if info is not None and info.active_state == "failed":
-            await self._sd.reset_failed_unit(layout.unit)
-        await self._sd.start_transient(spec)
-        return layout
 
     async def stop_engine(self, unit: str) -> None:
         try:
@@ -69,7 +57,7 @@ class TransientEngineUnits:
                 raise
 
     async def list_engines(self) -> list[EngineUnitInfo]:
-        listed = await self._sd.list_units(unit_patterns())
+        listed = await self._sd.list_units(self.patterns)
         infos = await asyncio.gather(*(self.engine_info(u.name) for u in listed))
         return [i for i in infos if i is not None]
 
@@ -83,73 +71,73 @@ class TransientEngineUnits:
             return None
         return info_from_properties(unit, unit_props, service)
 
+    async def _clear_failed(self, unit: str) -> None:
+        """A failed unit of the same name may linger until collected: clear it."""
+        info = await self.engine_info(unit)
+        if info is not None and info.active_state == "failed":
+            await self._sd.reset_failed_unit(unit)
+
     def watch(self, callback: UnitWatcher) -> Callable[[], None]:
         return self._sd.watch(callback)
 
 
-class TemplateEngineUnits:
+class TransientEngineUnits(_EngineUnits):
+    mode = "transient"
+    patterns = tuple(unit_patterns())
+
+    def __init__(self, systemd: Systemd, config: GatewayConfig, *, manager: str,
+                 run_root: str) -> None:
+        super().__init__(systemd, config)
+        self.manager = manager
+        self._run_root = run_root
+
+    def layout(self, model_id: str) -> EngineLayout:
+        return EngineLayout.for_model(model_id, run_root=self._run_root)
+
+    async def start_engine(self, model: Model) -> EngineLayout:
+        layout = self.layout(model.id)
+        await self._clear_failed(layout.unit)
+        await self._sd.start_transient(transient_spec(model, self._config, layout))
+        return layout
+
+
+class TemplateEngineUnits(_EngineUnits):
     """Engines as instances of llm-engine@.service (the unprivileged system service)."""
 
     mode = "template"
     manager = "system"
+    patterns = (f"{UNIT_PREFIX}@*.service",)
 
     def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
-        self._sd = systemd
-        self._config = config
+        super().__init__(systemd, config)
         self.settings_dir = config.state_dir / "engines"
 
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, template=True)
 
-    def _settings_file(self, layout: EngineLayout) -> Path:
-        return self.settings_dir / f"{layout.instance}.json"
-
     async def start_engine(self, model: Model) -> EngineLayout:
         layout = self.layout(model.id)
         self.settings_dir.mkdir(parents=True, exist_ok=True)
-        path = self._settings_file(layout)
+        path = self.settings_dir / f"{layout.instance}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(template_settings(model, self._config, layout)))
         os.replace(tmp, path)
-        info = await self.engine_info(layout.unit)
-        if info is not None and info.active_state == "failed":
-            await self._sd.reset_failed_unit(layout.unit)
+        await self._clear_failed(layout.unit)
         if limits := resource_limits(model):
             await self._sd.set_unit_properties(layout.unit, limits, runtime=True)
         await self._sd.start_unit(layout.unit)
         return layout
 
-    async def stop_engine(self, unit: str) -> None:
-        try:
-            await self._sd.stop_unit(unit)
-        except UnitOperationFailed as e:
-            if e.extra.get("dbus_error") != "org.freedesktop.systemd1.NoSuchUnit":
-                raise
-
-    async def list_engines(self) -> list[EngineUnitInfo]:
-        listed = await self._sd.list_units([f"{UNIT_PREFIX}@*.service"])
-        infos = await asyncio.gather(*(self.engine_info(u.name) for u in listed))
-        return [i for i in infos if i is not None]
-
     async def engine_info(self, unit: str) -> EngineUnitInfo | None:
-        try:
-            unit_props = await self._sd.properties(unit, UNIT)
-            if unit_props.get("LoadState") == "not-found":
-                return None
-            service = await self._sd.properties(unit, SERVICE)
-        except UnitOperationFailed:
+        info = await super().engine_info(unit)
+        if info is None:
             return None
-        info = info_from_properties(unit, unit_props, service)
         instance = unit.removeprefix(f"{UNIT_PREFIX}@").removesuffix(".service")
         try:   # the model id and socket live in the settings file, not the unit
             settings = json.loads((self.settings_dir / f"{instance}.json").read_text())
         except (OSError, ValueError):
             return info
-        return EngineUnitInfo(**{**info.__dict__, "model_id": settings.get("model"),
-                                 "socket": settings.get("socket")})
-
-    def watch(self, callback: UnitWatcher) -> Callable[[], None]:
-        return self._sd.watch(callback)
+        return replace(info, model_id=settings.get("model"), socket=settings.get("socket"))
 
 
 def info_from_properties(unit: str, unit_props: dict[str, Any],
