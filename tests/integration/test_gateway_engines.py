@@ -172,3 +172,16 @@ def test_whisper_engine_is_reachable_only_through_its_unix_socket(
     assert json.loads(out)["text"].strip()
     pid = body["engine"]["pid"]
     assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+
+
+def test_per_model_limits_reach_the_transient_unit(gateway_factory: GatewayFactory,
+                                                   tiny_models: dict[str, Path]) -> None:
+    gw = gateway_factory(extra=(
+        f"[models.limited]\npath = {toml_str(str(tiny_models['beta']))}\n"
+        'memory_max = "256M"\ncpu_quota = "50%"\ncuda_visible_devices = "1"\n'))
+    status, body = gw.api("POST", "/admin/engines/start", {"model": "limited"})
+    assert status == 200, body
+    unit = body["engine"]["unit"]
+    assert unit_property(unit, "MemoryMax") == str(256 << 20)
+    assert unit_property(unit, "CPUQuotaPerSecUSec") == "500ms"
+    assert "CUDA_VISIBLE_DEVICES=1" in unit_property(unit, "Environment")

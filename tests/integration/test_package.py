@@ -76,7 +76,9 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     box.shell(f"install -m755 {llama} /usr/local/bin/llama-server && "
               f"install -o llm-gateway -m644 {models}/tiny-alpha.gguf /var/lib/llm-gateway/models/ "
               "&& sed -i 's|^llama_server = .*|llama_server = \"/usr/local/bin/llama-server\"|' "
-              "/etc/llm-gateway/gateway.toml")
+              "/etc/llm-gateway/gateway.toml && printf '%s\\n' '[models.\"tiny-alpha\"]' "
+              "'path = \"/var/lib/llm-gateway/models/tiny-alpha.gguf\"' 'memory_max = \"512M\"' "
+              "'cpu_quota = \"150%\"' >> /etc/llm-gateway/gateway.toml")
     units = "/lib/systemd/system/"
     verify = box.exec("systemd-analyze", "verify", *(units + u for u in (
         "llm-gateway.service", "llm-gateway.socket", "llm-engine@.service",
@@ -106,6 +108,9 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     assert answer["usage"]["completion_tokens"] == 3
     engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
     assert box.shell(f"ps -o user= -p {engine_pid}").strip() == "llm-gateway"
+    # per-model limits reach the instance (SetUnitProperties, allowed by the same rule)
+    limits = box.shell(f"systemctl show -p MemoryMax -p CPUQuotaPerSecUSec '{ENGINE}'")
+    assert "MemoryMax=536870912" in limits and "CPUQuotaPerSecUSec=1.500000s" in limits
     assert "llama-server" in box.shell(f"cat /proc/{engine_pid}/comm")
     wait(box, f"journalctl -u '{ENGINE}' -o cat --no-pager | grep -q listening")
 
