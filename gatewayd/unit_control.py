@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -36,6 +36,9 @@ from gatewayd.ports import EngineUnitInfo, UnitWatcher
 from gatewayd.systemd import SERVICE, UNIT, Systemd
 
 _UNSET = 2**64 - 1  # systemd's "not set / unknown" for t properties
+# what systemd answers when a unit of that name still exists (failed, not yet collected)
+LINGERING = frozenset({"org.freedesktop.systemd1.UnitExists",
+                       "org.freedesktop.systemd1.TransactionIsDestructive"})
 
 
 class _EngineUnits:
@@ -71,11 +74,16 @@ class _EngineUnits:
             return None
         return info_from_properties(unit, unit_props, service)
 
-    async def _clear_failed(self, unit: str) -> None:
-        """A failed unit of the same name may linger until collected: clear it."""
-        info = await self.engine_info(unit)
-        if info is not None and info.active_state == "failed":
+    async def _start(self, unit: str, start: Callable[[], Awaitable[str]]) -> None:
+        """Start; if a failed unit of the same name lingers (not collected yet), clear it and
+        try once more. Checking first would cost two D-Bus round trips on every start."""
+        try:
+            await start()
+        except UnitOperationFailed as e:
+            if e.extra.get("dbus_error") not in LINGERING:
+                raise
             await self._sd.reset_failed_unit(unit)
+            await start()
 
     def watch(self, callback: UnitWatcher) -> Callable[[], None]:
         return self._sd.watch(callback)
@@ -96,8 +104,8 @@ class TransientEngineUnits(_EngineUnits):
 
     async def start_engine(self, model: Model) -> EngineLayout:
         layout = self.layout(model.id)
-        await self._clear_failed(layout.unit)
-        await self._sd.start_transient(transient_spec(model, self._config, layout))
+        spec = transient_spec(model, self._config, layout)
+        await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
 
 
@@ -122,10 +130,9 @@ class TemplateEngineUnits(_EngineUnits):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(template_settings(model, self._config, layout)))
         os.replace(tmp, path)
-        await self._clear_failed(layout.unit)
         if limits := resource_limits(model):
             await self._sd.set_unit_properties(layout.unit, limits, runtime=True)
-        await self._sd.start_unit(layout.unit)
+        await self._start(layout.unit, lambda: self._sd.start_unit(layout.unit))
         return layout
 
     async def engine_info(self, unit: str) -> EngineUnitInfo | None:
