@@ -54,6 +54,7 @@ class Samples:
     latencies_ms: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
     cpu_us_per_req: list[float] = field(default_factory=list)
+    retries: int = 0
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies_ms)
@@ -65,6 +66,7 @@ class Samples:
             out["req_per_s_spread"] = [round(min(self.rates), 1), round(max(self.rates), 1)]
         if self.cpu_us_per_req:
             out["cpu_us_per_req"] = round(statistics.median(self.cpu_us_per_req), 1)
+        out["client_retries"] = self.retries
         return out
 
 
@@ -96,11 +98,20 @@ async def load(target: Target, body: dict[str, Any], n: int, concurrency: int,
         async def worker(count: int) -> None:
             for _ in range(count):
                 t0 = time.perf_counter()
-                async with session.post(target.base + CHAT, data=payload,
-                                        headers=headers) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        raise RuntimeError(f"{target.name}: HTTP {resp.status}")
+                for attempt in (1, 2):
+                    try:
+                        async with session.post(target.base + CHAT, data=payload,
+                                                headers=headers) as resp:
+                            await resp.read()
+                        break
+                    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                        # llama-server closes a keep-alive connection after 100 requests:
+                        # like any client, try again on a new one (counted)
+                        samples.retries += 1
+                        if attempt == 2:
+                            raise
+                if resp.status != 200:
+                    raise RuntimeError(f"{target.name}: HTTP {resp.status}")
                 samples.latencies_ms.append((time.perf_counter() - t0) * 1000)
         cpu0 = cpu_seconds(cpu_pid)
         t0 = time.perf_counter()

@@ -90,12 +90,20 @@ def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
 async def relay(request: web.Request, upstreams: Upstreams, out: Outgoing,
                 record: CallRecord, t0: float) -> web.StreamResponse:
     session = upstreams.session(out.socket, stream=out.stream)
-    try:
-        upstream = await session.request(out.method, "http://engine" + out.path_qs,
-                                         data=out.body or None, headers=out.headers,
-                                         allow_redirects=False)
-    except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
-        raise EngineUnavailable(f"the engine did not take the request: {e}") from e
+    for attempt in (1, 2):
+        try:
+            upstream = await session.request(out.method, "http://engine" + out.path_qs,
+                                             data=out.body or None, headers=out.headers,
+                                             allow_redirects=False)
+            break
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+            # A pooled keep-alive connection the engine had just closed (llama-server ends
+            # them after its keep-alive timeout or max requests): the request did not get
+            # through. Once more, on a new connection; a dead socket fails again at once.
+            if attempt == 2:
+                raise EngineUnavailable(f"the engine did not take the request: {e}") from e
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
+            raise EngineUnavailable(f"the engine did not take the request: {e}") from e
     try:
         content_type = upstream.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
