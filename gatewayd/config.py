@@ -69,7 +69,6 @@ class GatewayConfig:
     state_dir: Path = field(default_factory=lambda: default_state_dir())
     bus: str = "auto"            # "system", "user", "auto" or a D-Bus address
     unit_mode: UnitMode = UnitMode.AUTO
-    engine_user: str | None = None
     load_timeout_s: float = 300.0
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
@@ -95,7 +94,7 @@ _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env"
                "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
                "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
-             "whisper_server", "state_dir", "bus", "unit_mode", "engine_user", "load_timeout_s",
+             "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit"}
 
@@ -157,7 +156,6 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None) -> Gateway
         state_dir=_path(data.get("state_dir"), base, where, "state_dir") or default_state_dir(),
         bus=_expect(data.get("bus", "auto"), str, where, "bus"),
         unit_mode=unit_mode,
-        engine_user=_optional(data.get("engine_user"), str, where, "engine_user"),
         load_timeout_s=float(_positive(data.get("load_timeout_s", 300), where,
                                        "load_timeout_s")),
         listen_host=_expect(listen.get("host", "127.0.0.1"), str, where, "listen.host"),

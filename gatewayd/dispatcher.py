@@ -244,9 +244,6 @@ class Dispatcher:
             return None
         return scheduler.memory_ledger(gpu.total_mib, gpu.free_mib, self.usages())
 
-    def queue_depths(self) -> dict[str, int]:
-        return {m: len(u.waiters) for m, u in self._use.items() if u.waiters}
-
     def _on_engine_change(self, old: Engine, new: Engine) -> None:
         if old.state is not new.state:
             if new.state is EngineState.READY:

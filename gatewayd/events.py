@@ -1,8 +1,7 @@
 """A fan-out of gateway events (engine state changes, queue depths) to SSE followers.
 
 Publishing never blocks: each follower has a bounded queue, and a follower too
-slow to keep up loses its oldest events (and is told how many) rather than
-slowing the gateway.
+slow to keep up loses its oldest events rather than slowing the gateway.
 """
 
 from __future__ import annotations
@@ -17,14 +16,12 @@ FOLLOWER_QUEUE = 1000
 class EventHub:
     def __init__(self) -> None:
         self._followers: set[asyncio.Queue[dict[str, Any]]] = set()
-        self.dropped = 0
 
     def publish(self, event: dict[str, Any]) -> None:
         event.setdefault("ts", time.time())
         for queue in self._followers:
             if queue.full():
                 queue.get_nowait()
-                self.dropped += 1
             queue.put_nowait(event)
 
     def follow(self) -> asyncio.Queue[dict[str, Any]]:

@@ -101,7 +101,6 @@ class RecordWriter:
         self.path = path
         self._queue: queue.SimpleQueue[CallRecord | None] = queue.SimpleQueue()
         self._db = connect(path)
-        self.written = 0
         self._thread = threading.Thread(target=self._run, name="records", daemon=True)
         self._thread.start()
 
@@ -149,7 +148,6 @@ class RecordWriter:
             try:
                 with self._db:
                     self._db.executemany(_INSERT, rows)
-                self.written += len(rows)
                 return
             except sqlite3.Error as e:
                 log.warning("writing %d call records failed (%s), attempt %d", len(rows), e,

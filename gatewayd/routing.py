@@ -20,11 +20,14 @@ from gatewayd.errors import ModelNotFound, ModelRequired, NoEngineReady
 
 def choose_model(path: str, model: str | None, *, catalog: Catalog,
                  engines: Sequence[Engine], default_model: str | None) -> str:
-    ready = [e for e in engines if e.state is EngineState.READY]
     if model is not None:
-        if any(e.model_id == model for e in engines):
-            return model
-        return catalog.resolve(model).id
+        try:
+            return catalog.resolve(model).id
+        except ModelNotFound:
+            if any(e.model_id == model for e in engines):  # adopted, no longer configured
+                return model
+            raise
+    ready = [e for e in engines if e.state is EngineState.READY]
     if path.startswith("/v1/"):
         if len(ready) == 1:
             return ready[0].model_id

@@ -15,8 +15,7 @@ and subscribes to systemd's signals instead of polling:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,9 +139,6 @@ class Systemd:
         props = [[key, Variant(sig, value)] for key, sig, value in properties]
         await self._manager("SetUnitProperties", "sba(sv)", [name, runtime, props])
 
-    async def kill_unit(self, name: str, signal: int, whom: str = "main") -> None:
-        await self._manager("KillUnit", "ssi", [name, whom, signal])
-
     async def reset_failed_unit(self, name: str) -> None:
         await self._manager("ResetFailedUnit", "s", [name])
 
@@ -221,11 +217,3 @@ class Systemd:
             raise UnitOperationFailed(f"{member} failed: {detail}", dbus_error=reply.error_name)
         return list(reply.body)
 
-
-@contextlib.asynccontextmanager
-async def connected(bus: str = "system") -> AsyncIterator[Systemd]:
-    sd = await Systemd.connect(bus)
-    try:
-        yield sd
-    finally:
-        sd.close()
