@@ -9,57 +9,35 @@ import logging
 import os
 import resource
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from gatewayd import admin_api, openai_api
-from gatewayd.catalog import build_catalog
-from gatewayd.config import GatewayConfig, UnitMode
-from gatewayd.desired import DesiredEngines
-from gatewayd.dispatcher import Dispatcher
-from gatewayd.engine_manager import EngineManager
-from gatewayd.engines import Engine, EngineState
-from gatewayd.errors import ConfigError, GatewayError
-from gatewayd.events import EventHub
-from gatewayd.gpu import open_gpu
-from gatewayd.health import UnixHealthProbe
-from gatewayd.journal import Journalctl
-from gatewayd.notify import Notifier, inherited_socket
-from gatewayd.proxy import Upstreams
-from gatewayd.records import RecordWriter
-from gatewayd.systemd import Systemd
-from gatewayd.unit_control import TemplateEngineUnits, TransientEngineUnits, runtime_root
+from gatewayd.adapters.desired import DesiredEngines
+from gatewayd.adapters.events import EventHub
+from gatewayd.adapters.gpu import open_gpu
+from gatewayd.adapters.health import UnixHealthProbe
+from gatewayd.adapters.journal import Journalctl
+from gatewayd.adapters.model_files import load_catalog
+from gatewayd.adapters.notify import Notifier, inherited_socket
+from gatewayd.adapters.records import RecordWriter
+from gatewayd.adapters.systemd import Systemd
+from gatewayd.adapters.unit_control import TemplateEngineUnits, TransientEngineUnits, runtime_root
+from gatewayd.core.config import GatewayConfig, UnitMode
+from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.errors import ConfigError
+from gatewayd.http import admin_api, openai_api
+from gatewayd.http.middleware import error_middleware
+from gatewayd.http.proxy import Upstreams
+from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.restore import Reconciler, adopt, restore
 
 log = logging.getLogger("gatewayd")
 CONFIG = web.AppKey("config", GatewayConfig)
 NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
 DISPATCHER = admin_api.DISPATCHER
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as an OpenAI-shaped JSON body; never a traceback or HTML."""
-    try:
-        return await handler(request)
-    except GatewayError as e:
-        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-        return web.json_response(e.body(), status=e.status, headers=headers)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        body = GatewayError(e.reason or "error").body()
-        body["error"].update(type="invalid_request_error" if e.status < 500 else "server_error",
-                             code=e.reason.lower().replace(" ", "_") if e.reason else None)
-        return web.json_response(body, status=e.status)
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return web.json_response(GatewayError("internal error; see the gateway's journal")
-                                 .body(), status=500)
-
 
 TEMPLATE_PATHS = ("/etc/systemd/system/llm-engine@.service",
                   "/usr/lib/systemd/system/llm-engine@.service",
@@ -94,7 +72,7 @@ def unit_mode(config: GatewayConfig) -> tuple[UnitMode, str, str]:
 
 async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    catalog = build_catalog(config)
+    catalog = load_catalog(config)
     mode, bus, manager = unit_mode(config)
     systemd = await Systemd.connect(bus)
     units: TransientEngineUnits | TemplateEngineUnits
@@ -108,21 +86,25 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
                             health=UnixHealthProbe(), gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir))
     app[admin_api.ENGINES] = engines
-    app[DISPATCHER] = dispatcher = Dispatcher(engines)
+    app[DISPATCHER] = dispatcher = Dispatcher(engines, catalog=catalog, gpu=gpu,
+                                              config=config)
+    reconciler = Reconciler(engines, on_over_limit=dispatcher.enforce_limit)
     notifier = app[NOTIFIER]
     engines.subscribe(lambda old, new: _report(notifier, engines, old, new))
     log.info("%d models; engines as %s units of the %s manager; GPU: %s",
              len(catalog), units.mode, manager, gpu.description)
-    await engines.adopt()
+    await adopt(engines)
     # Restore (and preload) runs in the background, one engine at a time, while we serve.
-    app[RESTORE] = asyncio.get_running_loop().create_task(engines.restore())
+    app[RESTORE] = asyncio.get_running_loop().create_task(restore(engines))
     dispatcher.start_timers()
+    reconciler.start()
     try:
         yield
     finally:
         app[RESTORE].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[RESTORE]
+        await reconciler.close()
         await dispatcher.close()
         await engines.close()
         systemd.close()
@@ -138,8 +120,8 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     engines, dispatcher, hub = app[admin_api.ENGINES], app[DISPATCHER], app[admin_api.EVENTS]
     engines.subscribe(lambda old, new: admin_api.publish_engine(hub, engines, old, new))
-    dispatcher.on_queue = lambda model, depth: hub.publish(
-        {"type": "queue", "model": model, "depth": depth})
+    dispatcher.subscribe_queue(lambda model, depth: hub.publish(
+        {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file) if config.records_enabled else None
     upstreams = Upstreams(config.read_timeout_s)
     app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES],

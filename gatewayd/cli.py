@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from gatewayd import __version__
-from gatewayd.config import load_config
-from gatewayd.errors import GatewayError
+from gatewayd.adapters.config_file import load_config
+from gatewayd.core.errors import GatewayError
 
 
 class CliError(Exception):
@@ -89,8 +89,7 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         show(args, out, lambda: [f"{k}: {v}" for k, v in out.items()])
     elif args.command == "models":
         out = call(url, "GET", "/admin/models")
-        show(args, out, lambda: table(out["models"], ["id", "backend", "quantization",
-                                                      "context_length", "size_bytes", "path"]))
+        show(args, out, lambda: model_lines(out["models"]))
     elif args.command == "engines":
         out = call(url, "GET", "/admin/engines")
         show(args, out, lambda: table(out["engines"], ["model", "state", "unit", "pid",
@@ -122,6 +121,14 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         out = call(url, "GET", f"/admin/engines/logs?{query}")
         show(args, out, lambda: out["lines"])
     return 0
+
+
+def model_lines(models: list[dict[str, Any]]) -> list[str]:
+    """The models table, then a line for each model whose GGUF header could not be read."""
+    return [*table(models, ["id", "backend", "quantization", "context_length", "size_bytes",
+                            "path"]),
+            *(f"{m['id']}: cannot read the GGUF header: {m['header_error']}"
+              for m in models if m.get("header_error"))]
 
 
 def follow_events(url: str, *, as_json: bool) -> None:

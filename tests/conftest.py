@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.systemd import Systemd
+from gatewayd.adapters.systemd import Systemd
 from tests.harness.container import SystemdContainer, why_unavailable
 from tests.harness.plugin import (  # noqa: F401 - pytest finds hooks by name here
     IN_CONTAINER,

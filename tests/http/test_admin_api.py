@@ -9,16 +9,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gatewayd import admin_api
-from gatewayd.app import error_middleware
-from tests.unit.test_engine_manager import make
+from gatewayd.http import admin_api
+from gatewayd.http.middleware import error_middleware
+from tests.fakes import engine_manager_on_fakes
 
 Client = TestClient[web.Request, web.Application]
 
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[Client]:
-    mgr, _, _ = make(tmp_path, max_engines=2)
+    mgr, _, _ = engine_manager_on_fakes(tmp_path, max_engines=2)
     app = web.Application(middlewares=[error_middleware])
     app[admin_api.ENGINES] = mgr
     admin_api.add_routes(app)

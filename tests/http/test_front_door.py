@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gatewayd import admin_api, records
+from gatewayd.adapters import records
 from gatewayd.app import DISPATCHER, build_app
-from gatewayd.dispatcher import Dispatcher
-from gatewayd.engine_manager import EngineManager
+from gatewayd.http import admin_api
+from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
-from tests.unit.test_engine_manager import FakeUnits, make
+from tests.fakes import FakeUnits, dispatcher_for, engine_manager_on_fakes
 
 
 @dataclass
@@ -50,7 +50,7 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
                    ) -> AsyncIterator[Gateway]:
     run_root = tempfile.mkdtemp(prefix="fe", dir="/tmp")  # short: sun_path is 108 bytes
     config.setdefault("records_store_text", True)
-    mgr, units, _ = make(tmp_path, run_root=run_root, **config)
+    mgr, units, _ = engine_manager_on_fakes(tmp_path, run_root=run_root, **config)
     fakes = {}
     for name in ("a", "b", "c"):
         fakes[name] = FakeEngine(name)
@@ -58,7 +58,7 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         app[admin_api.ENGINES] = mgr
-        app[DISPATCHER] = Dispatcher(mgr)
+        app[DISPATCHER] = dispatcher_for(mgr)
         yield
         await app[DISPATCHER].close()
         await mgr.close()

@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from gatewayd.systemd import Systemd
-from gatewayd.unit_spec import UnitSpec
+from gatewayd.adapters.systemd import Systemd
+from gatewayd.core.unit_spec import UnitSpec
 
 CGROUP_ROOTS = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd", "/sys/fs/cgroup")
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from gatewayd.systemd import SERVICE, UNIT, Systemd
-from gatewayd.unit_spec import UnitSpec
+from gatewayd.adapters.systemd import SERVICE, UNIT, Systemd
+from gatewayd.core.unit_spec import UnitSpec
 from tests.integration.engine_helpers import (
     cgroup_exists,
     cgroup_procs,
@@ -64,9 +64,9 @@ async def test_llama_server_unit_answers_chat_plain_and_streamed(
     await wait_healthy(sock)
 
     # the process behind the unit is the real binary, in the unit's own cgroup
-    main_pid = await systemd.property(spec.name, SERVICE, "MainPID")
+    service = await systemd.properties(spec.name, SERVICE)
+    main_pid, control_group = service["MainPID"], service["ControlGroup"]
     assert Path(f"/proc/{main_pid}/exe").resolve() == llama_server.resolve()
-    control_group = await systemd.property(spec.name, SERVICE, "ControlGroup")
     assert control_group.endswith(f"/{spec.name}")
     assert main_pid in cgroup_procs(control_group)
     # a private socket: srwx------ in a 0700 directory under /run, and no TCP listener
@@ -113,18 +113,19 @@ async def test_kill_9_is_restarted_by_systemd_and_seen_in_signals(
     try:
         await start(systemd, units, spec)
         await wait_healthy(sock)
-        first_pid = await systemd.property(spec.name, SERVICE, "MainPID")
-        assert await systemd.property(spec.name, SERVICE, "NRestarts") == 0
+        service = await systemd.properties(spec.name, SERVICE)
+        first_pid = service["MainPID"]
+        assert service["NRestarts"] == 0
 
         os.kill(first_pid, signal.SIGKILL)
 
         async def restarted() -> bool:
-            pid = await systemd.property(spec.name, SERVICE, "MainPID")
-            state = await systemd.property(spec.name, UNIT, "ActiveState")
+            pid = (await systemd.properties(spec.name, SERVICE))["MainPID"]
+            state = (await systemd.properties(spec.name, UNIT))["ActiveState"]
             return bool(pid) and pid != first_pid and state == "active"
         await wait_for(restarted, what="systemd to restart the engine")
         await wait_healthy(sock)
-        assert await systemd.property(spec.name, SERVICE, "NRestarts") == 1
+        assert (await systemd.properties(spec.name, SERVICE))["NRestarts"] == 1
         status, _ = await request(sock, "POST", "/v1/completions",
                                   json_body={"prompt": "hi", "max_tokens": 2})
         assert status == 200
@@ -144,8 +145,8 @@ async def test_stop_kills_the_whole_cgroup(
         "/bin/bash", "-c", 'sleep 600 & exec "$@"', "engine-with-a-child"])
     await start(systemd, units, spec)
     await wait_healthy(sock)
-    control_group = await systemd.property(spec.name, SERVICE, "ControlGroup")
-    main_pid = await systemd.property(spec.name, SERVICE, "MainPID")
+    service = await systemd.properties(spec.name, SERVICE)
+    control_group, main_pid = service["ControlGroup"], service["MainPID"]
     others = [p for p in cgroup_procs(control_group) if p != main_pid]
     assert len(others) == 1, cgroup_procs(control_group)
 
@@ -175,7 +176,7 @@ async def test_engine_with_mmproj_logs_to_the_journal(
     await wait_healthy(sock)
     _, body = await request(sock, "GET", "/props")
     assert json.loads(body)["modalities"]["vision"] is True  # the generated mmproj loaded
-    main_pid = await systemd.property(spec.name, SERVICE, "MainPID")
+    main_pid = (await systemd.properties(spec.name, SERVICE))["MainPID"]
     messages = journal_messages(await journal(spec.name))
     lines = [m["MESSAGE"] for m in messages if isinstance(m.get("MESSAGE"), str)]
     assert any("listening" in line for line in lines), lines[-20:]
@@ -204,7 +205,7 @@ async def test_whisper_server_unit_transcribes_an_espeak_wav(
     await start(systemd, units, spec)
     url = f"http://127.0.0.1:{port}"
     await wait_healthy(None, url=url)
-    main_pid = await systemd.property(spec.name, SERVICE, "MainPID")
+    main_pid = (await systemd.properties(spec.name, SERVICE))["MainPID"]
     assert Path(f"/proc/{main_pid}/exe").resolve() == whisper_server.resolve()
 
     import aiohttp

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from gatewayd.records import query
+from gatewayd.adapters.records import query
 from tests.integration.conftest import GatewayFactory
 from tests.integration.gateway_helpers import GatewayService, toml_str, unit_property
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.engine_units import EngineLayout
+from gatewayd.core.engine_units import EngineLayout
 from tests.integration.conftest import GatewayFactory
 from tests.integration.engine_helpers import cgroup_exists
 from tests.integration.gateway_helpers import (

@@ -72,6 +72,10 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     llama = engine_binary("LLAMA_SERVER")
     out = box.shell(f"dpkg -i {deb} 2>&1")
     assert "Setting up llm-gateway" in out, out
+    # the package's venv holds the gateway's runtime dependencies only: gguf (and the numpy
+    # it pulls in) are for the tests
+    site = box.shell("ls /usr/lib/llm-gateway/venv/lib/python3*/site-packages").split()
+    assert not {"gguf", "numpy"} & set(site), site
     # a user's setup: an engine binary and a model where the default config looks
     box.shell(f"install -m755 {llama} /usr/local/bin/llama-server && "
               f"install -o llm-gateway -m644 {models}/tiny-alpha.gguf /var/lib/llm-gateway/models/ "

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from gatewayd.budget import GpuMemory, check_admission, required_mib
-from gatewayd.engines import Engine, EngineState, Failure
-from gatewayd.errors import AlreadyRunning, EngineLimitReached, InsufficientGpu
+from gatewayd.core.budget import GpuMemory, check_admission, required_mib
+from gatewayd.core.engines import Engine, EngineState, Failure
+from gatewayd.core.errors import AlreadyRunning, EngineLimitReached, InsufficientGpu
 
 
 def eng(model: str, state: EngineState, restarting: bool = False) -> Engine:

@@ -6,10 +6,10 @@ from pathlib import Path
 import make_tiny_model
 import pytest
 
-from gatewayd.catalog import build_catalog, discover
-from gatewayd.config import GatewayConfig, ModelConfig
-from gatewayd.errors import ConfigError, ModelNotFound
-from gatewayd.gguf_meta import GgufFacts
+from gatewayd.adapters.model_files import discover, load_catalog
+from gatewayd.core.config import GatewayConfig, ModelConfig
+from gatewayd.core.errors import ConfigError, ModelNotFound
+from gatewayd.core.model_facts import GgufFacts
 
 
 def _touch(path: Path) -> Path:
@@ -56,7 +56,7 @@ def test_every_name_resolves_case_insensitively(tmp_path: Path) -> None:
     config = GatewayConfig(models_dir=tmp_path, models=(
         ModelConfig(name="chat", path=_touch(tmp_path / "elsewhere" / "c.gguf"),
                     aliases=("GPT-4o",)),))
-    catalog = build_catalog(config, _facts({"Qwen2.5-7B-Q4_K_M.gguf": "Qwen2.5 7B Instruct"}))
+    catalog = load_catalog(config, _facts({"Qwen2.5-7B-Q4_K_M.gguf": "Qwen2.5 7B Instruct"}))
     qwen = "Qwen2.5-7B-Q4_K_M"
     for name in (qwen, "qwen2.5-7b-q4_k_m.GGUF", "QWEN2.5 7b instruct"):
         assert catalog.resolve(name).id == qwen
@@ -68,7 +68,7 @@ def test_every_name_resolves_case_insensitively(tmp_path: Path) -> None:
 
 def test_unknown_name_lists_available_models(tmp_path: Path) -> None:
     _touch(tmp_path / "a.gguf")
-    catalog = build_catalog(GatewayConfig(models_dir=tmp_path), _facts({}))
+    catalog = load_catalog(GatewayConfig(models_dir=tmp_path), _facts({}))
     with pytest.raises(ModelNotFound) as err:
         catalog.resolve("gpt-5")
     assert err.value.status == 404
@@ -80,7 +80,7 @@ def test_two_models_claiming_one_alias_is_an_error_naming_both(tmp_path: Path) -
         ModelConfig(name="one", path=_touch(tmp_path / "1.gguf"), aliases=("fast",)),
         ModelConfig(name="two", path=_touch(tmp_path / "2.gguf"), aliases=("FAST",))))
     with pytest.raises(ConfigError, match=r"'one' .*'two' .*claim the name 'fast'"):
-        build_catalog(config, _facts({}))
+        load_catalog(config, _facts({}))
 
 
 def test_alias_colliding_with_another_models_file_name(tmp_path: Path) -> None:
@@ -88,13 +88,13 @@ def test_alias_colliding_with_another_models_file_name(tmp_path: Path) -> None:
     config = GatewayConfig(models_dir=tmp_path, models=(
         ModelConfig(name="other", path=_touch(tmp_path / "x" / "o.gguf"), aliases=("llama",)),))
     with pytest.raises(ConfigError, match="both claim the name 'llama'"):
-        build_catalog(config, _facts({}))
+        load_catalog(config, _facts({}))
 
 
 def test_shared_gguf_name_is_ambiguous_not_fatal(tmp_path: Path) -> None:
     _touch(tmp_path / "m-q4.gguf")
     _touch(tmp_path / "m-q8.gguf")
-    catalog = build_catalog(GatewayConfig(models_dir=tmp_path),
+    catalog = load_catalog(GatewayConfig(models_dir=tmp_path),
                             _facts({"m-q4.gguf": "Mistral 7B", "m-q8.gguf": "Mistral 7B"}))
     assert catalog.resolve("m-q8").id == "m-q8"
     with pytest.raises(ModelNotFound, match=r"ambiguous.*m-q4, m-q8"):
@@ -103,7 +103,7 @@ def test_shared_gguf_name_is_ambiguous_not_fatal(tmp_path: Path) -> None:
 
 def test_explicit_entry_wins_over_the_discovered_file(tmp_path: Path) -> None:
     path = _touch(tmp_path / "a.gguf")
-    catalog = build_catalog(GatewayConfig(models_dir=tmp_path, models=(
+    catalog = load_catalog(GatewayConfig(models_dir=tmp_path, models=(
         ModelConfig(name="alpha", path=path),)), _facts({}))
     assert catalog.ids == ["alpha"]
     assert catalog.resolve("a").id == "alpha"
@@ -111,8 +111,16 @@ def test_explicit_entry_wins_over_the_discovered_file(tmp_path: Path) -> None:
 
 def test_catalog_reads_real_gguf_facts(tmp_path: Path) -> None:
     make_tiny_model.write_model(str(tmp_path / "tiny.gguf"), "Tiny Thing", seed=3, f16=True)
-    model = build_catalog(GatewayConfig(models_dir=tmp_path)).resolve("tiny thing")
+    model = load_catalog(GatewayConfig(models_dir=tmp_path)).resolve("tiny thing")
     info = model.describe()
     assert info["architecture"] == "llama" and info["context_length"] == 2048
     assert info["quantization"] == "F16" and info["general_name"] == "Tiny Thing"
     assert info["size_bytes"] == (tmp_path / "tiny.gguf").stat().st_size
+    assert info["header_error"] is None
+
+
+def test_an_unreadable_header_is_described(tmp_path: Path) -> None:
+    (tmp_path / "broken.gguf").write_bytes(b"NOPE" + bytes(60))
+    info = load_catalog(GatewayConfig(models_dir=tmp_path)).resolve("broken").describe()
+    assert info["header_error"] == "not a GGUF file (bad magic)"
+    assert info["architecture"] is None

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.config import Backend, GatewayConfig, UnitMode, load_config, parse_config
-from gatewayd.errors import ConfigError
+from gatewayd.adapters.config_file import load_config
+from gatewayd.core.config import Backend, GatewayConfig, UnitMode, parse_config
+from gatewayd.core.errors import ConfigError
 
 
 def test_missing_default_file_means_defaults(tmp_path: Path) -> None:

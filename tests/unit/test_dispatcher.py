@@ -8,18 +8,18 @@ from typing import Any
 
 import pytest
 
-from gatewayd.budget import GpuMemory
-from gatewayd.dispatcher import Dispatcher
-from gatewayd.engine_manager import EngineManager
-from gatewayd.engines import EngineState
-from gatewayd.errors import (
+from gatewayd.core.budget import GpuMemory
+from gatewayd.core.engines import EngineState
+from gatewayd.core.errors import (
     ConcurrencyLimit,
     EngineFailed,
     EngineLimitReached,
     ModelNotLoaded,
     QueueFull,
 )
-from tests.unit.test_engine_manager import FakeHealth, FakeUnits, make
+from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
+from tests.fakes import FakeHealth, FakeUnits, dispatcher_for, engine_manager_on_fakes
 
 
 class LedgerGpu:
@@ -33,18 +33,18 @@ class LedgerGpu:
 
     def memory(self, devices: str | None = None) -> GpuMemory:
         assert self.mgr is not None
-        used = 103 * sum(1 for e in self.mgr.engines() if e.active)
+        used = 103 * sum(1 for e in self.mgr.engines() if e.holds_slot)
         return GpuMemory(total_mib=self.total, free_mib=self.total - used)
 
     def process_mib(self) -> dict[int, int] | None:
         return None
 
 
-def setup(tmp_path: Path, **kw: Any) -> tuple[Dispatcher, FakeUnits, FakeHealth]:
-    mgr, units, health = make(tmp_path, **kw)
+def dispatcher_on_fakes(tmp_path: Path, **kw: Any) -> tuple[Dispatcher, FakeUnits, FakeHealth]:
+    mgr, units, health = engine_manager_on_fakes(tmp_path, **kw)
     if isinstance(kw.get("gpu"), LedgerGpu):
         kw["gpu"].mgr = mgr
-    return Dispatcher(mgr), units, health
+    return dispatcher_for(mgr), units, health
 
 
 async def use(d: Dispatcher, model: str) -> None:
@@ -52,18 +52,20 @@ async def use(d: Dispatcher, model: str) -> None:
         pass
 
 
-async def test_lru_idle_engine_is_evicted_when_slots_run_out(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path, max_engines=2)
+async def test_lru_idle_engine_is_evicted_when_slots_run_out(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", "gatewayd.dispatcher")
+    d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2)
     await use(d, "a")
     await use(d, "b")
     await use(d, "a")          # a is now the most recently used
     await use(d, "c")
     assert units.log == ["start a", "start b", "stop llm-engine-b.service", "start c"]
-    assert d.evictions[-1][0] == "b" and "max_engines" in d.evictions[-1][1]
+    assert "evicting b (making room for c: max_engines reached)" in caplog.messages
 
 
 async def test_a_busy_engine_is_never_evicted(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path, max_engines=2)
+    d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2)
     await use(d, "b")
     async with d.serve("a", autoload=True):       # a busy, and least recently used... no:
         await use(d, "c")                          # b is idle: b goes, a stays
@@ -71,21 +73,24 @@ async def test_a_busy_engine_is_never_evicted(tmp_path: Path) -> None:
     assert "stop llm-engine-b.service" in units.log
 
 
-async def test_pinned_and_awaited_engines_stay_and_the_wait_is_bounded(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path, max_engines=2, eviction_wait_s=0.3,
+async def test_pinned_engines_stay_busy_ones_drain_and_the_wait_is_bounded(
+        tmp_path: Path) -> None:
+    d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2, eviction_wait_s=0.3,
                         models_config={"a": {"pin": True}})
     await use(d, "a")
     async with d.serve("b", autoload=True):
         with pytest.raises(EngineLimitReached) as err:
             await use(d, "c")
     body = err.value.body()["error"]
-    assert "a (pinned)" in body["message"] and "b (serving 1 request(s))" in body["message"]
+    assert "a (pinned)" in body["message"]
+    assert "b (serving 1 request(s), draining)" in body["message"]
     assert err.value.retry_after is not None
     assert units.log == ["start a", "start b"]
+    await asyncio.wait_for(use(d, "b"), 1)   # c gave up: b is no longer draining
 
 
 async def test_a_start_waits_for_a_busy_engine_to_become_idle(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path, max_engines=1, eviction_wait_s=5)
+    d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=1, eviction_wait_s=5)
     await d.acquire("a", autoload=True)                 # a busy
     wanted = asyncio.ensure_future(use(d, "b"))
     await asyncio.sleep(0.2)
@@ -95,24 +100,26 @@ async def test_a_start_waits_for_a_busy_engine_to_become_idle(tmp_path: Path) ->
     assert units.log == ["start a", "stop llm-engine-a.service", "start b"]
 
 
-async def test_vram_budget_evicts_until_it_fits(tmp_path: Path) -> None:
+async def test_vram_budget_evicts_until_it_fits(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", "gatewayd.dispatcher")
     gpu = LedgerGpu(total_mib=250)                      # room for two engines
-    d, units, _ = setup(tmp_path, gpu=gpu)
+    d, units, _ = dispatcher_on_fakes(tmp_path, gpu=gpu)
     await use(d, "a")
     await use(d, "b")
     await use(d, "c")
     assert units.log == ["start a", "start b", "stop llm-engine-a.service", "start c"]
-    assert "MiB free" in d.evictions[-1][1]
+    assert any(m.startswith("evicting a") and "MiB free" in m for m in caplog.messages)
 
 
 async def test_too_big_with_nothing_else_running_is_tried_anyway(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path, gpu=LedgerGpu(total_mib=50))
+    d, units, _ = dispatcher_on_fakes(tmp_path, gpu=LedgerGpu(total_mib=50))
     await use(d, "a")
     assert units.log == ["start a"]
 
 
 async def test_concurrency_limit_is_429_with_retry_after(tmp_path: Path) -> None:
-    d, _, _ = setup(tmp_path, models_config={"a": {"max_concurrency": 1}})
+    d, _, _ = dispatcher_on_fakes(tmp_path, models_config={"a": {"max_concurrency": 1}})
     async with d.serve("a", autoload=True):
         with pytest.raises(ConcurrencyLimit) as err:
             await d.acquire("a", autoload=True)
@@ -121,7 +128,7 @@ async def test_concurrency_limit_is_429_with_retry_after(tmp_path: Path) -> None
 
 
 async def test_queue_limit_and_fair_wakeup(tmp_path: Path) -> None:
-    d, units, health = setup(tmp_path, models_config={"c": {"queue_limit": 2}})
+    d, units, health = dispatcher_on_fakes(tmp_path, models_config={"c": {"queue_limit": 2}})
     health.all_ready = False
     order: list[int] = []
 
@@ -139,7 +146,7 @@ async def test_queue_limit_and_fair_wakeup(tmp_path: Path) -> None:
 
 
 async def test_a_waiter_that_leaves_does_not_cancel_the_load(tmp_path: Path) -> None:
-    d, units, health = setup(tmp_path)
+    d, units, health = dispatcher_on_fakes(tmp_path)
     health.all_ready = False
     leaving = asyncio.ensure_future(use(d, "c"))
     staying = asyncio.ensure_future(use(d, "c"))
@@ -149,12 +156,12 @@ async def test_a_waiter_that_leaves_does_not_cancel_the_load(tmp_path: Path) -> 
     health.all_ready = True
     await asyncio.wait_for(staying, 5)
     assert units.log == ["start c"]
-    engine = d.engines.get("c")
+    engine = d._engines.get("c")
     assert engine is not None and engine.state is EngineState.READY
 
 
 async def test_load_failure_reaches_every_waiter(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path)
+    d, units, _ = dispatcher_on_fakes(tmp_path)
     units.fail_start = "no such file: /models/c.gguf"
     results = await asyncio.gather(*(use(d, "c") for _ in range(5)), return_exceptions=True)
     assert all(isinstance(r, EngineFailed) and "no such file" in r.message for r in results)
@@ -162,7 +169,7 @@ async def test_load_failure_reaches_every_waiter(tmp_path: Path) -> None:
 
 
 async def test_autoload_off(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path)
+    d, units, _ = dispatcher_on_fakes(tmp_path)
     with pytest.raises(ModelNotLoaded) as err:
         await d.acquire("c", autoload=False)
     assert err.value.status == 503 and err.value.extra["state"] == "stopped"
@@ -170,7 +177,7 @@ async def test_autoload_off(tmp_path: Path) -> None:
 
 
 async def test_idle_ttl_stops_an_idle_engine(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path, models_config={"a": {"idle_ttl_s": 0.3}})
+    d, units, _ = dispatcher_on_fakes(tmp_path, models_config={"a": {"idle_ttl_s": 0.3}})
     d.start_timers()
     await use(d, "a")
     async with d.serve("b", autoload=True):
@@ -184,7 +191,7 @@ async def test_idle_ttl_stops_an_idle_engine(tmp_path: Path) -> None:
 
 
 async def test_polls_do_not_count_as_use(tmp_path: Path) -> None:
-    d, units, _ = setup(tmp_path, max_engines=2)
+    d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2)
     await use(d, "a")
     await use(d, "b")
     async with d.serve("a", autoload=False, counts_as_use=False):   # GET /props?model=a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import tomllib
 
-from gatewayd.config import parse_config
+from gatewayd.core.config import parse_config
 from tests.harness.plugin import REPO
 
 

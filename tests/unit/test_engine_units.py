@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.catalog import Model
-from gatewayd.config import Backend, GatewayConfig, ModelConfig
-from gatewayd.engine_units import (
+from gatewayd.core.catalog import Model
+from gatewayd.core.config import Backend, GatewayConfig, ModelConfig
+from gatewayd.core.engine_units import (
     MAX_INSTANCE,
     EngineLayout,
     engine_instance,
     escape_unit_component,
     transient_spec,
 )
-from gatewayd.unit_spec import exec_args
+from gatewayd.core.unit_spec import exec_args
 
 HOSTILE = [
     "tiny-alpha", "Qwen2.5-7B-Instruct-Q4_K_M", ".hidden", "a/b/../../c", "../../etc/passwd",
@@ -72,7 +72,7 @@ def test_llama_spec(tmp_path: Path) -> None:
                    cuda_visible_devices="1", env={"A": "b"})
     config = GatewayConfig(llama_server="/opt/llama-server")
     layout = EngineLayout.for_model(model.id)
-    spec = transient_spec(model, config, layout)
+    spec = transient_spec(model, layout, config.llama_server)
     assert spec.name == "llm-engine-my\\x20model.service"
     assert spec.argv == ["/opt/llama-server", "--host", layout.socket, "-m", str(model.path),
                          "--alias", "my model", "-t", "2", "--mmproj", str(tmp_path / "p.gguf"),
@@ -92,7 +92,7 @@ def test_llama_spec(tmp_path: Path) -> None:
 def test_whisper_spec_runs_the_launcher_in_a_private_network(tmp_path: Path) -> None:
     model = _model("whisper", tmp_path / "w.bin", backend=Backend.WHISPER)
     layout = EngineLayout.for_model(model.id)
-    spec = transient_spec(model, GatewayConfig(whisper_server="/opt/whisper-server"), layout)
+    spec = transient_spec(model, layout, "/opt/whisper-server")
     props = {name: (sig, value) for name, sig, value in spec.properties()}
     assert props["PrivateNetwork"] == ("b", True)
     assert spec.argv[1:5] == ["-m", "gatewayd.engine_launch", "--socket", layout.socket]

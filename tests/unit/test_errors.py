@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gatewayd.errors import AccessDenied, GatewayError, InvalidRequest, UnitOperationFailed
+from gatewayd.core.errors import AccessDenied, GatewayError, InvalidRequest, UnitOperationFailed
 
 
 def test_error_body_is_openai_shaped_with_extras() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from gatewayd.gguf_meta import MAX_KVS, read_gguf_facts
+from gatewayd.adapters.gguf_meta import MAX_KVS, read_gguf_facts
 
 
 def _write(path: Path, build: object) -> Path:
@@ -82,7 +82,7 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 
 def test_mirrored_constants_match_the_gguf_package() -> None:
-    from gatewayd import gguf_meta
+    from gatewayd.adapters import gguf_meta
 
     assert gguf.GGUF_MAGIC == gguf_meta.GGUF_MAGIC
     packing = {t.value: "<" + f for t, f in gguf.GGUFWriter._simple_value_packing.items()}
@@ -96,7 +96,7 @@ def test_the_gateway_does_not_import_gguf_or_numpy() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, gatewayd.app, gatewayd.catalog, gatewayd.gguf_meta; "
+    code = ("import sys, gatewayd.app, gatewayd.core.catalog, gatewayd.adapters.gguf_meta; "
             "print('gguf' in sys.modules, 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()

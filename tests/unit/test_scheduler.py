@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from gatewayd.engines import EngineState
-from gatewayd.scheduler import (
+from gatewayd.core.engines import EngineState
+from gatewayd.core.scheduler import (
     Blocked,
+    Drain,
     Evict,
     Fits,
     TryAnyway,
     Usage,
+    Wait,
     idle_expired,
     memory_ledger,
     plan_start,
@@ -30,16 +32,26 @@ def u(model: str, state: EngineState = R, **kw: object) -> Usage:
     # slots full: the least recently used idle engine goes
     ([u("a", last_used=5), u("b", last_used=1)], 2, 1, None, Evict("b", "")),
     ([u("a", last_used=5), u("b", last_used=1, in_flight=1)], 2, 1, None, Evict("a", "")),
+    # none can go now: the least recently used busy (or awaited) one drains
     ([u("a", last_used=5, queued=2), u("b", last_used=1, pinned=True)], 2, 1, None,
-     Blocked("engine_limit", (("a", "awaited by 2 request(s)"), ("b", "pinned")))),
-    ([u("a", L), u("b", S)], 2, 1, None,
-     Blocked("engine_limit", (("a", "loading"), ("b", "stopping")))),
-    ([u("a", in_flight=3)], 1, 1, None,
-     Blocked("engine_limit", (("a", "serving 3 request(s)"),))),
+     Drain("a", "")),
+    ([u("a", in_flight=3)], 1, 1, None, Drain("a", "")),
+    ([u("a", last_used=1, in_flight=1), u("b", last_used=2, in_flight=1)], 2, 1, None,
+     Drain("a", "")),
+    # a drain or a stop under way: wait for it, drain nothing more
+    ([u("a", in_flight=1, draining=True), u("b", in_flight=1)], 2, 1, None,
+     Wait("an engine is finishing its requests to make room")),
+    ([u("a", L), u("b", S)], 2, 1, None, Wait("an engine is stopping")),
+    # a draining engine goes once it serves nobody, even with requests queued behind
+    ([u("a", queued=3, draining=True), u("b", in_flight=1)], 2, 1, None, Evict("a", "")),
+    # nothing may go: loading, restarting and pinned engines stay
+    ([u("a", L), u("b", EngineState.FAILED, restarting=True)], 2, 1, None,
+     Blocked("engine_limit", (("a", "loading"), ("b", "restarting")))),
+    ([u("a", pinned=True, in_flight=1)], 1, 1, None,
+     Blocked("engine_limit", (("a", "pinned"),))),
     # memory short: evict by LRU as well
     ([u("a", last_used=3), u("b", last_used=2)], 4, 500, 100, Evict("b", "")),
-    ([u("a", in_flight=1)], 4, 500, 100,
-     Blocked("gpu_memory", (("a", "serving 1 request(s)"),))),
+    ([u("a", in_flight=1)], 4, 500, 100, Drain("a", "")),
     # nothing else running and it still does not fit: the estimate is conservative
     ([], 4, 50000, 24000, TryAnyway()),
     ([u("x", EngineState.STOPPED)], 1, 1, None, Fits()),     # stopped engines hold nothing
@@ -48,8 +60,8 @@ def u(model: str, state: EngineState = R, **kw: object) -> Usage:
 def test_plan_start(usages: list[Usage], max_engines: int, need: int, free: int | None,
                     expected: object) -> None:
     got = plan_start("new", usages, max_engines=max_engines, need_mib=need, free_mib=free)
-    if isinstance(expected, Evict):
-        assert isinstance(got, Evict) and got.model_id == expected.model_id and got.reason
+    if isinstance(expected, Evict | Drain):
+        assert type(got) is type(expected) and got.model_id == expected.model_id and got.reason
     else:
         assert got == expected
 
@@ -87,3 +99,23 @@ def test_ledger_counts_what_loading_engines_will_still_take() -> None:
 def test_ledger_without_per_process_figures() -> None:
     ledger = memory_ledger(24000, 20000, [u("a", L, estimate_mib=30000)])
     assert ledger.held_mib == 0 and ledger.external_mib == 4000 and ledger.plan_free_mib == 0
+
+
+@pytest.mark.parametrize("usages,ahead,expected", [
+    # models ahead in the line come first: nobody behind them makes room
+    ([u("a", last_used=1), u("b", last_used=2)], 1, Wait("1 model(s) ahead in the line for room")),
+    # a free slot beyond what the models ahead need may be taken (no GPU to weigh)
+    ([u("a")], 1, Fits()),
+    ([u("a"), u("b")], 1, Wait("1 model(s) ahead in the line for room")),
+])
+def test_the_line_for_room_is_first_come_first_served(usages: list[Usage], ahead: int,
+                                                      expected: object) -> None:
+    assert plan_start("new", usages, max_engines=3, need_mib=1, free_mib=None,
+                      ahead=ahead) == expected
+
+
+def test_a_slot_held_by_a_restarting_engine_counts() -> None:
+    restarting = u("a", EngineState.FAILED, restarting=True)
+    assert restarting.holds_slot
+    assert plan_start("new", [restarting], max_engines=1, need_mib=1, free_mib=None) == \
+        Blocked("engine_limit", (("a", "restarting"),))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gatewayd.systemd import unit_name_from_path, unit_object_path
-from gatewayd.unit_spec import UnitSpec
+from gatewayd.adapters.systemd import unit_name_from_path, unit_object_path
+from gatewayd.core.unit_spec import UnitSpec
 
 
 @pytest.mark.parametrize("unit,path", [

@@ -1,0 +1,89 @@
+"""Model files on disk: what models_dir holds, file sizes and GGUF headers.
+
+The core's catalog (gatewayd.core.catalog) validates names and answers
+`resolve()`; this adapter does the directory listing and the reads it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from gatewayd.adapters.gguf_meta import read_gguf_facts
+from gatewayd.core.catalog import Catalog, ModelFile, build_catalog
+from gatewayd.core.config import Backend, GatewayConfig, ModelConfig
+from gatewayd.core.errors import ConfigError
+from gatewayd.core.model_facts import GgufFacts
+
+FactsReader = Callable[[Path], GgufFacts]
+
+
+def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_gguf_facts) -> Catalog:
+    """The catalog of config: its [models.NAME] entries plus what models_dir holds."""
+    explicit_paths = {m.path.resolve() for m in config.models}
+    discovered = [] if config.models_dir is None else [
+        m for m in discover(config.models_dir) if m.path.resolve() not in explicit_paths]
+    files = {m.path: inspect(m, read_facts) for m in (*config.models, *discovered)}
+    return build_catalog(config, discovered, files)
+
+
+def inspect(model: ModelConfig, read_facts: FactsReader = read_gguf_facts) -> ModelFile:
+    """Sizes of everything the engine loads, and a llama model's GGUF header facts."""
+    size = sum(_size(p) for p in (model.path, model.mmproj) if p)
+    facts = None
+    if model.backend is Backend.LLAMA:
+        try:
+            facts = read_facts(model.path)
+        except OSError:
+            facts = None  # a missing file is reported when the engine is started
+    return ModelFile(size_bytes=size, facts=facts)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def discover(models_dir: Path) -> list[ModelConfig]:
+    """Models in a directory: top-level *.gguf files and one model per subdirectory."""
+    found: list[ModelConfig] = []
+    try:
+        entries = sorted(models_dir.iterdir())
+    except OSError as e:
+        raise ConfigError(f"models_dir {models_dir}: cannot list: {e.strerror}") from e
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_file() and entry.suffix == ".gguf" and not _is_mmproj(entry):
+            if _is_later_split_part(entry):
+                continue
+            found.append(ModelConfig(name=entry.name.removesuffix(".gguf"), path=entry))
+        elif entry.is_dir():
+            ggufs = sorted(p for p in entry.glob("*.gguf") if p.is_file())
+            weights = [p for p in ggufs if not _is_mmproj(p) and not _is_later_split_part(p)]
+            mmprojs = [p for p in ggufs if _is_mmproj(p)]
+            if len(weights) == 1:
+                found.append(ModelConfig(name=entry.name, path=weights[0],
+                                         mmproj=mmprojs[0] if mmprojs else None))
+            elif len(weights) > 1:
+                raise ConfigError(
+                    f"models_dir: {entry} holds several models "
+                    f"({', '.join(p.name for p in weights)}); a subdirectory is one model "
+                    "(move the others out, or configure them as [models.NAME])")
+    return found
+
+
+def _is_mmproj(path: Path) -> bool:
+    return path.name.casefold().startswith("mmproj")
+
+
+def _is_later_split_part(path: Path) -> bool:
+    """llama.cpp split files: only -00001-of-000NN.gguf is loaded (it finds the rest)."""
+    stem = path.name.removesuffix(".gguf")
+    parts = stem.rsplit("-", 3)
+    return (len(parts) == 4 and parts[2] == "of" and parts[1].isdigit()
+            and parts[3].isdigit() and int(parts[1]) != 1)
+
+

@@ -1,0 +1,179 @@
+"""Call records in SQLite, written off the event loop, never lost once the call completed.
+
+The request path only appends a CallRecord to a thread-safe queue (a few
+microseconds). A writer thread with its own connection drains the queue in
+batches (one transaction per batch), so a burst of calls costs one fsync, and
+the event loop never waits on the disk. close() drains everything before it
+returns. WAL mode lets `llm-gateway records` read while the gateway writes.
+Schema changes are numbered migrations tracked in PRAGMA user_version.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("gatewayd.adapters.records")
+
+MIGRATIONS = [
+    """CREATE TABLE calls (
+        id INTEGER PRIMARY KEY,
+        ts REAL NOT NULL,                -- request arrival, seconds since the epoch
+        model TEXT,
+        engine TEXT,                     -- the engine's unit
+        method TEXT NOT NULL,
+        endpoint TEXT NOT NULL,
+        status INTEGER NOT NULL,
+        outcome TEXT NOT NULL,           -- ok | error | disconnected | engine_failed
+        error_code TEXT,
+        prompt_tokens INTEGER,
+        completion_tokens INTEGER,
+        latency_ms REAL NOT NULL,        -- arrival to last byte
+        ttft_ms REAL,                    -- arrival to first streamed event
+        bytes_in INTEGER NOT NULL,
+        bytes_out INTEGER NOT NULL,
+        stream INTEGER NOT NULL,
+        disconnected INTEGER NOT NULL,
+        request_text TEXT,
+        response_text TEXT
+    )""",
+    "CREATE INDEX calls_ts ON calls (ts)",
+    "CREATE INDEX calls_model_ts ON calls (model, ts)",
+]
+
+
+@dataclass
+class CallRecord:
+    ts: float
+    method: str
+    endpoint: str
+    model: str | None = None
+    engine: str | None = None
+    status: int = 0
+    outcome: str = "ok"
+    error_code: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    stream: bool = False
+    disconnected: bool = False
+    request_text: str | None = None
+    response_text: str | None = None
+
+
+COLUMNS = [f.name for f in fields(CallRecord)]
+_INSERT = f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    migrate(db)
+    return db
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    (version,) = db.execute("PRAGMA user_version").fetchone()
+    for number, statement in enumerate(MIGRATIONS[version:], start=version + 1):
+        with db:
+            db.execute(statement)
+            db.execute(f"PRAGMA user_version = {number}")
+
+
+class RecordWriter:
+    """Queue on the loop, SQLite in a thread."""
+
+    BATCH = 500
+    LINGER_S = 0.2
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._queue: queue.SimpleQueue[CallRecord | None] = queue.SimpleQueue()
+        self._db = connect(path)
+        self._thread = threading.Thread(target=self._run, name="records", daemon=True)
+        self._thread.start()
+
+    def add(self, record: CallRecord) -> None:
+        self._queue.put(record)
+
+    def close(self, timeout: float = 30) -> None:
+        """Drain and stop; blocking (call it via asyncio.to_thread)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._db.close()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch: list[CallRecord] = []
+            stopping = item is None
+            if item is not None:
+                batch.append(item)
+            deadline = time.monotonic() + self.LINGER_S
+            while not stopping and len(batch) < self.BATCH:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                else:
+                    batch.append(item)
+            while stopping:  # take everything still queued
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    batch.append(item)
+            if batch:
+                self._write(batch)
+            if stopping:
+                return
+
+    def _write(self, batch: list[CallRecord]) -> None:
+        rows = [tuple(asdict(r).values()) for r in batch]
+        for attempt in range(3):
+            try:
+                with self._db:
+                    self._db.executemany(_INSERT, rows)
+                return
+            except sqlite3.Error as e:
+                log.warning("writing %d call records failed (%s), attempt %d", len(rows), e,
+                            attempt + 1)
+                time.sleep(0.5)
+        log.error("dropped %d call records after 3 failed writes to %s", len(rows), self.path)
+
+
+def query(path: Path, *, model: str | None = None, since: float | None = None,
+          until: float | None = None, status: int | None = None, outcome: str | None = None,
+          limit: int = 100) -> list[dict[str, Any]]:
+    """Newest first. Blocking: call via asyncio.to_thread on the loop."""
+    where, args = [], []
+    for column, op, value in (("model", "=", model), ("ts", ">=", since), ("ts", "<", until),
+                              ("status", "=", status), ("outcome", "=", outcome)):
+        if value is not None:
+            where.append(f"{column} {op} ?")
+            args.append(value)
+    sql = "SELECT * FROM calls" + (" WHERE " + " AND ".join(where) if where else "")
+    sql += " ORDER BY ts DESC, id DESC LIMIT ?"
+    args.append(limit)
+    if not path.exists():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        db.row_factory = sqlite3.Row
+        return [dict(row) for row in db.execute(sql, args)]
+    finally:
+        db.close()

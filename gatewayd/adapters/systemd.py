@@ -1,0 +1,245 @@
+"""systemd over D-Bus: start, stop, inspect and watch units.
+
+The adapter owns every D-Bus name and signature and translates D-Bus error
+replies into our error hierarchy; nothing outside this module sees a dbus_fast
+type. It uses dbus-fast's low-level `bus.call` (no introspection round trips)
+and subscribes to systemd's signals instead of polling:
+
+- signals arrive only after AddMatch *and* Manager.Subscribe();
+- JobRemoved can be dispatched before the reply to StartTransientUnit is
+  processed, so finished jobs are remembered until someone asks for them;
+- with CollectMode=inactive-or-failed a failed unit disappears, and its exit
+  status survives only in the PropertiesChanged signals received before that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
+from dbus_fast.errors import AuthError
+
+from gatewayd.core.errors import AccessDenied, SystemdUnavailable, UnitOperationFailed
+from gatewayd.core.unit_spec import UnitSpec
+
+SYSTEMD = "org.freedesktop.systemd1"
+SYSTEMD_PATH = "/org/freedesktop/systemd1"
+MANAGER = "org.freedesktop.systemd1.Manager"
+UNIT = "org.freedesktop.systemd1.Unit"
+SERVICE = "org.freedesktop.systemd1.Service"
+PROPERTIES = "org.freedesktop.DBus.Properties"
+DBUS = "org.freedesktop.DBus"
+DBUS_PATH = "/org/freedesktop/DBus"
+UNIT_PATH_PREFIX = SYSTEMD_PATH + "/unit/"
+
+NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
+_ACCESS_DENIED = {
+    "org.freedesktop.DBus.Error.AccessDenied",
+    "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired",
+}
+
+# Properties worth forwarding to watchers: what the engine state machine needs.
+WATCHED = frozenset({
+    "ActiveState", "SubState", "Result", "MainPID", "NRestarts",
+    "ExecMainCode", "ExecMainStatus",
+})
+
+UnitChangeCallback = Callable[[str, Mapping[str, Any]], None]
+
+
+def unit_object_path(unit: str) -> str:
+    """systemd's bus path for a unit: every byte outside [A-Za-z0-9] becomes _xx."""
+    return UNIT_PATH_PREFIX + "".join(
+        chr(b) if chr(b).isascii() and chr(b).isalnum() else f"_{b:02x}"
+        for b in unit.encode())
+
+
+def unit_name_from_path(path: str) -> str | None:
+    if not path.startswith(UNIT_PATH_PREFIX):
+        return None
+    escaped, out, i = path[len(UNIT_PATH_PREFIX):], bytearray(), 0
+    while i < len(escaped):
+        if escaped[i] == "_" and i + 2 < len(escaped):
+            out.append(int(escaped[i + 1:i + 3], 16))
+            i += 3
+        else:
+            out.append(ord(escaped[i]))
+            i += 1
+    return out.decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class ListedUnit:
+    name: str
+
+
+class Systemd:
+    """A connection to one systemd manager (system or user) over its bus."""
+
+    def __init__(self, bus: MessageBus) -> None:
+        self._bus = bus
+        self._jobs: dict[str, asyncio.Future[str]] = {}
+        self._finished_jobs: dict[str, str] = {}
+        self._watchers: list[UnitChangeCallback] = []
+        self._removals: dict[str, list[asyncio.Future[None]]] = {}
+
+    @classmethod
+    async def connect(cls, bus: str = "system") -> Systemd:
+        """bus: "system", "user" (the session bus of the caller's user manager) or an address."""
+        try:
+            if bus == "system":
+                conn = await MessageBus(bus_type=BusType.SYSTEM).connect()
+            elif bus == "user":
+                conn = await MessageBus(bus_type=BusType.SESSION).connect()
+            else:
+                conn = await MessageBus(bus_address=bus).connect()
+        except (OSError, AuthError, ValueError) as e:
+            raise SystemdUnavailable(
+                f"cannot connect to the {bus} D-Bus: {e}. Is systemd the init system "
+                "here, and dbus running?") from e
+        self = cls(conn)
+        conn.add_message_handler(self._on_message)
+        for rule in (
+            f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}'",
+            f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES}',"
+            f"member='PropertiesChanged',path_namespace='{SYSTEMD_PATH}/unit'",
+        ):
+            await self._call(DBUS, DBUS_PATH, DBUS, "AddMatch", "s", [rule])
+        await self._manager("Subscribe")
+        return self
+
+    def close(self) -> None:
+        self._bus.disconnect()
+
+    # -- unit operations ---------------------------------------------------------
+
+    async def start_transient(self, spec: UnitSpec, mode: str = "fail") -> str:
+        """Create and start a transient unit; returns the job result ("done")."""
+        props = [[name, Variant(sig, value)] for name, sig, value in spec.properties()]
+        (job,) = await self._manager("StartTransientUnit", "ssa(sv)a(sa(sv))",
+                                     [spec.name, mode, props, []])
+        return await self._job_result(job, spec.name, "start")
+
+    async def start_unit(self, name: str, mode: str = "replace") -> str:
+        (job,) = await self._manager("StartUnit", "ss", [name, mode])
+        return await self._job_result(job, name, "start")
+
+    async def stop_unit(self, name: str, mode: str = "replace") -> str:
+        (job,) = await self._manager("StopUnit", "ss", [name, mode])
+        return await self._job_result(job, name, "stop")
+
+    async def set_unit_properties(self, name: str, properties: Sequence[tuple[str, str, Any]],
+                                  runtime: bool = True) -> None:
+        props = [[key, Variant(sig, value)] for key, sig, value in properties]
+        await self._manager("SetUnitProperties", "sba(sv)", [name, runtime, props])
+
+    async def reset_failed_unit(self, name: str) -> None:
+        await self._manager("ResetFailedUnit", "s", [name])
+
+    async def list_units(self, patterns: Iterable[str]) -> list[ListedUnit]:
+        (units,) = await self._manager("ListUnitsByPatterns", "asas", [[], list(patterns)])
+        return [ListedUnit(u[0]) for u in units]
+
+    async def properties(self, unit: str, interface: str = UNIT) -> dict[str, Any]:
+        (props,) = await self._call(SYSTEMD, unit_object_path(unit), PROPERTIES, "GetAll",
+                                    "s", [interface])
+        return {k: v.value for k, v in props.items()}
+
+    async def unit_loaded(self, name: str) -> bool:
+        """Whether systemd has the unit loaded at all (GetUnit, which loads nothing)."""
+        try:
+            await self._manager("GetUnit", "s", [name])
+        except UnitOperationFailed as e:
+            if e.extra.get("dbus_error") == NO_SUCH_UNIT:
+                return False
+            raise
+        return True
+
+    async def wait_unit_gone(self, name: str, timeout: float) -> bool:
+        """Wait until systemd unloads the unit (UnitRemoved), up to timeout seconds.
+        True when it is gone. The signal is awaited before asking, so none is missed."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._removals.setdefault(name, []).append(fut)
+        try:
+            if not await self.unit_loaded(name):
+                return True
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            waiting = self._removals.get(name, [])
+            if fut in waiting:
+                waiting.remove(fut)
+            if not waiting:
+                self._removals.pop(name, None)
+
+    # -- watching ------------------------------------------------------------------
+
+    def watch(self, callback: UnitChangeCallback) -> Callable[[], None]:
+        """Call callback(unit, changed) on every watched property change; returns unwatch."""
+        self._watchers.append(callback)
+        return lambda: self._watchers.remove(callback)
+
+    def _on_message(self, msg: Message) -> None:
+        if msg.message_type != MessageType.SIGNAL:
+            return
+        if msg.member == "JobRemoved" and msg.interface == MANAGER:
+            _id, job, _unit, result = msg.body
+            fut = self._jobs.pop(job, None)
+            if fut is None:
+                self._finished_jobs[job] = result
+            elif not fut.done():
+                fut.set_result(result)
+        elif msg.member == "UnitRemoved" and msg.interface == MANAGER:
+            for removal in self._removals.pop(msg.body[0], []):
+                if not removal.done():
+                    removal.set_result(None)
+        elif msg.member == "PropertiesChanged" and self._watchers:
+            unit = unit_name_from_path(msg.path or "")
+            changed = {k: v.value for k, v in msg.body[1].items() if k in WATCHED}
+            if unit and changed:
+                for callback in list(self._watchers):
+                    callback(unit, changed)
+
+    async def _job_result(self, job: str, unit: str, verb: str, timeout: float = 120) -> str:
+        result = self._finished_jobs.pop(job, None)
+        if result is None:
+            fut = self._jobs.setdefault(job, asyncio.get_running_loop().create_future())
+            try:
+                result = await asyncio.wait_for(fut, timeout)
+            finally:
+                self._jobs.pop(job, None)
+        if result != "done":
+            raise UnitOperationFailed(
+                f"systemd could not {verb} {unit}: job {result}. "
+                f"See: journalctl -u {unit}", unit=unit, job_result=result)
+        return result
+
+    # -- plumbing ------------------------------------------------------------------
+
+    async def _manager(self, member: str, signature: str = "",
+                       body: Sequence[Any] = ()) -> list[Any]:
+        return await self._call(SYSTEMD, SYSTEMD_PATH, MANAGER, member, signature, body)
+
+    async def _call(self, destination: str, path: str, interface: str, member: str,
+                    signature: str = "", body: Sequence[Any] = ()) -> list[Any]:
+        try:
+            reply = await self._bus.call(Message(
+                destination=destination, path=path, interface=interface, member=member,
+                signature=signature, body=list(body)))
+        except (OSError, EOFError) as e:
+            raise SystemdUnavailable(f"lost the D-Bus connection to systemd: {e}") from e
+        if reply is None:
+            raise SystemdUnavailable(f"no reply from systemd to {member}")
+        if reply.message_type == MessageType.ERROR:
+            detail = reply.body[0] if reply.body else reply.error_name
+            if reply.error_name in _ACCESS_DENIED:
+                raise AccessDenied(f"{member} denied: {detail}", dbus_error=reply.error_name)
+            raise UnitOperationFailed(f"{member} failed: {detail}", dbus_error=reply.error_name)
+        return list(reply.body)
+

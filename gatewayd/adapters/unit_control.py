@@ -1,0 +1,203 @@
+"""Engine units over systemd's D-Bus API: the UnitControl adapters.
+
+`TransientEngineUnits` creates one transient service per engine
+(StartTransientUnit). That is safe when the gateway talks to its own user
+manager, or runs as root by the administrator's choice. A non-root gateway on
+the system manager uses `TemplateEngineUnits` instead: instances of the static
+`llm-engine@.service` template, each reading a settings file the gateway
+writes, allowed by a polkit rule scoped to `llm-engine@*.service` (systemd 252
+asks polkit about StartTransientUnit without the unit name, so allowing it
+would allow any unit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from gatewayd.adapters.files import write_atomic
+from gatewayd.adapters.systemd import NO_SUCH_UNIT, SERVICE, UNIT, Systemd
+from gatewayd.core.catalog import Model
+from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engine_units import (
+    MODEL_ENV,
+    SOCKET_ENV,
+    UNIT_PREFIX,
+    EngineLayout,
+    resource_limits,
+    server_binary,
+    template_settings,
+    transient_spec,
+    unit_patterns,
+)
+from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
+from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
+
+_UNSET = 2**64 - 1  # systemd's "not set / unknown" for t properties
+# what systemd answers when a unit of that name still exists (failed, not yet collected)
+LINGERING = frozenset({"org.freedesktop.systemd1.UnitExists",
+                       "org.freedesktop.systemd1.TransactionIsDestructive"})
+RUNNING = frozenset({"active", "activating", "reloading"})
+UNIT_GONE_S = 5.0   # how long a stopped transient unit may take to be collected
+
+
+class _EngineUnits:
+    """What both modes share: stopping, listing, inspecting and watching engine units."""
+
+    mode: str
+    manager: str
+    patterns: tuple[str, ...]
+    collected: bool   # unloaded once inactive (transient units, CollectMode=)
+
+    def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
+        self._sd = systemd
+        self._config = config
+
+    async def stop_engine(self, unit: str) -> None:
+        try:
+            await self._sd.stop_unit(unit)
+        except UnitOperationFailed as e:
+            if e.extra.get("dbus_error") != NO_SUCH_UNIT:
+                raise
+            return
+        if self.collected and not await self._sd.wait_unit_gone(unit, UNIT_GONE_S):
+            # a failed unit is collected only once its failure is reset
+            with contextlib.suppress(UnitOperationFailed):
+                await self._sd.reset_failed_unit(unit)
+            await self._sd.wait_unit_gone(unit, UNIT_GONE_S)
+
+    async def list_engines(self) -> list[EngineUnitInfo]:
+        listed = await self._sd.list_units(self.patterns)
+        infos = await asyncio.gather(*(self.engine_info(u.name) for u in listed))
+        return [i for i in infos if i is not None]
+
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        try:
+            unit_props = await self._sd.properties(unit, UNIT)
+            if unit_props.get("LoadState") == "not-found":
+                return None
+            service = await self._sd.properties(unit, SERVICE)
+        except UnitOperationFailed:
+            return None
+        return info_from_properties(unit, unit_props, service)
+
+    async def _start(self, unit: str, start: Callable[[], Awaitable[str]]) -> None:
+        """Start. systemd refuses a transient unit whose name is still loaded: if the
+        unit runs, we lost track of it (UnitAlreadyActive: adopt it); if a previous
+        instance is still being collected, wait until it is gone and try once more.
+        Checking first would cost round trips on every start."""
+        try:
+            await start()
+        except UnitOperationFailed as e:
+            if e.extra.get("dbus_error") not in LINGERING:
+                raise
+            info = await self.engine_info(unit)
+            if info is not None and info.active_state in RUNNING:
+                raise UnitAlreadyActive(f"{unit} is already {info.active_state}",
+                                        unit=unit) from e
+            with contextlib.suppress(UnitOperationFailed):
+                await self._sd.reset_failed_unit(unit)
+            await self._sd.wait_unit_gone(unit, UNIT_GONE_S)
+            await start()
+
+    def watch(self, callback: UnitWatcher) -> Callable[[], None]:
+        return self._sd.watch(callback)
+
+
+class TransientEngineUnits(_EngineUnits):
+    mode = "transient"
+    collected = True
+    patterns = tuple(unit_patterns())
+
+    def __init__(self, systemd: Systemd, config: GatewayConfig, *, manager: str,
+                 run_root: str) -> None:
+        super().__init__(systemd, config)
+        self.manager = manager
+        self._run_root = run_root
+
+    def layout(self, model_id: str) -> EngineLayout:
+        return EngineLayout.for_model(model_id, run_root=self._run_root)
+
+    async def start_engine(self, model: Model) -> EngineLayout:
+        layout = self.layout(model.id)
+        spec = transient_spec(model, layout, resolve_binary(server_binary(model, self._config)))
+        await self._start(layout.unit, lambda: self._sd.start_transient(spec))
+        return layout
+
+
+class TemplateEngineUnits(_EngineUnits):
+    """Engines as instances of llm-engine@.service (the unprivileged system service)."""
+
+    mode = "template"
+    manager = "system"
+    collected = False
+    patterns = (f"{UNIT_PREFIX}@*.service",)
+
+    def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
+        super().__init__(systemd, config)
+        self.settings_dir = config.state_dir / "engines"
+
+    def layout(self, model_id: str) -> EngineLayout:
+        return EngineLayout.for_model(model_id, template=True)
+
+    async def start_engine(self, model: Model) -> EngineLayout:
+        layout = self.layout(model.id)
+        self.settings_dir.mkdir(parents=True, exist_ok=True)
+        binary = resolve_binary(server_binary(model, self._config))
+        write_atomic(self.settings_dir / f"{layout.instance}.json",
+                     json.dumps(template_settings(model, layout, binary)).encode())
+        if limits := resource_limits(model):
+            await self._sd.set_unit_properties(layout.unit, limits, runtime=True)
+        await self._start(layout.unit, lambda: self._sd.start_unit(layout.unit))
+        return layout
+
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        info = await super().engine_info(unit)
+        if info is None:
+            return None
+        instance = unit.removeprefix(f"{UNIT_PREFIX}@").removesuffix(".service")
+        try:   # the model id and socket live in the settings file, not the unit
+            settings = json.loads((self.settings_dir / f"{instance}.json").read_text())
+        except (OSError, ValueError):
+            return info
+        return replace(info, model_id=settings.get("model"), socket=settings.get("socket"))
+
+
+def info_from_properties(unit: str, unit_props: dict[str, Any],
+                         service: dict[str, Any]) -> EngineUnitInfo:
+    env = dict(item.split("=", 1) for item in service.get("Environment", []) if "=" in item)
+    memory = service.get("MemoryCurrent")
+    return EngineUnitInfo(
+        unit=unit,
+        model_id=env.get(MODEL_ENV),
+        socket=env.get(SOCKET_ENV),
+        active_state=unit_props.get("ActiveState", "unknown"),
+        sub_state=unit_props.get("SubState", "unknown"),
+        main_pid=int(service.get("MainPID", 0)),
+        n_restarts=int(service.get("NRestarts", 0)),
+        memory_bytes=None if memory in (None, _UNSET) else int(memory),
+        started_at_us=int(service.get("ExecMainStartTimestamp", 0)),
+    )
+
+
+def runtime_root(manager: str) -> str:
+    """Where RuntimeDirectory= lives: /run for the system manager, $XDG_RUNTIME_DIR for users."""
+    if manager == "user":
+        return os.environ.get("XDG_RUNTIME_DIR", f"/run/user/{os.getuid()}")
+    return "/run"
+
+
+def resolve_binary(name: str) -> str:
+    if os.path.isabs(name):
+        return name
+    for directory in os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":"):
+        candidate = Path(directory, name)
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return name  # UnitSpec refuses a relative argv[0]; the engine start reports it

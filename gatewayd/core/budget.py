@@ -1,0 +1,64 @@
+"""Admission arithmetic: may this model's engine start now? Pure.
+
+Checked in this order, each with its own error:
+1. one instance per model (`already_running`);
+2. the engine limit (`engine_limit_reached`);
+3. the VRAM budget: required = model file + mmproj + margin, against the
+   device's free memory read fresh right before deciding (`insufficient_gpu`).
+   Without a GPU (no NVML), there is nothing to measure: the check is skipped,
+   and engines run on the CPU within the engine limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gatewayd.core.catalog import Model
+from gatewayd.core.engines import Engine
+from gatewayd.core.errors import AlreadyRunning, EngineLimitReached, InsufficientGpu
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """A fresh reading of GPU memory, summed over the devices an engine may use."""
+
+    total_mib: int
+    free_mib: int
+    devices: tuple[str, ...] = ()
+
+
+def required_mib(size_bytes: int, margin_mib: int) -> int:
+    """Estimated GPU memory an engine needs: weights (rounded up) plus a margin."""
+    return -(-size_bytes // MIB) + margin_mib
+
+
+def model_need_mib(model: Model, default_margin_mib: int) -> int:
+    """The one definition of what a model's engine is expected to hold: its files
+    (model + mmproj) plus its margin (the model's vram_margin_mib, else the default)."""
+    margin = model.config.vram_margin_mib
+    return required_mib(model.size_bytes, default_margin_mib if margin is None else margin)
+
+
+def check_admission(model_id: str, engines: Iterable[Engine], *, max_engines: int,
+                    need_mib: int, gpu: GpuMemory | None) -> None:
+    engines = list(engines)
+    for engine in engines:
+        if engine.model_id == model_id and engine.holds_slot:
+            raise AlreadyRunning(
+                f"an engine for {model_id!r} is already {engine.state.value} "
+                f"({engine.unit})", model=model_id, state=engine.state.value, unit=engine.unit)
+    active = [e for e in engines if e.holds_slot]
+    if len(active) >= max_engines:
+        raise EngineLimitReached(
+            f"{len(active)} engines are running, the limit (max_engines) is {max_engines}; "
+            f"stop one first: {', '.join(e.model_id for e in active)}",
+            max_engines=max_engines, running=[e.model_id for e in active])
+    if gpu is not None and need_mib > gpu.free_mib:
+        raise InsufficientGpu(
+            f"{model_id!r} needs about {need_mib} MiB of GPU memory and {gpu.free_mib} MiB "
+            f"are free (of {gpu.total_mib} MiB); stop an engine or lower vram_margin_mib",
+            required_mib=need_mib, free_mib=gpu.free_mib, total_mib=gpu.total_mib,
+            running=[e.model_id for e in active])

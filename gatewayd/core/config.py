@@ -1,0 +1,279 @@
+"""The gateway's configuration: typed, frozen, validated with messages that name the key.
+
+Parsed from TOML (`/etc/llm-gateway/gateway.toml`, or `--config`; reading the
+file is gatewayd.adapters.config_file's job). Every key is optional. Unknown
+keys are errors, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from gatewayd.core.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
+DEFAULT_STATE_DIR = Path("/var/lib/llm-gateway")
+MAX_ENGINES_RANGE = range(1, 17)
+
+
+class Backend(StrEnum):
+    LLAMA = "llama"
+    WHISPER = "whisper"
+
+
+class UnitMode(StrEnum):
+    """How engine units are created (see docs/design.md, "Privilege model")."""
+
+    AUTO = "auto"            # transient when safe (user manager, or root), else template
+    TRANSIENT = "transient"  # StartTransientUnit
+    TEMPLATE = "template"    # llm-engine@<id>.service + a settings file per instance
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One `[models.NAME]` table (or a model found in `models_dir`)."""
+
+    name: str
+    path: Path
+    backend: Backend = Backend.LLAMA
+    args: tuple[str, ...] = ()
+    mmproj: Path | None = None
+    aliases: tuple[str, ...] = ()
+    ctx_size: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    memory_max: int | None = None       # bytes (MemoryMax=)
+    cpu_quota: float | None = None      # percent of one CPU (CPUQuota=)
+    cuda_visible_devices: str | None = None
+    vram_margin_mib: int | None = None
+    threads: int | None = None
+    pin: bool = False                    # never evicted
+    preload: bool = False                # started when the gateway starts
+    idle_ttl_s: float | None = None      # stopped after this long without requests
+    max_concurrency: int | None = None   # requests served at once; above: 429
+    queue_limit: int | None = None       # requests waiting for it; above: 503
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    models_dir: Path | None = None
+    models: tuple[ModelConfig, ...] = ()
+    max_engines: int = 4
+    vram_margin_mib: int = 1024
+    llama_server: str = "llama-server"
+    whisper_server: str = "whisper-server"
+    state_dir: Path = DEFAULT_STATE_DIR
+    bus: str = "auto"            # "system", "user", "auto" or a D-Bus address
+    unit_mode: UnitMode = UnitMode.AUTO
+    load_timeout_s: float = 300.0
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    default_model: str | None = None
+    autoload: bool = True                # a request for a stopped model starts it
+    eviction_wait_s: float = 30.0        # how long a start waits for room to free up
+    queue_limit: int = 100               # default per-model queue limit
+    max_body_bytes: int = 256 * 1024 * 1024
+    read_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 30.0
+    records_enabled: bool = True
+    records_path: Path | None = None          # default: <state_dir>/records.db
+    records_store_text: bool = False
+    records_text_max_bytes: int = 4096
+    source: Path | None = None
+
+    @property
+    def records_file(self) -> Path:
+        return self.records_path or self.state_dir / "records.db"
+
+
+_MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
+               "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
+               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit"}
+_TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
+             "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
+             "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
+             "records", "autoload", "eviction_wait_s", "queue_limit"}
+
+
+def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
+                 base: Path | None = None, state_dir: Path = DEFAULT_STATE_DIR
+                 ) -> GatewayConfig:
+    """Settings from parsed TOML. Relative paths are taken from base (default: the
+    file's directory); state_dir is the default where the file names none."""
+    where = str(source) if source else "config"
+    _no_unknown(data, _TOP_KEYS, where)
+    base = base or (source.parent if source else Path("."))
+    listen = data.get("listen", {})
+    _expect(listen, dict, where, "listen")
+    _no_unknown(listen, {"host", "port"}, f"{where} [listen]")
+
+    max_engines = _expect(data.get("max_engines", 4), int, where, "max_engines")
+    if max_engines not in MAX_ENGINES_RANGE:
+        raise ConfigError(f"{where}: max_engines = {max_engines} is out of range: allowed "
+                          f"{MAX_ENGINES_RANGE.start}..{MAX_ENGINES_RANGE.stop - 1}")
+    models_table = _expect(data.get("models", {}), dict, where, "models")
+    models = tuple(_parse_model(name, table, base, where)
+                   for name, table in models_table.items())
+    try:
+        unit_mode = UnitMode(data.get("unit_mode", "auto"))
+    except ValueError:
+        raise ConfigError(f"{where}: unit_mode must be one of "
+                          f"{', '.join(m.value for m in UnitMode)}") from None
+    records = data.get("records", {})
+    _expect(records, dict, where, "records")
+    _no_unknown(records, {"enabled", "path", "store_text", "text_max_bytes"}, f"{where} [records]")
+    max_body_mb = _expect(data.get("max_body_mb", 256), int, where, "max_body_mb")
+    if max_body_mb < 1:
+        raise ConfigError(f"{where}: max_body_mb must be at least 1")
+    port = _expect(listen.get("port", 8080), int, where, "listen.port")
+    if not 0 < port < 65536:
+        raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
+    return GatewayConfig(
+        models_dir=_path(data.get("models_dir"), base, where, "models_dir"),
+        models=models,
+        max_engines=max_engines,
+        vram_margin_mib=_non_negative(data.get("vram_margin_mib", 1024), where, "vram_margin_mib"),
+        llama_server=_expect(data.get("llama_server", "llama-server"), str, where,
+                             "llama_server"),
+        whisper_server=_expect(data.get("whisper_server", "whisper-server"), str, where,
+                               "whisper_server"),
+        state_dir=_path(data.get("state_dir"), base, where, "state_dir") or state_dir,
+        bus=_expect(data.get("bus", "auto"), str, where, "bus"),
+        unit_mode=unit_mode,
+        load_timeout_s=float(_positive(data.get("load_timeout_s", 300), where,
+                                       "load_timeout_s")),
+        listen_host=_expect(listen.get("host", "127.0.0.1"), str, where, "listen.host"),
+        listen_port=port,
+        default_model=_optional(data.get("default_model"), str, where, "default_model"),
+        max_body_bytes=max_body_mb * 1024 * 1024,
+        read_timeout_s=float(_positive(data.get("read_timeout_s", 600), where,
+                                       "read_timeout_s")),
+        shutdown_timeout_s=float(_positive(data.get("shutdown_timeout_s", 30), where,
+                                           "shutdown_timeout_s")),
+        autoload=_expect(data.get("autoload", True), bool, where, "autoload"),
+        eviction_wait_s=float(_positive(data.get("eviction_wait_s", 30), where,
+                                        "eviction_wait_s")),
+        queue_limit=_non_negative(data.get("queue_limit", 100), where, "queue_limit"),
+        records_enabled=_expect(records.get("enabled", True), bool, where, "records.enabled"),
+        records_path=_path(records.get("path"), base, where, "records.path"),
+        records_store_text=_expect(records.get("store_text", False), bool, where,
+                                   "records.store_text"),
+        records_text_max_bytes=_non_negative(records.get("text_max_bytes", 4096), where,
+                                             "records.text_max_bytes"),
+        source=source,
+    )
+
+
+def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
+    key = f"models.{name}"
+    _expect(table, dict, where, key)
+    _no_unknown(table, _MODEL_KEYS, f"{where} [{key}]")
+    if not name.strip():
+        raise ConfigError(f"{where}: a model name cannot be empty")
+    path = _path(table.get("path"), base, where, f"{key}.path")
+    if path is None:
+        raise ConfigError(f"{where}: [{key}] needs a path (the model file)")
+    try:
+        backend = Backend(table.get("backend", "llama"))
+    except ValueError:
+        raise ConfigError(f"{where}: {key}.backend must be 'llama' or 'whisper'") from None
+    args = _expect(table.get("args", []), list, where, f"{key}.args")
+    aliases = _expect(table.get("aliases", []), list, where, f"{key}.aliases")
+    env = _expect(table.get("env", {}), dict, where, f"{key}.env")
+    for item in (*args, *aliases, *env.values()):
+        _expect(item, str, where, f"{key} (args, aliases and env values)")
+    ctx = _optional(table.get("ctx_size"), int, where, f"{key}.ctx_size")
+    margin = table.get("vram_margin_mib")
+    return ModelConfig(
+        name=name, path=path, backend=backend, args=tuple(args),
+        mmproj=_path(table.get("mmproj"), base, where, f"{key}.mmproj"),
+        aliases=tuple(aliases), ctx_size=ctx, env=dict(env),
+        memory_max=_bytes(table.get("memory_max"), where, f"{key}.memory_max"),
+        cpu_quota=_percent(table.get("cpu_quota"), where, f"{key}.cpu_quota"),
+        cuda_visible_devices=_optional(table.get("cuda_visible_devices"), str, where,
+                                       f"{key}.cuda_visible_devices"),
+        vram_margin_mib=None if margin is None else _non_negative(margin, where,
+                                                                  f"{key}.vram_margin_mib"),
+        threads=_optional(table.get("threads"), int, where, f"{key}.threads"),
+        pin=_expect(table.get("pin", False), bool, where, f"{key}.pin"),
+        preload=_expect(table.get("preload", False), bool, where, f"{key}.preload"),
+        idle_ttl_s=None if table.get("idle_ttl_s") is None else float(
+            _positive(table["idle_ttl_s"], where, f"{key}.idle_ttl_s")),
+        max_concurrency=None if table.get("max_concurrency") is None else int(
+            _positive(_expect(table["max_concurrency"], int, where, f"{key}.max_concurrency"),
+                      where, f"{key}.max_concurrency")),
+        queue_limit=None if table.get("queue_limit") is None else _non_negative(
+            table["queue_limit"], where, f"{key}.queue_limit"),
+    )
+
+
+def _no_unknown(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], where: str, key: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(f"{where}: {key} must be a {names}, not {value!r}")
+    return value
+
+
+def _optional(value: Any, kind: type, where: str, key: str) -> Any:
+    return None if value is None else _expect(value, kind, where, key)
+
+
+def _non_negative(value: Any, where: str, key: str) -> int:
+    number: int = _expect(value, int, where, key)
+    if number < 0:
+        raise ConfigError(f"{where}: {key} cannot be negative")
+    return number
+
+
+def _positive(value: Any, where: str, key: str) -> float:
+    number: float = _expect(value, (int, float), where, key)
+    if number <= 0:
+        raise ConfigError(f"{where}: {key} must be positive")
+    return number
+
+
+def _bytes(value: Any, where: str, key: str) -> int | None:
+    """512M, 8G, or a plain number of bytes (systemd's base-1024 suffixes)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = str(value).strip().upper()
+    try:
+        number = float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
+    except (ValueError, IndexError):
+        number = -1
+    if number <= 0:
+        raise ConfigError(f"{where}: {key} = {value!r} is not a size (use e.g. \"512M\" or "
+                          "\"8G\")")
+    return int(number)
+
+
+def _percent(value: Any, where: str, key: str) -> float | None:
+    """"150%" (of one CPU) -> 150.0."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        number = float(text.removesuffix("%")) if text.endswith("%") else -1.0
+    except ValueError:
+        number = -1.0
+    if number <= 0:
+        raise ConfigError(f"{where}: {key} = {value!r} is not a CPU quota (use e.g. \"200%\")")
+    return number
+
+
+def _path(value: Any, base: Path, where: str, key: str) -> Path | None:
+    if value is None:
+        return None
+    path = Path(_expect(value, str, where, key)).expanduser()
+    return path if path.is_absolute() else base / path

@@ -1,0 +1,173 @@
+"""What an engine's unit looks like: its name, socket, argv and properties. Pure.
+
+A model id is client-controlled text as far as this module is concerned, so
+it only ever reaches systemd in three escaped forms:
+
+- the unit name: systemd's unit-name escaping (`systemd-escape`), shortened
+  with a hash when long, so the socket path stays under the 108-byte limit;
+- argv and environment: passed as separate strings over D-Bus (never through
+  a shell), with `$` doubled, because systemd expands `${VAR}` in ExecStart
+  even for transient units (verified; `%` specifiers are not expanded there);
+- the model id itself travels only as a value (Description, environment,
+  journal field), from which adoption reads it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+
+from gatewayd.core.catalog import Model
+from gatewayd.core.config import Backend, GatewayConfig
+from gatewayd.core.unit_spec import UnitSpec, exec_args
+
+UNIT_PREFIX = "llm-engine"
+ENGINES_SLICE = "llm-engines.slice"
+SOCKET_NAME = "engine.sock"
+MODEL_ENV = "LLM_GATEWAY_MODEL"
+SOCKET_ENV = "LLM_GATEWAY_SOCKET"
+MAX_INSTANCE = 64          # /run/llm-engine-<instance>/engine.sock stays < 108 bytes
+WHISPER_PORT = 8080        # inside the engine's private network namespace
+_UNIT_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:_.")
+
+
+def escape_unit_component(text: str) -> str:
+    """systemd's unit_name_escape(): what `systemd-escape TEXT` prints."""
+    out = []
+    for i, byte in enumerate(text.encode()):
+        char = chr(byte)
+        if char == "/":
+            out.append("-")
+        elif char in _UNIT_SAFE and not (i == 0 and char == "."):
+            out.append(char)
+        else:
+            out.append(f"\\x{byte:02x}")
+    return "".join(out)
+
+
+def engine_instance(model_id: str) -> str:
+    """The escaped, length-bounded name that identifies a model's engine in systemd."""
+    if not model_id:
+        raise ValueError("empty model id")
+    escaped = escape_unit_component(model_id)
+    if len(escaped) <= MAX_INSTANCE:
+        return escaped
+    digest = hashlib.sha256(model_id.encode()).hexdigest()[:12]
+    head = escaped[:MAX_INSTANCE - 13]
+    cut = head.rfind("\\", len(head) - 3)  # never cut an \xNN escape in half
+    if cut != -1:
+        head = head[:cut]
+    return f"{head}_{digest}"
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    model_id: str
+    instance: str
+    unit: str
+    runtime_directory: str    # relative to /run (RuntimeDirectory=)
+    socket: str
+
+    @classmethod
+    def for_model(cls, model_id: str, *, template: bool = False,
+                  run_root: str = "/run") -> EngineLayout:
+        instance = engine_instance(model_id)
+        unit = f"{UNIT_PREFIX}@{instance}.service" if template else \
+            f"{UNIT_PREFIX}-{instance}.service"
+        rundir = f"{UNIT_PREFIX}-{instance}"
+        return cls(model_id, instance, unit, rundir, f"{run_root}/{rundir}/{SOCKET_NAME}")
+
+
+def unit_patterns() -> list[str]:
+    """Glob patterns matching every engine unit, in both modes."""
+    return [f"{UNIT_PREFIX}-*.service", f"{UNIT_PREFIX}@*.service"]
+
+
+def server_binary(model: Model, config: GatewayConfig) -> str:
+    """The engine server's configured name or path (resolved against PATH by the adapter)."""
+    return config.llama_server if model.backend is Backend.LLAMA else config.whisper_server
+
+
+def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
+    """The engine server's own command line; binary: its absolute path.
+
+    For whisper, "{port}" stands for the loopback port the launcher chooses.
+    """
+    mc = model.config
+    threads = ["-t", str(mc.threads)] if mc.threads else []
+    if model.backend is Backend.LLAMA:
+        argv = [binary, "--host", layout.socket,
+                "-m", str(mc.path), "--alias", model.id, *threads]
+        if mc.mmproj:
+            argv += ["--mmproj", str(mc.mmproj)]
+        if mc.ctx_size:
+            argv += ["-c", str(mc.ctx_size)]
+        return argv + list(mc.args)
+    return [binary, "-m", str(mc.path),
+            "--host", "127.0.0.1", "--port", "{port}",
+            "--inference-path", "/v1/audio/transcriptions", *threads, *mc.args]
+
+
+def engine_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
+    """ExecStart of a transient engine unit."""
+    argv = server_argv(model, layout, binary)
+    if model.backend is Backend.LLAMA:
+        return argv
+    # whisper-server is TCP-only: the launcher runs it on a loopback port inside
+    # the unit's private network namespace and exposes it on the unix socket.
+    return [sys.executable, "-m", "gatewayd.engine_launch", "--socket", layout.socket,
+            "--port", str(WHISPER_PORT), "--", *argv]
+
+
+def engine_env(model: Model, layout: EngineLayout) -> dict[str, str]:
+    env = {MODEL_ENV: model.id, SOCKET_ENV: layout.socket, **model.config.env}
+    if model.config.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = model.config.cuda_visible_devices
+    return env
+
+
+def template_settings(model: Model, layout: EngineLayout, binary: str) -> dict[str, object]:
+    """What llm-engine@<instance>.service reads (gatewayd.engine_launch --settings)."""
+    return {"model": model.id, "backend": model.backend.value, "socket": layout.socket,
+            "port": WHISPER_PORT, "argv": server_argv(model, layout, binary),
+            "env": engine_env(model, layout)}
+
+
+def resource_limits(model: Model) -> list[tuple[str, str, object]]:
+    """Per-model cgroup limits as (property, D-Bus signature, value)."""
+    limits: list[tuple[str, str, object]] = []
+    if model.config.memory_max is not None:
+        limits.append(("MemoryMax", "t", model.config.memory_max))
+    if model.config.cpu_quota is not None:   # percent -> CPU time per second
+        limits.append(("CPUQuotaPerSecUSec", "t", round(model.config.cpu_quota * 10_000)))
+    return limits
+
+
+def transient_spec(model: Model, layout: EngineLayout, binary: str) -> UnitSpec:
+    """The transient service unit that runs this model's engine."""
+    env = engine_env(model, layout)
+    extra: dict[str, tuple[str, object]] = {
+        # llama-server refuses to start on a leftover socket file; the runtime
+        # directory is recreated on every start, and this makes sure regardless.
+        "ExecStartPre": ("a(sasb)", [["/bin/rm", exec_args(["/bin/rm", "-f", "--", layout.socket]),
+                                      False]]),
+        "LogExtraFields": ("aay", [f"{MODEL_ENV}={model.id}".encode()]),
+        "MemoryAccounting": ("b", True),   # memory per engine, from systemd
+    }
+    if model.backend is Backend.WHISPER:
+        extra["PrivateNetwork"] = ("b", True)
+    for name, signature, value in resource_limits(model):
+        extra[name] = (signature, value)
+    return UnitSpec(
+        name=layout.unit,
+        argv=engine_argv(model, layout, binary),
+        description=f"LLM engine {model.id}",
+        environment=env,
+        runtime_directory=layout.runtime_directory,
+        syslog_identifier=f"{UNIT_PREFIX}-{layout.instance}",
+        slice=ENGINES_SLICE,
+        restart_sec=1.0,
+        extra=extra,
+    )
+

@@ -1,0 +1,252 @@
+"""The engine state machine. Pure: events in, a new Engine out; no I/O, no clocks.
+
+    stopped ──start──▶ starting ──unit active──▶ loading ──/health 200──▶ ready
+       ▲                  │                        │                       │
+       │                  └──────── crash / start failure / load timeout ─┴─▶ failed
+       │                                                                        │
+       └──── unit gone ◀── stopping ◀── stop (from any state) ◀────────────────┘
+                                              systemd restart: failed ─▶ starting/loading
+
+Unit facts arrive as UnitChanged events built from systemd's PropertiesChanged
+signals (ActiveState, SubState, MainPID, NRestarts, ExecMainCode/Status), so a
+crash is seen the moment systemd sees it, and a systemd restart shows up as
+failed (restarting) → starting → loading → ready with the restart counted.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+CLD_EXITED, CLD_KILLED, CLD_DUMPED = 1, 2, 3
+
+
+class EngineState(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+# States in which an engine's unit exists and holds (or is about to hold) memory.
+SLOT_STATES = frozenset({EngineState.STARTING, EngineState.LOADING, EngineState.READY,
+                         EngineState.STOPPING})
+
+
+def holds_slot(state: EngineState, restarting: bool) -> bool:
+    """The one definition of "holds one of the max_engines slots": the unit exists and
+    runs or will run again — starting, loading, ready, stopping, or failed while
+    systemd restarts it (Restart=on-failure: its unit is still there)."""
+    return state in SLOT_STATES or (state is EngineState.FAILED and restarting)
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    exit_code: int | None = None
+    signal: int | None = None
+    restarting: bool = False
+    log_tail: tuple[str, ...] = ()
+
+    def describe(self) -> dict[str, object]:
+        return {"reason": self.reason, "exit_code": self.exit_code, "signal": self.signal,
+                "restarting": self.restarting, "log_tail": list(self.log_tail)}
+
+
+@dataclass(frozen=True)
+class Engine:
+    model_id: str
+    unit: str
+    socket: str
+    state: EngineState = EngineState.STOPPED
+    main_pid: int = 0
+    restarts: int = 0
+    ready_since: float | None = None    # monotonic time it last became ready
+    failure: Failure | None = None
+    adopted: bool = False
+
+    @property
+    def restarting(self) -> bool:
+        """Failed, and systemd is about to start it again."""
+        return self.failure is not None and self.failure.restarting
+
+    @property
+    def holds_slot(self) -> bool:
+        return holds_slot(self.state, self.restarting)
+
+
+# -- events ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartRequested:
+    now: float
+
+
+@dataclass(frozen=True)
+class UnitChanged:
+    """What systemd says about the unit (only the fields the signal carried)."""
+
+    now: float
+    active_state: str | None = None
+    sub_state: str | None = None
+    main_pid: int | None = None
+    n_restarts: int | None = None
+    result: str | None = None
+    exec_code: int | None = None
+    exec_status: int | None = None
+
+
+@dataclass(frozen=True)
+class HealthReady:
+    now: float
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    now: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadTimedOut:
+    now: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    now: float
+
+
+@dataclass(frozen=True)
+class UnitGone:
+    now: float
+
+
+@dataclass(frozen=True)
+class LogsRead:
+    lines: tuple[str, ...]
+
+
+Event = (StartRequested | UnitChanged | HealthReady | StartFailed | LoadTimedOut
+         | StopRequested | UnitGone | LogsRead)
+
+
+def exit_reason(code: int | None, status: int | None) -> tuple[str, int | None, int | None]:
+    """(text, exit code, signal) from systemd's ExecMainCode/ExecMainStatus."""
+    if code == CLD_EXITED:
+        return f"exited with status {status}", status, None
+    if code in (CLD_KILLED, CLD_DUMPED) and status is not None:
+        try:
+            name = signal.Signals(status).name
+        except ValueError:
+            name = f"signal {status}"
+        dumped = " (core dumped)" if code == CLD_DUMPED else ""
+        return f"killed by {name}{dumped}", None, status
+    return "stopped unexpectedly", None, None
+
+
+def _to(engine: Engine, state: EngineState, now: float, **changes: object) -> Engine:
+    if state is engine.state and not changes:
+        return engine
+    return replace(engine, state=state, **changes)  # type: ignore[arg-type]
+
+
+def apply(engine: Engine, event: Event) -> Engine:
+    """The engine after event. Events that do not apply in a state change nothing."""
+    s = engine.state
+    match event:
+        case StartRequested(now):
+            if s in (EngineState.STOPPED, EngineState.FAILED):
+                return _to(engine, EngineState.STARTING, now, failure=None, main_pid=0)
+            return engine
+        case HealthReady(now):
+            if s in (EngineState.STARTING, EngineState.LOADING):
+                return _to(engine, EngineState.READY, now, ready_since=now, failure=None)
+            return engine
+        case StartFailed(now, reason):
+            if s in (EngineState.STARTING, EngineState.LOADING, EngineState.STOPPED):
+                return _to(engine, EngineState.FAILED, now, failure=Failure(reason))
+            return engine
+        case LoadTimedOut(now, seconds):
+            if s in (EngineState.STARTING, EngineState.LOADING):
+                return _to(engine, EngineState.FAILED, now, failure=Failure(
+                    f"not ready after {seconds:g}s (load timeout)"))
+            return engine
+        case StopRequested(now):
+            if s is EngineState.STOPPED:
+                return engine
+            return _to(engine, EngineState.STOPPING, now)
+        case UnitGone(now):
+            if s is EngineState.FAILED:
+                failure = engine.failure
+                if failure is not None and failure.restarting:
+                    failure = replace(failure, restarting=False)
+                return replace(engine, failure=failure, main_pid=0)
+            return _to(engine, EngineState.STOPPED, now, main_pid=0)
+        case LogsRead(lines):
+            if engine.failure is None:
+                return engine
+            return replace(engine, failure=replace(engine.failure, log_tail=lines))
+        case UnitChanged():
+            return _unit_changed(engine, event)
+    raise TypeError(f"unknown event {event!r}")
+
+
+def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
+    changes: dict[str, object] = {}
+    if ev.n_restarts is not None and ev.n_restarts != engine.restarts:
+        changes["restarts"] = ev.n_restarts
+    pid_changed = bool(ev.main_pid) and ev.main_pid != engine.main_pid
+    if ev.main_pid:
+        changes["main_pid"] = ev.main_pid
+    s, active, sub = engine.state, ev.active_state, ev.sub_state
+    failure = engine.failure
+    if (s is EngineState.FAILED and failure is not None and ev.exec_code is not None
+            and failure.exit_code is None and failure.signal is None
+            and failure.reason == "stopped unexpectedly"):
+        # the Service interface's signal (exit status) came after the Unit's
+        text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
+        changes["failure"] = replace(failure, reason=text, exit_code=code, signal=sig)
+
+    if s is EngineState.STOPPING:
+        if active in ("inactive", "failed"):
+            return _to(engine, EngineState.STOPPED, ev.now, main_pid=0)
+        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
+
+    if s is EngineState.FAILED and active in ("deactivating", "inactive", "failed"):
+        # a failed engine being stopped or collected stays failed, with its reason
+        settled = changes.get("failure", failure)
+        if isinstance(settled, Failure) and settled.restarting and active != "deactivating":
+            changes["failure"] = replace(settled, restarting=False)
+        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
+    if active == "activating" and sub == "auto-restart":
+        text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
+        return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
+                   failure=Failure(text, code, sig, restarting=True), **changes)
+    if active == "failed" or (active == "inactive" and ev.result not in (None, "success")):
+        text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
+        if ev.result and ev.result not in ("exit-code", "signal", "core-dump", "success"):
+            text = f"{text} ({ev.result})"
+        return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
+                   failure=Failure(text, code, sig), **changes)
+    if active == "inactive":
+        if s is EngineState.STARTING:
+            return engine  # a unit being created reports inactive/dead before activating
+        return _to(engine, EngineState.STOPPED, ev.now, main_pid=0, ready_since=None, **changes)
+    if active == "deactivating":
+        return _to(engine, EngineState.STOPPING, ev.now, **changes)
+    if active == "activating":
+        if s in (EngineState.STOPPED, EngineState.FAILED, EngineState.STARTING):
+            return _to(engine, EngineState.STARTING, ev.now, **changes)
+        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
+    restarted_unseen = s is EngineState.READY and pid_changed and bool(engine.main_pid)
+    if active == "active" and (restarted_unseen or s in (
+            EngineState.STOPPED, EngineState.STARTING, EngineState.FAILED)):
+        # running but not necessarily loaded: /health decides when it is ready
+        return _to(engine, EngineState.LOADING, ev.now, ready_since=None, **changes)
+    return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]

@@ -1,0 +1,132 @@
+"""One error hierarchy for the whole gateway.
+
+Every class carries the HTTP status and the OpenAI error `type`/`code` it is
+rendered with, so handlers raise and one place renders. Adapters translate
+library errors (D-Bus, sqlite, NVML) into these at their edge; the core never
+sees a foreign exception type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+
+def error_body(message: str, *, type_: str, code: str | None, param: str | None = None,
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The OpenAI-shaped error envelope: {"error": {message, type, param, code, ...extra}}."""
+    error: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
+    if extra:
+        error.update(extra)
+    return {"error": error}
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 retry_after: int | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after   # seconds, sent as a Retry-After header
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-shaped error envelope, plus our extra fields."""
+        return error_body(self.message, type_=self.type, code=self.code, param=self.param,
+                          extra=self.extra)
+
+
+class InvalidRequest(GatewayError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class ModelNotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class AlreadyRunning(GatewayError):
+    status, type, code = 409, "invalid_request_error", "already_running"
+
+
+class EngineLimitReached(GatewayError):
+    status, type, code = 503, "server_error", "engine_limit_reached"
+
+
+class InsufficientGpu(GatewayError):
+    status, type, code = 503, "server_error", "insufficient_gpu"
+
+
+class EngineNotRunning(GatewayError):
+    status, type, code = 409, "invalid_request_error", "engine_not_running"
+
+
+class EngineFailed(GatewayError):
+    """The engine could not be started or died while loading."""
+
+    status, type, code = 502, "server_error", "engine_failed"
+
+
+class ModelRequired(GatewayError):
+    status, type, code = 400, "invalid_request_error", "model_required"
+
+
+class NoEngineReady(GatewayError):
+    status, type, code = 503, "server_error", "no_engine_ready"
+
+
+class BodyTooLarge(GatewayError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class EngineUnavailable(GatewayError):
+    """The engine's socket refused or dropped the request before it was answered."""
+
+    status, type, code = 502, "server_error", "engine_unavailable"
+
+
+class ModelNotLoaded(GatewayError):
+    """The model's engine is not running and the request said autoload=false."""
+
+    status, type, code = 503, "server_error", "model_not_loaded"
+
+
+class ConcurrencyLimit(GatewayError):
+    status, type, code = 429, "rate_limit_error", "concurrency_limit"
+
+
+class QueueFull(GatewayError):
+    status, type, code = 503, "server_error", "queue_full"
+
+
+class ConfigError(GatewayError):
+    """The configuration is wrong; the message names the key and the fix."""
+
+    status, type, code = 500, "server_error", "config_error"
+
+
+class SystemdUnavailable(GatewayError):
+    """No systemd manager (or no D-Bus) to run engines under."""
+
+    status, type, code = 503, "server_error", "systemd_unavailable"
+
+
+class UnitOperationFailed(GatewayError):
+    """systemd refused or failed a unit operation (start, stop, kill...)."""
+
+    status, type, code = 502, "server_error", "unit_operation_failed"
+
+
+class UnitAlreadyActive(UnitOperationFailed):
+    """systemd already runs a unit of that name: adopt it rather than fail."""
+
+    status, type, code = 409, "invalid_request_error", "unit_already_active"
+
+
+class AccessDenied(UnitOperationFailed):
+    """polkit (or the bus policy) said no to a unit operation."""
+
+    status, type, code = 403, "permission_error", "access_denied"

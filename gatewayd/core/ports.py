@@ -1,0 +1,87 @@
+"""The small interfaces the engine layer needs from the outside world.
+
+The core and the engine manager depend on these, never on D-Bus, NVML or
+journald directly; tests pass fakes, app.py passes the real adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gatewayd.core.budget import GpuMemory
+from gatewayd.core.catalog import Model
+from gatewayd.core.engine_units import EngineLayout
+
+
+@dataclass(frozen=True)
+class EngineUnitInfo:
+    """What systemd knows about one engine unit."""
+
+    unit: str
+    model_id: str | None        # read back from the unit's environment
+    socket: str | None
+    active_state: str
+    sub_state: str
+    main_pid: int
+    n_restarts: int
+    memory_bytes: int | None    # systemd's MemoryCurrent (cgroup accounting)
+    started_at_us: int          # ExecMainStartTimestamp (µs since the epoch), 0 if never
+
+
+UnitWatcher = Callable[[str, Mapping[str, Any]], None]
+
+
+class UnitControl(Protocol):
+    """Creates, stops and lists engine units. One implementation per privilege mode."""
+
+    mode: str        # "transient" or "template"
+    manager: str     # "system" or "user"
+
+    def layout(self, model_id: str) -> EngineLayout: ...
+    async def start_engine(self, model: Model) -> EngineLayout:
+        """Start the model's unit. Raises UnitAlreadyActive when systemd already runs a
+        unit of that name (the gateway lost track of it); waits out a previous instance
+        that is still being collected."""
+        ...
+
+    async def stop_engine(self, unit: str) -> None:
+        """Stop the unit; returns once it is inactive and (transient units) gone, so the
+        next start of the same name cannot collide with it. No such unit: done."""
+        ...
+
+    async def list_engines(self) -> list[EngineUnitInfo]: ...
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None: ...
+    def watch(self, callback: UnitWatcher) -> Callable[[], None]: ...
+
+
+class GpuProbe(Protocol):
+    """Fresh GPU memory readings; None means no GPU (or no NVML)."""
+
+    description: str
+
+    def memory(self, devices: str | None = None) -> GpuMemory | None: ...
+    def process_mib(self) -> dict[int, int] | None:
+        """MiB of GPU memory per process (NVML), or None where that is unknown."""
+        ...
+
+
+class HealthProbe(Protocol):
+    async def status(self, socket: str) -> int | None:
+        """HTTP status of GET /health over the unix socket; None if unreachable."""
+        ...
+
+
+class JournalReader(Protocol):
+    async def tail(self, unit: str, lines: int) -> list[str]: ...
+
+
+class DesiredList(Protocol):
+    """The engines the user wants running, in the order they were started (kept across
+    reboots). add/remove may raise OSError (an unwritable state directory)."""
+
+    @property
+    def ids(self) -> list[str]: ...
+    def add(self, model_id: str) -> None: ...
+    def remove(self, model_id: str) -> None: ...

@@ -1,0 +1,49 @@
+"""Which model answers a request. Pure: names and engine states in, a model id out.
+
+- `model` given (JSON body, multipart field or ?model=): resolved through the
+  catalog's names (or an adopted engine's id); unknown → 404 model_not_found
+  with the available models. Whether its engine runs is the dispatcher's
+  business (autoload, queue, or 503 model_not_loaded).
+- no `model` on a /v1 path: the one ready engine, else 400 model_required.
+- no `model` elsewhere (/props, /metrics, /slots, …): the default engine — the
+  configured default_model if it is ready, else the first ready engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gatewayd.core.catalog import Catalog
+from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.errors import ModelNotFound, ModelRequired, NoEngineReady
+
+
+def choose_model(path: str, model: str | None, *, catalog: Catalog,
+                 engines: Sequence[Engine], default_model: str | None) -> str:
+    if model is not None:
+        try:
+            return catalog.resolve(model).id
+        except ModelNotFound:
+            if any(e.model_id == model for e in engines):  # adopted, no longer configured
+                return model
+            raise
+    ready = [e for e in engines if e.state is EngineState.READY]
+    if path.startswith("/v1/"):
+        if len(ready) == 1:
+            return ready[0].model_id
+        raise ModelRequired(
+            "this request needs a \"model\": " + (
+                f"{len(ready)} engines are ready" if ready else "no engine is ready"),
+            param="model", available_models=[e.model_id for e in ready] or catalog.ids)
+    if default_model is not None:
+        try:
+            default_id = catalog.resolve(default_model).id
+        except ModelNotFound:
+            default_id = default_model
+        for engine in ready:
+            if engine.model_id == default_id:
+                return engine.model_id
+    if ready:
+        return ready[0].model_id
+    raise NoEngineReady("no engine is ready to answer this request; start one with "
+                        "`llm-gateway start MODEL`", available_models=catalog.ids)

@@ -1,0 +1,200 @@
+"""Scheduling decisions. Pure: usage snapshots in, decisions out; no I/O, no awaits.
+
+The dispatcher (gatewayd.service) gathers a snapshot, asks one of these
+functions, and carries out the answer (stop a victim, mark one draining, start
+an engine, wait). Because a decision never awaits, nothing can change under it:
+no locks.
+
+Who gets the next slot: models waiting for room form one line, in the order
+their first request arrived (FIFO across models, as llama-swap does). Only the
+model at the head may make room; the ones behind it may take room that is
+already free only if it is more than the models ahead of them need.
+
+How room is made, at the head of the line:
+1. evict the least recently *used* engine (used = an inference request; status
+   polls do not count) among those that can go now: ready, serving nobody,
+   awaited by nobody (or draining), not pinned;
+2. if none can go now, *drain* the least recently used ready, unpinned engine:
+   its in-flight requests finish (never preempted), its new requests queue
+   behind the waiting model, and once it serves nobody it is evicted (1.).
+   Without this a model waiting for a slot under continuous load on the others
+   would wait until an engine happens to be idle: starvation.
+One victim at a time; the dispatcher waits for its memory to come back before
+deciding again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gatewayd.core.engines import EngineState, holds_slot
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One engine as the scheduler sees it."""
+
+    model_id: str
+    state: EngineState
+    in_flight: int = 0        # requests being served right now
+    queued: int = 0           # requests waiting for this engine
+    pinned: bool = False
+    last_used: float = 0.0    # monotonic time of the last inference request
+    estimate_mib: int = 0     # what it is expected to hold (file + mmproj + margin)
+    measured_mib: int | None = None   # what NVML says its process holds, where known
+    idle_ttl_s: float | None = None
+    restarting: bool = False  # failed, and systemd is starting it again
+    draining: bool = False    # picked to make room: finishing its requests, then evicted
+
+    @property
+    def holds_slot(self) -> bool:
+        return holds_slot(self.state, self.restarting)
+
+    def why_not_evictable(self) -> str | None:
+        """Why this engine may not be stopped now (None: it may)."""
+        if self.pinned:
+            return "pinned"
+        if self.state is not EngineState.READY:
+            return "restarting" if self.restarting else self.state.value
+        if self.in_flight:
+            return f"serving {self.in_flight} request(s)"
+        if self.queued and not self.draining:
+            return f"awaited by {self.queued} request(s)"
+        return None
+
+    def why_not_drainable(self) -> str | None:
+        """Why this engine may not be drained to make room (None: it may)."""
+        if self.pinned:
+            return "pinned"
+        if self.state is not EngineState.READY:
+            return "restarting" if self.restarting else self.state.value
+        return None
+
+
+@dataclass(frozen=True)
+class Fits:
+    """Start now: there is room."""
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Stop this engine first (then decide again)."""
+
+    model_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Nothing can go now: let this engine finish what it serves, queue its new
+    requests, and evict it once idle (then decide again)."""
+
+    model_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Room is being made (a drain or a stop is under way), or models ahead in the
+    line come first: wait for a change, then decide again."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """No room and nothing may go. `holders` say what is holding the resources."""
+
+    limit: str                      # "engine_limit" or "gpu_memory"
+    holders: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class TryAnyway:
+    """Nothing else is running and it still does not fit by estimate: the estimate is
+    conservative, so start it and report the engine's own failure if it does not load."""
+
+
+Decision = Fits | Evict | Drain | Wait | Blocked | TryAnyway
+
+
+def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need_mib: int,
+               free_mib: int | None, ahead: int = 0) -> Decision:
+    """Can model_id's engine start now, and if not, what happens first?
+
+    free_mib is a fresh reading of free GPU memory (None: no GPU, memory not checked);
+    ahead is how many models are before this one in the line for room.
+    """
+    others = [u for u in usages if u.model_id != model_id and u.holds_slot]
+    free_slots = max_engines - len(others)
+    memory_short = free_mib is not None and need_mib > free_mib
+    if ahead:
+        # the models ahead come first; a slot beyond what they need may be taken
+        # (memory may not: what they need is not known here)
+        if free_slots > ahead and free_mib is None:
+            return Fits()
+        return Wait(f"{ahead} model(s) ahead in the line for room")
+    if free_slots > 0 and not memory_short:
+        return Fits()
+    slots_short = free_slots <= 0
+    limit = "engine_limit" if slots_short else "gpu_memory"
+    why = ("max_engines reached" if slots_short else
+           f"needs {need_mib} MiB, {free_mib} MiB free")
+    victims = sorted((u for u in others if u.why_not_evictable() is None),
+                     key=lambda u: u.last_used)
+    if victims:
+        return Evict(victims[0].model_id, f"making room for {model_id}: {why}")
+    if any(u.draining for u in others):
+        return Wait("an engine is finishing its requests to make room")
+    if any(u.state in (EngineState.STOPPING,) for u in others):
+        return Wait("an engine is stopping")
+    drainable = sorted((u for u in others if u.why_not_drainable() is None),
+                       key=lambda u: u.last_used)
+    if drainable:
+        return Drain(drainable[0].model_id, f"making room for {model_id}: {why}")
+    if not others and memory_short:
+        return TryAnyway()
+    holders = tuple((u.model_id, u.why_not_evictable() or "running") for u in others)
+    return Blocked(limit, holders)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """GPU memory, accounted for. All MiB.
+
+    held     = Σ measured use of the engines' processes (NVML per process; 0 where unknown)
+    pending  = Σ over starting/loading engines of max(0, estimate - measured): memory a
+               load will still take, which NVML's free figure does not show yet
+    external = max(0, total - free - held): what other processes hold
+    plan_free = max(0, free - pending): what a new engine may count on
+    """
+
+    total_mib: int
+    free_mib: int
+    held_mib: int
+    pending_mib: int
+    external_mib: int
+
+    @property
+    def plan_free_mib(self) -> int:
+        return max(0, self.free_mib - self.pending_mib)
+
+
+def memory_ledger(total_mib: int, free_mib: int, usages: Iterable[Usage]) -> Ledger:
+    held = pending = 0
+    for u in usages:
+        if not u.holds_slot:
+            continue
+        held += u.measured_mib or 0
+        if u.state in (EngineState.STARTING, EngineState.LOADING):
+            pending += max(0, u.estimate_mib - (u.measured_mib or 0))
+    return Ledger(total_mib=total_mib, free_mib=free_mib, held_mib=held, pending_mib=pending,
+                  external_mib=max(0, total_mib - free_mib - held))
+
+
+def idle_expired(usages: Iterable[Usage], now: float) -> list[str]:
+    """Engines idle (ready, serving and awaited by nobody) for longer than their idle_ttl."""
+    return [u.model_id for u in usages
+            if u.idle_ttl_s is not None and u.state is EngineState.READY and not u.in_flight
+            and not u.queued and not u.pinned and now - u.last_used >= u.idle_ttl_s]

@@ -1,0 +1,198 @@
+"""The admin HTTP API: list, start and stop engines, read their logs. Thin handlers.
+
+Model names travel in the JSON body or the query string, never in the URL
+path, so no name (with slashes, dots or anything else) can change the route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from gatewayd.adapters import records
+from gatewayd.adapters.events import EventHub
+from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.errors import InvalidRequest
+from gatewayd.core.ports import EngineUnitInfo
+from gatewayd.http.sse import SSE_HEADERS, sse_event
+from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
+
+ENGINES = web.AppKey("engines", EngineManager)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+EVENTS = web.AppKey("events", EventHub)
+HEARTBEAT_S = 15.0
+MAX_LOG_LINES = 10_000
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/status", status)
+    app.router.add_get("/admin/models", models)
+    app.router.add_get("/admin/engines", list_engines)
+    app.router.add_post("/admin/engines/start", start_engine)
+    app.router.add_post("/admin/engines/stop", stop_engine)
+    app.router.add_get("/admin/engines/logs", engine_logs)
+    app.router.add_get("/admin/records", call_records)
+    app.router.add_get("/admin/events", follow_events)
+
+
+async def status(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    engines = mgr.engines()
+    return web.json_response({
+        "unit_mode": mgr.units.mode,
+        "systemd_manager": mgr.units.manager,
+        "gpu": mgr.gpu.description,
+        "max_engines": mgr.config.max_engines,
+        "engines": {state: sum(1 for e in engines if e.state.value == state)
+                    for state in sorted({e.state.value for e in engines})},
+        "models": len(mgr.catalog),
+        "desired": mgr.desired.ids,
+        "gpu_memory_mib": _ledger(request),
+        "config": str(mgr.config.source) if mgr.config.source else None,
+    })
+
+
+async def models(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    return web.json_response({"models": [m.describe() for m in mgr.catalog]})
+
+
+async def list_engines(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    rows = []
+    for engine in mgr.engines():
+        rows.append(engine_json(engine, await mgr.info(engine)))
+    return web.json_response({"engines": rows})
+
+
+async def start_engine(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    model = mgr.catalog.resolve(await _model_field(request))
+    engine = await mgr.start(model.id)
+    return web.json_response({"engine": engine_json(engine, await mgr.info(engine))})
+
+
+async def stop_engine(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    name = await _model_field(request)
+    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
+    engine = await mgr.stop(model_id)
+    return web.json_response({"engine": engine_json(engine, None)})
+
+
+async def engine_logs(request: web.Request) -> web.Response:
+    mgr = request.app[ENGINES]
+    name = request.query.get("model")
+    if not name:
+        raise InvalidRequest("give the model: ?model=NAME", param="model")
+    try:
+        lines = int(request.query.get("lines", "100"))
+    except ValueError:
+        raise InvalidRequest("lines must be a number", param="lines") from None
+    if not 0 < lines <= MAX_LOG_LINES:
+        raise InvalidRequest(f"lines must be 1..{MAX_LOG_LINES}", param="lines")
+    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
+    return web.json_response({"model": model_id, "lines": await mgr.logs(model_id, lines)})
+
+
+async def call_records(request: web.Request) -> web.Response:
+    """Newest first; filters: model, since/until (epoch seconds), status, outcome, limit."""
+    mgr = request.app[ENGINES]
+    q = request.query
+    try:
+        since = float(q["since"]) if "since" in q else None
+        until = float(q["until"]) if "until" in q else None
+        status = int(q["status"]) if "status" in q else None
+        limit = int(q.get("limit", "100"))
+    except ValueError:
+        raise InvalidRequest("since/until are epoch seconds; status and limit are "
+                             "numbers") from None
+    if not 0 < limit <= 10_000:
+        raise InvalidRequest("limit must be 1..10000", param="limit")
+    rows = await asyncio.to_thread(
+        records.query, mgr.config.records_file, model=q.get("model"), since=since,
+        until=until, status=status, outcome=q.get("outcome"), limit=limit)
+    return web.json_response({"records": rows})
+
+
+def _ledger(request: web.Request) -> dict[str, int] | None:
+    dispatcher = request.app.get(DISPATCHER)
+    ledger = dispatcher.ledger() if dispatcher is not None else None
+    if ledger is None:
+        return None
+    return {"total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines":
+            ledger.held_mib, "pending_loads": ledger.pending_mib,
+            "external": ledger.external_mib, "free_for_planning": ledger.plan_free_mib}
+
+
+def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) -> None:
+    """Engine state changes as events: starting, ready, failed (reason), stopped (why)."""
+    if old.state is new.state:
+        return
+    event: dict[str, Any] = {"type": "engine", "model": new.model_id, "state": new.state.value,
+                             "from": old.state.value, "unit": new.unit,
+                             "restarts": new.restarts}
+    if new.state is EngineState.FAILED and new.failure is not None:
+        event["reason"] = new.failure.reason
+    elif new.state in (EngineState.STOPPING, EngineState.STOPPED):
+        event["reason"] = mgr.stop_reasons.get(new.model_id, "stopped outside the gateway")
+    hub.publish(event)
+
+
+async def follow_events(request: web.Request) -> web.StreamResponse:
+    """SSE: a snapshot first, then every engine state change and queue depth change."""
+    mgr, hub = request.app[ENGINES], request.app[EVENTS]
+    queue = hub.follow()
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await response.prepare(request)
+        snapshot = {"type": "snapshot", "engines": [
+            {"model": e.model_id, "state": e.state.value, "unit": e.unit}
+            for e in mgr.engines()]}
+        await response.write(sse_event(snapshot))
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")
+                continue
+            await response.write(sse_event(event))
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        hub.unfollow(queue)
+    return response
+
+
+def engine_json(engine: Engine, info: EngineUnitInfo | None) -> dict[str, Any]:
+    uptime = None
+    if info is not None and info.started_at_us and engine.state.value in ("loading", "ready"):
+        uptime = round(time.time() - info.started_at_us / 1e6, 1)
+    return {
+        "model": engine.model_id,
+        "state": engine.state.value,
+        "unit": engine.unit,
+        "pid": engine.main_pid or None,
+        "socket": engine.socket,
+        "restarts": engine.restarts,
+        "uptime_s": uptime,
+        "memory_bytes": info.memory_bytes if info else None,
+        "adopted": engine.adopted,
+        "failure": engine.failure.describe() if engine.failure else None,
+    }
+
+
+async def _model_field(request: web.Request) -> str:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError:
+        raise InvalidRequest("the body is not valid JSON") from None
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model.strip():
+        raise InvalidRequest('give the model as {"model": "NAME"}', param="model")
+    return model

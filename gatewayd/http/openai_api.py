@@ -1,0 +1,201 @@
+"""The OpenAI front door: thin handlers. Parse, choose the engine, relay, record.
+
+Every path an engine serves is proxied (POST with the model in the JSON body
+or the multipart `model` field; GET with ?model=); /v1/models and /health are
+answered by the gateway itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+from aiohttp import MultipartReader, web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.streams import StreamReader
+
+from gatewayd.adapters.records import CallRecord, RecordWriter
+from gatewayd.core.budget import model_need_mib
+from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engines import EngineState
+from gatewayd.core.errors import BodyTooLarge, GatewayError, InvalidRequest
+from gatewayd.core.routing import choose_model
+from gatewayd.http.proxy import Outgoing, Upstreams, forward_headers, relay
+from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
+
+# where llama-server honours stream_options.include_usage
+USAGE_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
+                         "/completions"})
+# engine endpoints that must never be reachable through the gateway
+BLOCKED_PATHS = frozenset({"/load"})   # whisper-server: loads any path; a bad one kills it
+
+
+@dataclass
+class FrontDoor:
+    config: GatewayConfig
+    engines: EngineManager
+    dispatcher: Dispatcher
+    upstreams: Upstreams
+    records: RecordWriter | None
+
+
+FRONT = web.AppKey("front", FrontDoor)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_route("*", "/admin/{tail:.*}", admin_not_found)
+    app.router.add_route("*", "/{tail:.*}", proxy_request)
+
+
+async def health(request: web.Request) -> web.Response:
+    engines = request.app[FRONT].engines.engines()
+    ready = sum(1 for e in engines if e.state is EngineState.READY)
+    return web.json_response({"status": "ok", "engines_ready": ready})
+
+
+async def admin_not_found(request: web.Request) -> web.Response:
+    raise web.HTTPNotFound()
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """Ready engines first, then the models that could be started."""
+    front = request.app[FRONT]
+    engines = {e.model_id: e for e in front.engines.engines()}
+    rows = []
+    for model in front.engines.catalog:
+        info = model.describe()
+        engine = engines.get(model.id)
+        rows.append({
+            "id": model.id, "object": "model", "created": int(model.path.stat().st_mtime)
+            if model.path.exists() else 0, "owned_by": "llm-gateway",
+            "backend": info["backend"],
+            "state": engine.state.value if engine else EngineState.STOPPED.value,
+            "loaded": engine is not None and engine.state is EngineState.READY,
+            "engine": engine.unit if engine else None,
+            "vram_estimate_mib": model_need_mib(model, front.config.vram_margin_mib),
+            "context_length": info["context_length"], "quantization": info["quantization"],
+            "parameter_count": info["parameter_count"], "architecture": info["architecture"],
+            "aliases": info["aliases"],
+        })
+    rows.sort(key=lambda r: not r["loaded"])
+    return web.json_response({"object": "list", "data": rows})
+
+
+async def proxy_request(request: web.Request) -> web.StreamResponse:
+    front = request.app[FRONT]
+    t0 = time.monotonic()
+    record = CallRecord(ts=time.time(), method=request.method, endpoint=request.path)
+    try:
+        if request.path in BLOCKED_PATHS:
+            raise web.HTTPNotFound()
+        body = await read_body(request, front.config.max_body_bytes)
+        record.bytes_in = len(body)
+        model, payload, multipart = await model_of(request, body)
+        model_id = choose_model(request.path, model or request.query.get("model"),
+                                catalog=front.engines.catalog,
+                                engines=front.engines.engines(),
+                                default_model=front.config.default_model)
+        record.model = model_id
+        # Inference (POST) may load a model and counts as use for eviction; polls such
+        # as GET /props or /metrics?model= neither load one nor keep one alive.
+        inference = request.method == "POST"
+        autoload = (inference and front.config.autoload
+                    and request.query.get("autoload") != "false")
+        stream = payload is not None and payload.get("stream") is True
+        drop_usage = False
+        if stream and request.path in USAGE_PATHS and payload is not None:
+            options = payload.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage")):
+                # ask for usage on the client's behalf (for the record), hide it again
+                payload["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                             "include_usage": True}
+                body = json.dumps(payload).encode()
+                drop_usage = True
+        if front.config.records_store_text and not multipart:
+            record.request_text = _capped(body, front.config.records_text_max_bytes)
+        async with front.dispatcher.serve(model_id, autoload=autoload,
+                                          counts_as_use=inference) as engine:
+            record.engine = engine.unit
+            response = await relay(request, front.upstreams, Outgoing(
+                socket=engine.socket, method=request.method, path_qs=request.path_qs,
+                body=body, headers=forward_headers(request.headers), stream=stream,
+                drop_usage_event=drop_usage), record, t0)
+        if front.config.records_store_text and isinstance(response, web.Response) \
+                and isinstance(response.body, bytes):
+            record.response_text = _capped(response.body, front.config.records_text_max_bytes)
+        return response
+    except GatewayError as e:
+        record.status, record.outcome, record.error_code = e.status, "error", e.code
+        raise
+    except web.HTTPException as e:
+        record.status, record.outcome = e.status, "error"
+        raise
+    except asyncio.CancelledError:
+        if not record.stream:  # a stream's relay knows whether it was all delivered
+            record.disconnected, record.outcome = True, "disconnected"
+        raise
+    finally:
+        record.latency_ms = (time.monotonic() - t0) * 1000
+        if front.records is not None:
+            front.records.add(record)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"the request body ({request.content_length} bytes) is over the "
+                           f"limit of {limit} bytes (max_body_mb)", limit=limit)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(f"the request body is over the limit of {limit} bytes "
+                           "(max_body_mb)", limit=limit) from None
+
+
+async def model_of(request: web.Request, body: bytes) -> tuple[str | None, dict | None, bool]:  # type: ignore[type-arg]
+    """(model, JSON payload, is multipart) of a request body."""
+    if not body:
+        return None, None, False
+    if request.content_type == "multipart/form-data":
+        return await multipart_model(request, body), None, True
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    model = payload.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("\"model\" must be a string", param="model")
+    return model, payload, False
+
+
+async def multipart_model(request: web.Request, body: bytes) -> str | None:
+    """The `model` form field, found by its Content-Disposition name (never a filename).
+
+    The body was read whole (it is forwarded byte for byte), so aiohttp's own
+    multipart reader parses a copy of it from memory.
+    """
+    stream = StreamReader(BaseProtocol(asyncio.get_running_loop()), max(2**16, len(body)),
+                          loop=asyncio.get_running_loop())
+    stream.feed_data(body)
+    stream.feed_eof()
+    reader = MultipartReader(request.headers, stream)
+    try:
+        while (part := await reader.next()) is not None:
+            if getattr(part, "name", None) == "model" and not getattr(part, "filename", None):
+                text = await part.text()  # type: ignore[union-attr]
+                return text.strip() or None
+            await part.release()
+    except (ValueError, AssertionError) as e:
+        raise InvalidRequest(f"the multipart body cannot be parsed: {e}") from None
+    return None
+
+
+def _capped(data: bytes, limit: int) -> str:
+    return data[:limit].decode(errors="replace")
+

@@ -1,0 +1,245 @@
+"""Relaying a request to an engine over its unix socket, and the answer back.
+
+The hot path. What it costs is paid per request, so:
+- one pooled keep-alive session per engine socket for ordinary answers, and a
+  separate no-reuse session for streams: llama-server closes the connection
+  after every SSE answer although it says keep-alive, so a stream's connection
+  must never go back to a pool;
+- non-streamed answers are read whole and sent as one web.Response (cheaper
+  than a StreamResponse);
+- streamed answers go through SseRelay event by event, each written (and so
+  flushed) the moment it is complete;
+- timeouts: connecting must be quick (a dead socket fails at once), reading
+  may take as long as the model needs, up to read_timeout_s between bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gatewayd.adapters.records import CallRecord
+from gatewayd.core.errors import EngineFailed, EngineUnavailable
+from gatewayd.http.sse import SSE_HEADERS, SseRelay, sse_event
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+TRANSCRIPTION_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations",
+                                 "/inference"})
+
+
+class Upstreams:
+    """HTTP client sessions to engine sockets, created on first use."""
+
+    def __init__(self, read_timeout_s: float) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                              sock_read=read_timeout_s)
+        self._pooled: dict[str, aiohttp.ClientSession] = {}
+        self._oneshot: dict[str, aiohttp.ClientSession] = {}
+
+    def session(self, socket: str, *, stream: bool) -> aiohttp.ClientSession:
+        sessions = self._oneshot if stream else self._pooled
+        session = sessions.get(socket)
+        if session is None or session.closed:
+            connector = (aiohttp.UnixConnector(path=socket, force_close=True, limit=0)
+                         if stream else
+                         aiohttp.UnixConnector(path=socket, limit=0, keepalive_timeout=4))
+            session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                            auto_decompress=False, skip_auto_headers=(
+                                                "User-Agent", "Accept-Encoding"))
+            sessions[socket] = session
+        return session
+
+    async def close(self) -> None:
+        for session in [*self._pooled.values(), *self._oneshot.values()]:
+            await session.close()
+        self._pooled.clear()
+        self._oneshot.clear()
+
+
+@dataclass
+class Outgoing:
+    """What to send the engine."""
+
+    socket: str
+    method: str
+    path_qs: str
+    body: bytes
+    headers: Mapping[str, str]
+    stream: bool              # the client asked for a stream
+    drop_usage_event: bool    # we added include_usage: hide the usage event again
+
+
+def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        if key.lower() not in HOP_BY_HOP:
+            out.add(key, value)
+    return out
+
+
+async def relay(request: web.Request, upstreams: Upstreams, out: Outgoing,
+                record: CallRecord, t0: float) -> web.StreamResponse:
+    session = upstreams.session(out.socket, stream=out.stream)
+    for attempt in (1, 2):
+        try:
+            upstream = await session.request(out.method, "http://engine" + out.path_qs,
+                                             data=out.body or None, headers=out.headers,
+                                             allow_redirects=False)
+            break
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+            # A pooled keep-alive connection the engine had just closed (llama-server ends
+            # them after its keep-alive timeout or max requests): the request did not get
+            # through. Once more, on a new connection; a dead socket fails again at once.
+            if attempt == 2:
+                raise EngineUnavailable(f"the engine did not take the request: {e}") from e
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
+            raise EngineUnavailable(f"the engine did not take the request: {e}") from e
+    try:
+        content_type = upstream.headers.get("Content-Type", "")
+        if content_type.startswith("text/event-stream"):
+            return await _relay_stream(request, upstream, out, record, t0)
+        try:
+            data = await upstream.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise EngineUnavailable(f"the engine failed while answering: {e}") from e
+        if upstream.status == 200 and request.path in TRANSCRIPTION_PATHS:
+            data = normalise_transcription(data, content_type)
+        record.status = upstream.status
+        record.bytes_out = len(data)
+        _usage_from_body(record, data, content_type)
+        if upstream.status >= 400:
+            record.outcome = "error"
+            record.error_code = _error_code(data)
+        headers = forward_headers(upstream.headers)
+        headers.pop("Content-Encoding", None)
+        return web.Response(body=data, status=upstream.status, headers=headers)
+    finally:
+        upstream.release()
+
+
+async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
+                        out: Outgoing, record: CallRecord, t0: float) -> web.StreamResponse:
+    record.stream = True
+    record.status = upstream.status
+    response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
+    await response.prepare(request)
+    sse = SseRelay(drop_usage_event=out.drop_usage_event)
+    delivered = False  # [DONE] written: a client closing now has everything
+    try:
+        try:
+            async for chunk in upstream.content.iter_any():
+                data = sse.feed(chunk)
+                if data:
+                    if record.ttft_ms is None:
+                        record.ttft_ms = (time.monotonic() - t0) * 1000
+                    await _write(response, data, record)
+            tail = sse.flush()
+            if tail:
+                await _write(response, tail, record)
+            if not sse.saw_done:
+                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+            delivered = True
+        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            # The engine died mid-stream. The status is sent: end with an error event.
+            record.outcome, record.error_code = "engine_failed", "engine_failed"
+            await _write(response, sse_event(EngineFailed(
+                f"the engine stopped in the middle of the answer: {e or type(e).__name__}"
+            ).body()), record)
+        await response.write_eof()
+    except _ClientGone:
+        if not delivered:
+            _client_left(record, upstream)
+    except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
+        if not delivered:
+            _client_left(record, upstream)
+        raise
+    finally:
+        _stream_usage(record, sse)
+    return response
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _client_left(record: CallRecord, upstream: aiohttp.ClientResponse) -> None:
+    record.disconnected = True
+    record.outcome = "disconnected"
+    upstream.close()  # drop the engine connection: it stops generating for nobody
+
+
+async def _write(response: web.StreamResponse, data: bytes, record: CallRecord) -> None:
+    try:
+        await response.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+        raise _ClientGone() from e
+    record.bytes_out += len(data)
+
+
+def _stream_usage(record: CallRecord, sse: SseRelay) -> None:
+    usage = sse.usage
+    if usage is not None:
+        record.prompt_tokens = _int(usage.get("prompt_tokens"))
+        record.completion_tokens = _int(usage.get("completion_tokens"))
+    elif record.completion_tokens is None:
+        record.completion_tokens = sse.content_events  # cut short: an estimate
+
+
+def _usage_from_body(record: CallRecord, data: bytes, content_type: str) -> None:
+    """Token counts from a JSON answer, without parsing all of a large one."""
+    if not content_type.startswith("application/json"):
+        return
+    at = data.rfind(b'"usage"')  # inside strings quotes are escaped: this is a key
+    if at == -1:
+        return
+    start = data.find(b"{", at)
+    if start == -1:
+        return
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(data[start:].decode(errors="replace"))
+    except ValueError:
+        return
+    if isinstance(usage, dict):
+        record.prompt_tokens = _int(usage.get("prompt_tokens"))
+        record.completion_tokens = _int(usage.get("completion_tokens"))
+
+
+def _error_code(data: bytes) -> str | None:
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(error, dict):
+        code = error.get("code") or error.get("type")
+        return str(code) if code is not None else None
+    return None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def normalise_transcription(data: bytes, content_type: str) -> bytes:
+    """whisper-server pads `text` (" hello\\n"); OpenAI's has no such whitespace."""
+    if content_type.startswith("application/json"):
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return data
+        if isinstance(body, dict) and isinstance(body.get("text"), str):
+            body["text"] = body["text"].strip()
+            return json.dumps(body, ensure_ascii=False).encode()
+        return data
+    if content_type.startswith("text/plain"):
+        return data.strip()
+    return data

@@ -1,0 +1,154 @@
+"""On-demand scheduling: who gets an engine, who waits, who makes room.
+
+The request path: a ready engine that is not draining → take a slot (slots.py;
+429 above max_concurrency). Otherwise the request waits in its model's queue
+(FIFO, 503 above the queue limit) while that model's one loader (loader.py)
+makes room and starts the engine; the loader wakes the queue with the result.
+A waiter whose client leaves just leaves the queue. Idle engines past their
+TTL are stopped by the reaper (reaper.py).
+
+Taking a slot and choosing a victim are both synchronous: a request that was
+handed an engine keeps it until it releases it, because a victim must serve
+nobody at the moment it is chosen, and from that moment (its stop marks it
+`stopping` before any await) no request is handed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from gatewayd.core import scheduler
+from gatewayd.core.budget import model_need_mib
+from gatewayd.core.catalog import Catalog
+from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.errors import ModelNotLoaded
+from gatewayd.core.ports import GpuProbe
+from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.loader import Changes, Loader
+from gatewayd.service.reaper import IdleReaper
+from gatewayd.service.slots import QueueListener, Slots
+
+
+class Dispatcher:
+    def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
+                 config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._engines = engines
+        self._catalog = catalog
+        self._gpu = gpu
+        self._config = config
+        self._clock = clock
+        self._slots = Slots(clock)
+        self._changes = Changes(clock)
+        self._loader = Loader(engines, catalog=catalog, gpu=gpu, config=config,
+                              slots=self._slots, usages=self.usages, changes=self._changes,
+                              clock=clock)
+        self._reaper = IdleReaper(engines, catalog, self.usages, clock)
+        engines.subscribe(self._on_engine_change)
+
+    # -- the request path ----------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def serve(self, model_id: str, *, autoload: bool,
+                    counts_as_use: bool = True) -> AsyncIterator[Engine]:
+        engine = await self.acquire(model_id, autoload=autoload, counts_as_use=counts_as_use)
+        try:
+            yield engine
+        finally:
+            self.release(model_id, counts_as_use=counts_as_use)
+
+    async def acquire(self, model_id: str, *, autoload: bool,
+                      counts_as_use: bool = True) -> Engine:
+        model = self._catalog.get(model_id)
+        while True:
+            engine = self._engines.get(model_id)
+            use = self._slots.use(model_id)
+            if engine is not None and engine.state is EngineState.READY and (
+                    not use.draining or not autoload):
+                self._slots.take(model_id, limit=model.config.max_concurrency if model
+                                 else None, counts_as_use=counts_as_use)
+                return engine
+            state = engine.state.value if engine else EngineState.STOPPED.value
+            if not autoload or model is None:
+                raise ModelNotLoaded(
+                    f"model {model_id!r} is not loaded (engine {state})"
+                    + ("" if model else "; it is not in the catalog, so it cannot be loaded"),
+                    param="model", model=model_id, state=state)
+            limit = model.config.queue_limit
+            waiter = self._slots.enqueue(
+                model_id, self._config.queue_limit if limit is None else limit)
+            self._loader.ensure(model)
+            try:
+                await waiter          # room made and engine ready (take a slot above), or why not
+            finally:
+                self._slots.leave(model_id, waiter)
+
+    def release(self, model_id: str, *, counts_as_use: bool = True) -> None:
+        if self._slots.release(model_id, counts_as_use=counts_as_use):
+            self._changes.notify()
+
+    # -- state ---------------------------------------------------------------------------
+
+    def usages(self) -> list[scheduler.Usage]:
+        per_process = self._gpu.process_mib()
+        rows = []
+        for engine in self._engines.engines():
+            use = self._slots.peek(engine.model_id)
+            model = self._catalog.get(engine.model_id)
+            rows.append(scheduler.Usage(
+                model_id=engine.model_id, state=engine.state,
+                in_flight=use.in_flight if use else 0,
+                queued=len(use.waiters) if use else 0,
+                pinned=bool(model and model.config.pin),
+                last_used=(use.last_used if use else 0.0) or (engine.ready_since or 0.0),
+                estimate_mib=model_need_mib(model, self._config.vram_margin_mib) if model
+                else 0,
+                measured_mib=per_process.get(engine.main_pid) if per_process is not None
+                else None,
+                idle_ttl_s=model.config.idle_ttl_s if model else None,
+                restarting=engine.restarting,
+                draining=bool(use and use.draining)))
+        return rows
+
+    def ledger(self) -> scheduler.Ledger | None:
+        gpu = self._gpu.memory()
+        if gpu is None:
+            return None
+        return scheduler.memory_ledger(gpu.total_mib, gpu.free_mib, self.usages())
+
+    def subscribe_queue(self, listener: QueueListener) -> Callable[[], None]:
+        """listener(model, depth) whenever a model's queue depth changes."""
+        return self._slots.subscribe(listener)
+
+    @property
+    def evictions(self) -> int:
+        return self._loader.evictions
+
+    def enforce_limit(self) -> None:
+        """More engines than max_engines (the reconciler found some): evict the surplus."""
+        self._loader.enforce_limit()
+
+    def _on_engine_change(self, old: Engine, new: Engine) -> None:
+        if old.state is new.state:
+            return
+        use = self._slots.peek(new.model_id)
+        if new.state is EngineState.READY:
+            use = self._slots.use(new.model_id)
+            use.last_used = use.last_used or self._clock()
+        elif use is not None and old.state is EngineState.READY:
+            use.draining_for = None   # it left service: nothing more to drain
+        self._changes.notify()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start_timers(self) -> None:
+        self._reaper.start()
+
+    async def reap_idle(self) -> list[str]:
+        return await self._reaper.reap()
+
+    async def close(self) -> None:
+        await self._reaper.close()
+        await self._loader.close()

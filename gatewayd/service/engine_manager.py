@@ -1,0 +1,423 @@
+"""The engine layer: turns start/stop requests and systemd's signals into engine states.
+
+Decisions (admission, state transitions) are synchronous calls into the pure
+core (`budget`, `engines`); only the effects await (D-Bus, /health, journal).
+
+One lifecycle at a time per model: a start and a stop of the same model never
+overlap. Each takes the model's lifecycle lock (FIFO) around its effect, so the
+next StartTransientUnit for a unit name is sent only once the previous
+instance's stop job is done and the unit is gone (systemd refuses to create a
+transient unit whose name is still loaded). A stop marks the engine `stopping`
+*before* it waits for the lock, so from that moment no request is handed the
+engine; a start checks admission only once it holds the lock, so it sees what
+the stop left. Within the lock, admission and registration do not await, so
+two starts of different models cannot both take the last slot.
+
+State comes from three sources, all turned into `engines` events:
+- systemd's PropertiesChanged signals (merged per unit, because the Unit and
+  Service interfaces signal separately) → UnitChanged;
+- the readiness poller while starting/loading → HealthReady / LoadTimedOut;
+- the journal, read once when an engine fails → LogsRead (the last lines).
+and, for what signals cannot say (a unit started or removed while we were not
+looking), the reconciler's listings (service/restore.py) → `take_over`/`observe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from gatewayd.core import budget
+from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engines import (
+    Engine,
+    EngineState,
+    Event,
+    HealthReady,
+    LoadTimedOut,
+    LogsRead,
+    StartFailed,
+    StartRequested,
+    StopRequested,
+    UnitChanged,
+    UnitGone,
+    apply,
+)
+from gatewayd.core.errors import (
+    EngineFailed,
+    EngineNotRunning,
+    GatewayError,
+    ModelNotFound,
+    UnitAlreadyActive,
+)
+from gatewayd.core.ports import (
+    DesiredList,
+    EngineUnitInfo,
+    GpuProbe,
+    HealthProbe,
+    JournalReader,
+    UnitControl,
+)
+from gatewayd.service.readiness import Readiness
+
+log = logging.getLogger("gatewayd.engines")
+LOG_TAIL_LINES = 15
+READY_GRACE_S = 5.0        # a waiter's deadline beyond load_timeout_s
+RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)   # after 1, 2, 3... failed starts in a row
+
+EngineListener = Callable[[Engine, Engine], None]
+
+
+class EngineManager:
+    def __init__(self, *, catalog: Catalog, config: GatewayConfig, units: UnitControl,
+                 health: HealthProbe, gpu: GpuProbe, journal: JournalReader,
+                 desired: DesiredList, clock: Callable[[], float] = time.monotonic) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.units = units
+        self.gpu = gpu
+        self.desired = desired
+        self._journal = journal
+        self._clock = clock
+        self._engines: dict[str, Engine] = {}
+        self._by_unit: dict[str, str] = {}
+        self._unit_props: dict[str, dict[str, Any]] = {}
+        self._waiters: dict[str, list[asyncio.Future[Engine]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._settling: dict[str, asyncio.Task[None]] = {}
+        self._listeners: list[EngineListener] = []
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._in_lifecycle: dict[str, int] = {}     # operations holding or awaiting the lock
+        self._epoch: dict[str, int] = {}            # bumped by every lifecycle operation
+        self._failures: dict[str, tuple[int, float]] = {}   # model -> (in a row, retry at)
+        self.stop_reasons: dict[str, str] = {}   # why each engine was last stopped
+        self._readiness = Readiness(health, load_timeout_s=config.load_timeout_s, clock=clock,
+                                    engine=self._engines.get, on_ready=self._on_ready,
+                                    on_timeout=self._on_load_timeout)
+        self._unwatch = units.watch(self._on_unit_change)
+
+    # -- queries ---------------------------------------------------------------------
+
+    def engines(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    def get(self, model_id: str) -> Engine | None:
+        return self._engines.get(model_id)
+
+    def subscribe(self, listener: EngineListener) -> Callable[[], None]:
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def busy(self, model_id: str) -> bool:
+        """A start or stop of this model is under way (or waiting for its turn)."""
+        return self._in_lifecycle.get(model_id, 0) > 0
+
+    def epoch(self, model_id: str) -> int:
+        """Changes whenever a start or stop of the model begins (for the reconciler)."""
+        return self._epoch.get(model_id, 0)
+
+    def backoff_left(self, model_id: str) -> float:
+        """Seconds before a failed model may be started again by a request (0: now)."""
+        engine = self._engines.get(model_id)
+        failed = self._failures.get(model_id)
+        if engine is None or engine.state is not EngineState.FAILED or failed is None \
+                or engine.restarting:
+            return 0.0
+        return max(0.0, failed[1] - self._clock())
+
+    def failed_error(self, model_id: str, *, retry_after: int | None = None) -> EngineFailed:
+        engine = self._engines[model_id]
+        failure = engine.failure
+        reason = failure.reason if failure else "failed"
+        return EngineFailed(f"engine for {model_id!r} failed: {reason}. "
+                            f"Logs: journalctl -u {engine.unit}", retry_after=retry_after,
+                            model=model_id, unit=engine.unit,
+                            failure=failure.describe() if failure else None)
+
+    # -- start / stop --------------------------------------------------------------
+
+    async def start(self, model_id: str, *, wait: bool = True, force: bool = False) -> Engine:
+        """Start a model's engine; with wait, return once it is ready (or raise).
+
+        force skips the VRAM estimate (the scheduler's "nothing else is running,
+        try anyway"); the engine limit and one-instance rule always hold.
+        """
+        model = self._model(model_id)
+        async with self._lifecycle(model.id):
+            self._admit(model, force=force)
+            self.stop_reasons.pop(model.id, None)
+            layout = self.units.layout(model.id)
+            self._register(Engine(model.id, layout.unit, layout.socket))
+            self._event(model.id, StartRequested(self._clock()))
+            log.info("starting %s as %s", model.id, layout.unit)
+            try:
+                self.desired.add(model.id)
+                await self.units.start_engine(model)
+            except UnitAlreadyActive:
+                # systemd runs it already (we lost track): that is the truth, adopt it
+                log.warning("%s: %s is already running; adopting it", model.id, layout.unit)
+                if (info := await self.units.engine_info(layout.unit)) is not None:
+                    self._apply_info(model.id, info)
+            except Exception as e:   # every failed effect ends in a clear state and answer
+                reason = e.message if isinstance(e, GatewayError) else f"{type(e).__name__}: {e}"
+                if not isinstance(e, GatewayError):
+                    log.exception("starting %s failed", model.id)
+                self._event(model.id, StartFailed(self._clock(), reason))
+                if settling := self._settling.get(model.id):
+                    await asyncio.shield(settling)
+                raise self.failed_error(model.id) from e
+            self._readiness.watch(model.id, new_start=True)
+        return await self.wait_ready(model.id) if wait else self._engines[model.id]
+
+    async def wait_ready(self, model_id: str, timeout: float | None = None) -> Engine:
+        """The engine once ready; its failure, its stop, or the deadline otherwise."""
+        engine = self._engines.get(model_id)
+        if engine is None:
+            raise EngineNotRunning(f"no engine for {model_id!r} is running or starting",
+                                   model=model_id)
+        if engine.state is EngineState.READY:
+            return engine
+        if engine.state is EngineState.FAILED and not engine.restarting:
+            raise self.failed_error(model_id)
+        if engine.state in (EngineState.STOPPING, EngineState.STOPPED):
+            raise EngineNotRunning(f"the engine for {model_id!r} is {engine.state.value}",
+                                   model=model_id)
+        fut: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(model_id, []).append(fut)
+        limit = self.config.load_timeout_s + READY_GRACE_S if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), limit)
+        except TimeoutError:
+            raise EngineFailed(f"the engine for {model_id!r} was not ready within {limit:g}s",
+                               model=model_id) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.get(model_id, []).remove(fut)
+
+    async def stop(self, model_id: str, *, reason: str = "requested") -> Engine:
+        """Stop a model's engine; returns once its unit is stopped and gone."""
+        engine = self._engines.get(model_id)
+        if engine is None:
+            raise EngineNotRunning(f"no engine for {model_id!r} is running", model=model_id)
+        try:
+            self.desired.remove(model_id)   # not running at the next boot either
+        except OSError as e:
+            log.warning("%s: could not update the desired engine list: %s", model_id, e)
+        log.info("stopping %s (%s): %s", model_id, engine.unit, reason)
+        self._mark_stopping(model_id, reason)
+        async with self._lifecycle(model_id):
+            current = self._engines.get(model_id)
+            if current is None:
+                return engine   # stopped by the operation before ours
+            # a start that had its turn before ours ran: this stop is for that engine now
+            self._mark_stopping(model_id, reason)
+            try:
+                await self.units.stop_engine(current.unit)
+            except Exception as e:
+                info = await self._info_quietly(current.unit)
+                if info is not None and info.active_state not in ("inactive", "failed"):
+                    log.warning("stopping %s failed: %s", model_id, e)
+                    self._apply_info(model_id, info)
+                    raise
+            self._event(model_id, UnitGone(self._clock()))
+            return self._forget(model_id)
+
+    def _mark_stopping(self, model_id: str, reason: str) -> None:
+        """From now on nobody is handed this engine; whoever waits for it hears why."""
+        self.stop_reasons[model_id] = reason
+        self._event(model_id, StopRequested(self._clock()))
+        self._fail_waiters(model_id, EngineNotRunning(
+            f"the engine for {model_id!r} was stopped ({reason})", model=model_id))
+
+    # -- what systemd says (adoption, reconciliation) ----------------------------------
+
+    def take_over(self, info: EngineUnitInfo) -> Engine | None:
+        """Adopt a unit systemd runs for one of our models, without restarting it."""
+        if info.model_id is None or info.socket is None or self.busy(info.model_id):
+            return None
+        current = self._engines.get(info.model_id)
+        if current is not None and current.unit != info.unit:
+            return None   # another unit for the same model: not ours to guess about
+        self._register(Engine(info.model_id, info.unit, info.socket, adopted=True,
+                              restarts=info.n_restarts))
+        self._unit_props[info.unit] = {"ActiveState": info.active_state,
+                                       "SubState": info.sub_state}
+        self._apply_info(info.model_id, info)
+        self._readiness.watch(info.model_id)
+        return self._engines[info.model_id]
+
+    def observe(self, model_id: str, info: EngineUnitInfo | None) -> None:
+        """What a listing says about a model's unit (None: systemd has no such unit)."""
+        engine = self._engines.get(model_id)
+        if engine is None or self.busy(model_id):
+            return
+        if info is None:
+            if engine.state is not EngineState.STOPPED and not (
+                    engine.state is EngineState.FAILED and not engine.restarting):
+                self._event(model_id, UnitGone(self._clock()))
+            return
+        self._apply_info(model_id, info)
+
+    def _apply_info(self, model_id: str, info: EngineUnitInfo) -> None:
+        self._event(model_id, UnitChanged(
+            self._clock(), active_state=info.active_state, sub_state=info.sub_state,
+            main_pid=info.main_pid, n_restarts=info.n_restarts))
+
+    async def info(self, engine: Engine) -> EngineUnitInfo | None:
+        return await self._info_quietly(engine.unit)
+
+    async def logs(self, model_id: str, lines: int) -> list[str]:
+        engine = self._engines.get(model_id)
+        unit = engine.unit if engine else self.units.layout(self._model(model_id).id).unit
+        return await self._journal.tail(unit, lines)
+
+    async def close(self) -> None:
+        self._unwatch()
+        self._readiness.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for fut in (f for futs in self._waiters.values() for f in futs):
+            if not fut.done():
+                fut.cancel()
+
+    # -- decisions -----------------------------------------------------------------
+
+    def _model(self, model_id: str) -> Model:
+        model = self.catalog.get(model_id)
+        if model is None:
+            raise ModelNotFound(f"model {model_id!r} does not exist", param="model",
+                                available_models=self.catalog.ids)
+        return model
+
+    def _admit(self, model: Model, *, force: bool = False) -> None:
+        need = budget.model_need_mib(model, self.config.vram_margin_mib)
+        gpu = None if force else self.gpu.memory(model.config.cuda_visible_devices)
+        budget.check_admission(model.id, self._engines.values(),
+                               max_engines=self.config.max_engines, need_mib=need, gpu=gpu)
+
+    @contextlib.asynccontextmanager
+    async def _lifecycle(self, model_id: str) -> AsyncIterator[None]:
+        self._in_lifecycle[model_id] = self._in_lifecycle.get(model_id, 0) + 1
+        try:
+            async with self._locks.setdefault(model_id, asyncio.Lock()):
+                self._epoch[model_id] = self._epoch.get(model_id, 0) + 1
+                yield
+        finally:
+            self._in_lifecycle[model_id] -= 1
+
+    def _register(self, engine: Engine) -> None:
+        old = self._engines.get(engine.model_id)
+        if old is not None:
+            self._by_unit.pop(old.unit, None)
+        self._engines[engine.model_id] = engine
+        self._by_unit[engine.unit] = engine.model_id
+        self._unit_props.pop(engine.unit, None)
+        if old is not None:
+            self._changed(old, engine)
+
+    def _forget(self, model_id: str) -> Engine:
+        stopped = self._engines.pop(model_id)
+        self._by_unit.pop(stopped.unit, None)
+        self._unit_props.pop(stopped.unit, None)
+        return stopped
+
+    def _event(self, model_id: str, event: Event) -> None:
+        old = self._engines.get(model_id)
+        if old is None:
+            return
+        new = apply(old, event)
+        if new is not old:
+            self._engines[model_id] = new
+            self._changed(old, new)
+
+    def _changed(self, old: Engine, new: Engine) -> None:
+        if new.state is EngineState.READY:
+            self._failures.pop(new.model_id, None)
+        elif (new.state is EngineState.FAILED and not new.restarting
+              and (old.state is not EngineState.FAILED or old.restarting)):
+            count = self._failures.get(new.model_id, (0, 0.0))[0] + 1
+            backoff = RETRY_BACKOFF_S[min(count, len(RETRY_BACKOFF_S)) - 1]
+            self._failures[new.model_id] = (count, self._clock() + backoff)
+        for listener in list(self._listeners):
+            listener(old, new)
+        if new.state is old.state:
+            return
+        failure = new.failure
+        log.info("%s: %s -> %s%s", new.model_id, old.state.value, new.state.value,
+                 f" ({failure.reason})" if failure and new.state is EngineState.FAILED else "")
+        if new.state is EngineState.READY:
+            for fut in self._waiters.pop(new.model_id, []):
+                if not fut.done():
+                    fut.set_result(new)
+        elif new.state is EngineState.FAILED:
+            self._spawn(self._settle_failure(new.model_id), key=new.model_id)
+        elif new.state is EngineState.LOADING:
+            self._readiness.watch(new.model_id)
+
+    # -- effects ---------------------------------------------------------------------
+
+    def _spawn(self, coro: Any, key: str | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        if key is not None:
+            self._settling[key] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_unit_change(self, unit: str, changed: Mapping[str, Any]) -> None:
+        model_id = self._by_unit.get(unit)
+        if model_id is None:
+            return
+        props = self._unit_props.setdefault(unit, {})
+        props.update(changed)
+        self._event(model_id, UnitChanged(
+            self._clock(),
+            active_state=changed.get("ActiveState"),
+            sub_state=props.get("SubState") if "ActiveState" in changed else None,
+            main_pid=changed.get("MainPID"),
+            n_restarts=changed.get("NRestarts"),
+            result=props.get("Result"),
+            exec_code=props.get("ExecMainCode"),
+            exec_status=props.get("ExecMainStatus")))
+
+    def _on_ready(self, model_id: str) -> None:
+        self._event(model_id, HealthReady(self._clock()))
+
+    async def _on_load_timeout(self, model_id: str) -> None:
+        """Failed (with the reason), then its unit stopped, as one lifecycle operation,
+        so a retry cannot start the unit while it is still going away."""
+        self._event(model_id, LoadTimedOut(self._clock(), self.config.load_timeout_s))
+        async with self._lifecycle(model_id):
+            engine = self._engines.get(model_id)
+            if engine is not None and engine.state is EngineState.FAILED:
+                try:
+                    await self.units.stop_engine(engine.unit)
+                except Exception as e:
+                    log.warning("stopping %s after its load timeout failed: %s", model_id, e)
+
+    async def _settle_failure(self, model_id: str) -> None:
+        """Attach the engine's last log lines to its failure, then tell the waiters."""
+        engine = self._engines.get(model_id)
+        if engine is None:
+            return
+        lines = await self._journal.tail(engine.unit, LOG_TAIL_LINES)
+        self._event(model_id, LogsRead(tuple(lines)))
+        current = self._engines.get(model_id)
+        if current is None or current.state is not EngineState.FAILED:
+            return  # stopped (waiters told), or restarting/recovered (waiters wait on)
+        self._fail_waiters(model_id, self.failed_error(model_id))
+
+    def _fail_waiters(self, model_id: str, error: GatewayError) -> None:
+        for fut in self._waiters.pop(model_id, []):
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def _info_quietly(self, unit: str) -> EngineUnitInfo | None:
+        try:
+            return await self.units.engine_info(unit)
+        except GatewayError:
+            return None

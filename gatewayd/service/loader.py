@@ -1,0 +1,253 @@
+"""Loading: one loader task per model makes room and starts its engine.
+
+A model whose engine is not ready gets a loader when its first request queues
+(the queue itself is in slots.py). Loaders stand in one line, in the order they
+were created (FIFO across models). Each asks the pure scheduler
+(core.scheduler.plan_start) what to do with a fresh snapshot and carries out the
+answer: start; evict one victim and wait for its memory to show as free; mark
+one draining (it is evicted once it serves nobody); or wait for a change. Every
+wait is bounded: eviction_wait_s for room, load_timeout_s for the load.
+
+A victim is stopped through EngineManager.stop, which serialises it with any
+start of the same model: a victim's own loader can start it again only once
+its unit is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+
+from gatewayd.core import scheduler
+from gatewayd.core.budget import model_need_mib
+from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engines import EngineState
+from gatewayd.core.errors import (
+    AlreadyRunning,
+    EngineFailed,
+    EngineLimitReached,
+    EngineNotRunning,
+    GatewayError,
+    InsufficientGpu,
+)
+from gatewayd.core.ports import GpuProbe
+from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.slots import Slots
+
+log = logging.getLogger("gatewayd.dispatcher")
+MEMORY_SETTLE_S = 10.0
+CHANGE_POLL_S = 1.0   # a wait for a change also re-checks this often (nothing is missed)
+
+
+class Changes:
+    """Wakes whoever waits for "something changed" (an engine state, a slot freed)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._future: asyncio.Future[None] | None = None
+
+    def notify(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+        self._future = None
+
+    async def wait(self, deadline: float) -> None:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._future),
+                                   max(0.01, min(CHANGE_POLL_S, deadline - self._clock())))
+
+
+class Loader:
+    def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
+                 config: GatewayConfig,
+                 slots: Slots, usages: Callable[[], list[scheduler.Usage]],
+                 changes: Changes, clock: Callable[[], float]) -> None:
+        self._engines = engines
+        self._catalog = catalog
+        self._gpu = gpu
+        self._config = config
+        self._slots = slots
+        self._usages = usages
+        self._changes = changes
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._line: list[str] = []        # models whose loaders want room, oldest first
+        self._limit_task: asyncio.Task[None] | None = None
+        self.evictions = 0
+
+    def ensure(self, model: Model) -> None:
+        """A loader for model, unless one runs already."""
+        if model.id not in self._tasks:
+            self._line.append(model.id)
+            self._tasks[model.id] = asyncio.get_running_loop().create_task(self._load(model))
+
+    def ahead(self, model_id: str) -> int:
+        """Models before model_id in the line that still need room."""
+        count = 0
+        for other in self._line:
+            if other == model_id:
+                break
+            engine = self._engines.get(other)
+            use = self._slots.peek(other)
+            if engine is None or not engine.holds_slot or engine.state is EngineState.STOPPING \
+                    or (engine.state is EngineState.READY and use is not None and use.draining):
+                count += 1
+        return count
+
+    async def close(self) -> None:
+        tasks = [*self._tasks.values(), *([self._limit_task] if self._limit_task else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # -- one model's loader ----------------------------------------------------------
+
+    async def _load(self, model: Model) -> None:
+        error: BaseException | None = None
+        try:
+            await self._make_room_and_start(model)
+        except GatewayError as e:
+            error = e
+        except Exception as e:  # every waiter must hear about it
+            log.exception("loading %s failed", model.id)
+            error = EngineFailed(f"loading {model.id!r} failed: {e}", model=model.id)
+        finally:
+            self._tasks.pop(model.id, None)
+            with contextlib.suppress(ValueError):
+                self._line.remove(model.id)
+            for use in self._slots.uses().values():   # room no longer wanted
+                if use.draining_for == model.id:
+                    use.draining_for = None
+            self._changes.notify()
+        self._slots.wake(model.id, error)
+
+    async def _make_room_and_start(self, model: Model) -> None:
+        need = model_need_mib(model, self._config.vram_margin_mib)
+        deadline = self._clock() + self._config.eviction_wait_s
+        engines = self._engines
+        while True:
+            if not self._slots.queued(model.id):
+                return   # every client left: nothing to make room for
+            engine = engines.get(model.id)
+            use = self._slots.use(model.id)
+            if engine is not None and engine.state is EngineState.READY:
+                if not use.draining:
+                    return
+                await self._wait(deadline, model, "its engine is being evicted")
+                continue
+            if engine is not None and (engine.state in (EngineState.STARTING,
+                                                        EngineState.LOADING)
+                                       or engine.restarting):
+                await engines.wait_ready(model.id)   # someone else started it
+                return
+            if engines.busy(model.id) or (engine is not None
+                                          and engine.state is EngineState.STOPPING):
+                await self._wait(deadline, model, "its engine is stopping")
+                continue
+            if (left := engines.backoff_left(model.id)) > 0:
+                raise engines.failed_error(model.id, retry_after=math.ceil(left))
+            gpu = self._gpu.memory(model.config.cuda_visible_devices)
+            usages = self._usages()
+            free = None if gpu is None else scheduler.memory_ledger(
+                gpu.total_mib, gpu.free_mib, usages).plan_free_mib
+            decision = scheduler.plan_start(
+                model.id, usages, max_engines=self._config.max_engines, need_mib=need,
+                free_mib=free, ahead=self.ahead(model.id))
+            match decision:
+                case scheduler.Fits() | scheduler.TryAnyway():
+                    if isinstance(decision, scheduler.TryAnyway):
+                        log.info("%s: %d MiB needed by estimate, more than is free with "
+                                 "nothing else running; trying anyway", model.id, need)
+                    try:
+                        await engines.start(model.id, force=isinstance(
+                            decision, scheduler.TryAnyway))
+                    except AlreadyRunning:
+                        await engines.wait_ready(model.id)
+                    return
+                case scheduler.Evict(victim, reason):
+                    await self._evict(victim, reason)
+                case scheduler.Drain(victim, reason):
+                    log.info("draining %s (%s)", victim, reason)
+                    self._slots.use(victim).draining_for = model.id
+                case scheduler.Wait(why):
+                    await self._wait(deadline, model, why)
+                case scheduler.Blocked(limit, holders):
+                    if self._clock() >= deadline:
+                        raise self._no_room(model, limit, holders, need,
+                                            gpu.free_mib if gpu else None)
+                    await self._changes.wait(deadline)
+
+    async def _wait(self, deadline: float, model: Model, why: str) -> None:
+        if self._clock() >= deadline:
+            holders = tuple(
+                (u.model_id, (u.why_not_evictable() or "idle")
+                 + (", draining" if u.draining else ""))
+                for u in self._usages() if u.holds_slot and u.model_id != model.id)
+            raise self._no_room(model, "engine_limit", holders, 0, None, why=why)
+        await self._changes.wait(deadline)
+
+    def _no_room(self, model: Model, limit: str, holders: tuple[tuple[str, str], ...],
+                 need: int, free: int | None, why: str | None = None) -> GatewayError:
+        held = ", ".join(f"{m} ({why})" for m, why in holders) or "nobody"
+        wait_s = self._config.eviction_wait_s
+        if limit == "engine_limit":
+            return EngineLimitReached(
+                f"no engine slot for {model.id!r} within {wait_s:g}s"
+                + (f" ({why})" if why else "") + ": max_engines is "
+                f"{self._config.max_engines}, held by {held}",
+                retry_after=5, running=[m for m, _ in holders])
+        return InsufficientGpu(
+            f"not enough GPU memory for {model.id!r} within {wait_s:g}s: needs {need} MiB, "
+            f"{free if free is not None else '?'} MiB free; held by {held}",
+            retry_after=5, required_mib=need, free_mib=free, running=[m for m, _ in holders])
+
+    async def _evict(self, victim: str, reason: str) -> None:
+        before = self._gpu.memory()
+        log.info("evicting %s (%s)", victim, reason)
+        self.evictions += 1
+        try:
+            await self._engines.stop(victim, reason="evicted")
+        except EngineNotRunning:
+            pass
+        except GatewayError as e:
+            log.warning("evicting %s failed: %s", victim, e.message)
+        finally:
+            if (use := self._slots.peek(victim)) is not None:
+                use.draining_for = None
+        if before is not None:   # wait until its memory really shows as free
+            model = self._catalog.get(victim)
+            expect = model_need_mib(model, 0) if model else 0
+            deadline = self._clock() + MEMORY_SETTLE_S
+            while self._clock() < deadline:
+                now = self._gpu.memory()
+                if now is None or now.free_mib >= before.free_mib + expect * 0.9:
+                    break
+                await asyncio.sleep(0.1)
+
+    # -- more engines than max_engines (found by the reconciler) ------------------------
+
+    def enforce_limit(self) -> None:
+        if self._limit_task is None or self._limit_task.done():
+            self._limit_task = asyncio.get_running_loop().create_task(self._enforce_limit())
+
+    async def _enforce_limit(self) -> None:
+        deadline = self._clock() + self._config.eviction_wait_s
+        while self._clock() < deadline:
+            usages = self._usages()
+            holders = [u for u in usages if u.holds_slot]
+            if len(holders) <= self._config.max_engines:
+                return
+            victims = sorted((u for u in holders if u.why_not_evictable() is None),
+                             key=lambda u: u.last_used)
+            if victims:
+                await self._evict(victims[0].model_id, "more engines than max_engines")
+            else:
+                await self._changes.wait(deadline)

@@ -1,0 +1,161 @@
+"""systemd is the truth about which engines exist: adopt, restore, reconcile.
+
+- adopt (gateway start): take over the engine units already running, without
+  restarting them (same MainPID); the model id and socket are read back from
+  each unit.
+- restore (after adopt, in the background): start the desired engines, then the
+  preload ones, one at a time, each ready or failed before the next.
+- reconcile (every few seconds, and whenever something looks off): list the
+  engine units and make the gateway's view equal systemd's — a unit running
+  for a model the gateway thinks stopped or failed is adopted; an engine whose
+  unit is gone or inactive is moved on; more units than max_engines makes the
+  dispatcher evict the surplus. Signals normally keep the view right; this
+  catches what signals cannot say (a unit started or removed behind our back,
+  a bus reconnect) so that no divergence outlives one period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.errors import GatewayError
+from gatewayd.service.engine_manager import EngineManager
+
+log = logging.getLogger("gatewayd.restore")
+RECONCILE_PERIOD_S = 5.0
+RUNNING = frozenset({"active", "activating", "reloading"})
+
+
+async def adopt(engines: EngineManager) -> list[Engine]:
+    """Take over the engine units that are already running, without restarting them."""
+    adopted = []
+    for info in await engines.units.list_engines():
+        if info.model_id is None or info.socket is None:
+            log.warning("ignoring %s: not started by llm-gateway (no model id in its "
+                        "environment)", info.unit)
+            continue
+        if info.active_state == "inactive" or engines.get(info.model_id) is not None:
+            continue
+        engine = engines.take_over(info)
+        if engine is None:
+            continue
+        if info.model_id not in engines.catalog:
+            log.warning("adopted %s serves %r, which is not in the catalog (config "
+                        "changed?); it can be listed and stopped", info.unit, info.model_id)
+        adopted.append(engine)
+    for engine in adopted:
+        log.info("adopted %s (%s, pid %d, %s)", engine.model_id, engine.unit,
+                 engine.main_pid, engine.state.value)
+    return adopted
+
+
+async def restore(engines: EngineManager) -> None:
+    """Start the desired engines, then the preload ones, one at a time, in order."""
+    desired = engines.desired.ids
+    preload = [m.id for m in engines.catalog if m.config.preload]
+    for model_id in [*desired, *(p for p in preload if p not in desired)]:
+        current = engines.get(model_id)
+        if current is not None and current.holds_slot:
+            continue
+        if model_id not in engines.catalog:
+            log.warning("restore: %r is no longer in the catalog; skipped", model_id)
+            continue
+        log.info("restore: starting %s", model_id)
+        try:
+            engine = await engines.start(model_id)
+            log.info("restore: %s ready", engine.model_id)
+        except GatewayError as e:
+            log.warning("restore: %s failed: %s", model_id, e.message)
+
+
+class Reconciler:
+    """Keeps the gateway's view of engines equal to systemd's (see the module doc)."""
+
+    def __init__(self, engines: EngineManager, *, on_over_limit: Callable[[], None],
+                 period_s: float = RECONCILE_PERIOD_S) -> None:
+        self._engines = engines
+        self._on_over_limit = on_over_limit
+        self._period_s = period_s
+        self._task: asyncio.Task[None] | None = None
+        self._soon = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def poke(self) -> None:
+        """Reconcile now rather than at the next period."""
+        self._soon.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._soon.wait(), self._period_s)
+            self._soon.clear()
+            try:
+                await self.reconcile()
+            except GatewayError as e:
+                log.warning("reconcile: cannot list the engine units: %s", e.message)
+            except Exception:
+                log.exception("reconcile failed")
+
+    async def reconcile(self) -> list[str]:
+        """One pass; returns what it changed (for the log and the tests)."""
+        mgr = self._engines
+        epochs = {e.model_id: mgr.epoch(e.model_id) for e in mgr.engines()}
+        listed = await mgr.units.list_engines()
+        changes: list[str] = []
+        by_model = {}
+        for info in listed:
+            if info.model_id is None or info.socket is None:
+                continue
+            by_model[info.model_id] = info
+        for model_id, info in by_model.items():
+            if mgr.busy(model_id) or mgr.epoch(model_id) != epochs.get(model_id,
+                                                                        mgr.epoch(model_id)):
+                continue   # a start or stop is under way: its own effects settle it
+            engine = mgr.get(model_id)
+            running = info.active_state in RUNNING
+            if engine is None or (not engine.holds_slot and running):
+                if running and mgr.take_over(info) is not None:
+                    changes.append(f"adopted {info.unit} ({info.active_state})")
+                continue
+            if engine.unit == info.unit and (
+                    _differs(engine, info.active_state) or engine.main_pid != info.main_pid):
+                mgr.observe(model_id, info)
+                changes.append(f"{model_id}: {engine.state.value} -> systemd says "
+                               f"{info.active_state}")
+        for engine in mgr.engines():
+            model_id = engine.model_id
+            if model_id in by_model or mgr.busy(model_id) or \
+                    mgr.epoch(model_id) != epochs.get(model_id, -1):
+                continue
+            if engine.state is not EngineState.STOPPED and not (
+                    engine.state is EngineState.FAILED and not engine.restarting):
+                mgr.observe(model_id, None)
+                changes.append(f"{model_id}: {engine.unit} is gone")
+        if sum(1 for e in mgr.engines() if e.holds_slot) > mgr.config.max_engines:
+            changes.append("more engines than max_engines: evicting the surplus")
+            self._on_over_limit()
+        for change in changes:
+            log.warning("reconcile: %s", change)
+        return changes
+
+
+def _differs(engine: Engine, active_state: str) -> bool:
+    """Whether systemd's ActiveState contradicts the engine's state (not just lags it)."""
+    running = active_state in RUNNING
+    if engine.state in (EngineState.LOADING, EngineState.READY):
+        return not running
+    if engine.state is EngineState.FAILED and not engine.restarting:
+        return running
+    return False

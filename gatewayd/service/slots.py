@@ -1,0 +1,109 @@
+"""Slots and queues: who is being served by each model's engine, and who waits for it.
+
+Per model: the requests in flight (up to max_concurrency, else 429), when it
+was last used, the queue of requests waiting for its engine (FIFO, up to the
+queue limit, else 503), and whether it is draining (picked to make room: it
+finishes what it serves, new requests queue behind the model it makes room
+for). Synchronous bookkeeping only; the loader (loader.py) decides and awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gatewayd.core.errors import ConcurrencyLimit, QueueFull
+
+QueueListener = Callable[[str, int], None]
+
+
+@dataclass
+class Use:
+    in_flight: int = 0
+    last_used: float = 0.0
+    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+    draining_for: str | None = None    # the model this engine is making room for
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_for is not None
+
+
+class Slots:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._uses: dict[str, Use] = {}
+        self._listeners: list[QueueListener] = []
+
+    def use(self, model_id: str) -> Use:
+        return self._uses.setdefault(model_id, Use())
+
+    def peek(self, model_id: str) -> Use | None:
+        return self._uses.get(model_id)
+
+    def uses(self) -> dict[str, Use]:
+        return self._uses
+
+    def subscribe(self, listener: QueueListener) -> Callable[[], None]:
+        """listener(model, depth) on every change of a model's queue depth."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    # -- serving ----------------------------------------------------------------------
+
+    def take(self, model_id: str, *, limit: int | None, counts_as_use: bool) -> None:
+        use = self.use(model_id)
+        if limit is not None and use.in_flight >= limit:
+            raise ConcurrencyLimit(
+                f"{model_id!r} is serving {use.in_flight} requests, its limit "
+                f"(max_concurrency); try again shortly", retry_after=1,
+                model=model_id, max_concurrency=limit)
+        use.in_flight += 1
+        if counts_as_use:
+            use.last_used = self._clock()
+
+    def release(self, model_id: str, *, counts_as_use: bool) -> bool:
+        """True when the engine now serves nobody."""
+        use = self.use(model_id)
+        use.in_flight -= 1
+        if counts_as_use:
+            use.last_used = self._clock()
+        return use.in_flight == 0
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def enqueue(self, model_id: str, limit: int) -> asyncio.Future[None]:
+        use = self.use(model_id)
+        if len(use.waiters) >= limit:
+            raise QueueFull(f"{len(use.waiters)} requests already wait for {model_id!r} "
+                            f"(queue limit {limit})", retry_after=5, model=model_id)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        use.waiters.append(waiter)
+        self._depth(model_id)
+        return waiter
+
+    def leave(self, model_id: str, waiter: asyncio.Future[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self.use(model_id).waiters.remove(waiter)
+            self._depth(model_id)
+
+    def queued(self, model_id: str) -> int:
+        use = self._uses.get(model_id)
+        return len(use.waiters) if use else 0
+
+    def wake(self, model_id: str, error: BaseException | None) -> None:
+        """Every waiter, in arrival order: go and take a slot (or hear the error)."""
+        for waiter in list(self.use(model_id).waiters):
+            if not waiter.done():
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+
+    def _depth(self, model_id: str) -> None:
+        depth = len(self.use(model_id).waiters)
+        for listener in list(self._listeners):
+            listener(model_id, depth)
