@@ -25,7 +25,7 @@ socket + Type=notify service running as root, engines as transient units; mode
   keep-alive connections to the engines, which llama-server closes after 5 s, are gone).
 
 Exit status 0 when there were no errors and no violations and RSS/fds stayed within
-+-10 % (fds: or +-3), else 1. See bench/README.md.
++-10 % (fds: or +-3), else 1.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,17 +59,30 @@ ENGINE_GLOB = "llm-engine*"
 # systemd's catalog message ids (sd-messages.h): a unit finished starting, a unit failed
 MSG_UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
 MSG_UNIT_FAILED = "d9b373ed55a64feb8242e02dbe79a49c"
-# which systemd ActiveState each gateway engine state may be seen with at one sample
-ANY = frozenset({"active", "activating", "deactivating", "inactive", "failed", "reloading"})
-COMPATIBLE: dict[str, frozenset[str]] = {
-    "starting": frozenset({"inactive", "activating", "active", "failed"}),
+# The gateway's engine state vs the unit's ActiveState (a unit systemd does not list is
+# "inactive"; a model the gateway does not list is "absent"). AGREE: fine for any time.
+# PASSING: what one side shows a moment before the other catches up (a swap in progress):
+# fine up to STUCK_S seconds in a row, then it is a stuck state. Any other pair is a
+# disagreement, counted when the same one is seen in two samples in a row.
+AGREE: dict[str, frozenset[str]] = {
+    "starting": frozenset({"activating", "active"}),
     "loading": frozenset({"activating", "active"}),
     "ready": frozenset({"active"}),
-    "stopping": ANY,
+    "stopping": frozenset({"active", "deactivating"}),
     "stopped": frozenset({"inactive", "failed"}),
-    "failed": frozenset({"inactive", "failed", "activating", "deactivating"}),
-    "absent": frozenset({"inactive", "failed"}),     # the gateway does not list the model
+    "failed": frozenset({"inactive", "failed", "activating"}),   # activating: auto-restart
+    "absent": frozenset({"inactive", "failed"}),
 }
+PASSING: dict[str, frozenset[str]] = {
+    "starting": frozenset({"inactive", "failed"}),        # before the unit exists
+    "loading": frozenset(),
+    "ready": frozenset({"activating", "deactivating"}),    # crashed and restarting
+    "stopping": frozenset({"inactive", "failed", "activating"}),
+    "stopped": frozenset(),
+    "failed": frozenset({"active", "deactivating"}),
+    "absent": frozenset(),
+}
+STUCK_S = 10.0
 
 
 # -- what the host hands the driver -----------------------------------------------------
@@ -86,7 +100,7 @@ class Spec:
     settle: float = 6.0
     interval: float = 1.0
     max_tokens: int = 4
-    request_timeout: float = 180.0
+    request_timeout: float = 60.0
     seed: int = 0
     llama_server: str = ""
     gateway_src: str = str(REPO)    # the gatewayd tree the gateway runs (transient mode)
@@ -126,7 +140,8 @@ class Sampler:
     over_slots: list[dict[str, Any]] = field(default_factory=list)
     disagreements: list[dict[str, Any]] = field(default_factory=list)
     unknown_states: set[str] = field(default_factory=set)
-    _previous: set[tuple[str, str, str]] = field(default_factory=set)
+    interval: float = 1.0
+    _streak: dict[tuple[str, str, str], int] = field(default_factory=dict)
     _reported: set[tuple[str, str, str]] = field(default_factory=set)
 
     def observe(self, t: float, units: dict[str, str], engines: list[dict[str, Any]] | None,
@@ -139,7 +154,7 @@ class Sampler:
         if len(running) > self.slots:
             self.over_slots.append({"t": round(t, 1), "units": running})
         if engines is None:
-            self._previous = set()
+            self._streak = {}
             return
         seen: dict[str, tuple[str, str]] = {}       # model -> (gateway state, systemd state)
         for engine in engines:
@@ -149,21 +164,24 @@ class Sampler:
         for unit, state in units.items():
             if unit not in listed:
                 seen.setdefault(model_of(unit), ("absent", state))
-        now: set[tuple[str, str, str]] = set()
+        stuck_after = max(2, round(STUCK_S / self.interval))
+        streak: dict[tuple[str, str, str], int] = {}
         for model, (gw, sd) in seen.items():
-            allowed = COMPATIBLE.get(gw)
-            if allowed is None:
+            if gw not in AGREE:
                 self.unknown_states.add(gw)
                 continue
-            if sd not in allowed:
-                now.add((model, gw, sd))
-        for key in now & self._previous:            # the same disagreement twice in a row
-            if key not in self._reported:
+            if sd in AGREE[gw]:
+                continue
+            key = (model, gw, sd)
+            streak[key] = n = self._streak.get(key, 0) + 1
+            limit = stuck_after if sd in PASSING[gw] else 2
+            if n >= limit and key not in self._reported:
                 self._reported.add(key)
-                self.disagreements.append({"t": round(t, 1), "model": key[0],
-                                           "gateway": key[1], "systemd": key[2]})
-        self._reported &= now                       # a later episode counts again
-        self._previous = now
+                self.disagreements.append({
+                    "t": round(t, 1), "model": model, "gateway": gw, "systemd": sd,
+                    "samples": n, "kind": "stuck" if sd in PASSING[gw] else "disagree"})
+        self._reported &= set(streak)               # a later episode counts again
+        self._streak = streak
 
 
 def model_of(unit: str) -> str:
@@ -225,13 +243,18 @@ async def engine_units() -> dict[str, str]:
     return units
 
 
-def proc_resources(pid: int) -> dict[str, float]:
+def proc_resources(pid: int) -> dict[str, Any]:
     rss_kib = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             rss_kib = int(line.split()[1])
-    return {"pid": pid, "rss_mib": round(rss_kib / 1024, 1),
-            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            kinds[target.split(":", 1)[0] if ":[" in target else "file"] += 1
+    return {"pid": pid, "rss_mib": round(rss_kib / 1024, 1), "fds": sum(kinds.values()),
+            "fds_by_kind": dict(kinds)}
 
 
 def main_pid(unit: str) -> int:
@@ -252,7 +275,7 @@ class Driver:
         self.unit_prefix = "llm-engine@" if self.template else "llm-engine-"
         self.base = f"http://127.0.0.1:{self.port}"
         self.requests = Requests()
-        self.sampler = Sampler(spec.slots)
+        self.sampler = Sampler(spec.slots, interval=spec.interval)
         self.events: Counter[str] = Counter()
         self.stop_reasons: Counter[str] = Counter()
         self.follower_reconnects = 0
@@ -437,7 +460,8 @@ class Driver:
             out = run("journalctl", "-o", "json", "--no-pager", f"--after-cursor={cursor}",
                       f"MESSAGE_ID={message_id}", "_PID=1")
             for line in out.splitlines():
-                if json.loads(line).get("UNIT", "").startswith("llm-engine"):
+                unit = json.loads(line).get("UNIT", "")
+                if unit.startswith(("llm-engine-", "llm-engine@")) and unit.endswith(".service"):
                     counts[name] += 1
         return {"started": counts["started"], "failed": counts["failed"]}
 
@@ -472,7 +496,8 @@ class Driver:
             await self.load(spec.duration)
             await asyncio.sleep(spec.settle)
             end_pid = main_pid(self.unit)
-            end = proc_resources(end_pid) if end_pid else {"pid": 0, "rss_mib": 0.0, "fds": 0}
+            end = proc_resources(end_pid) if end_pid else {"pid": 0, "rss_mib": 0.0, "fds": 0,
+                                                           "fds_by_kind": {}}
         finally:
             for task in watchers:
                 task.cancel()
@@ -486,8 +511,8 @@ class Driver:
         Path(spec.outdir, f"gateway-{spec.mode}.log").write_text(self.journal(self.unit))
         return self.result(wall, idle, start, end, idle["pid"] != end_pid, restarts, journal)
 
-    def result(self, wall: float, idle: dict[str, float], start: dict[str, float],
-               end: dict[str, float], pid_changed: bool, restarts: int,
+    def result(self, wall: float, idle: dict[str, Any], start: dict[str, Any],
+               end: dict[str, Any], pid_changed: bool, restarts: int,
                journal: dict[str, int]) -> dict[str, Any]:
         req, smp = self.requests, self.sampler
         lat = sorted(req.latencies_ms)
@@ -499,7 +524,8 @@ class Driver:
         fds_ok = abs(fd_change) <= max(3, 0.10 * start["fds"])
         violations: list[dict[str, Any]] = []
         violations += [{"kind": "units_over_slots", **v} for v in smp.over_slots]
-        violations += [{"kind": "gateway_vs_systemd", **v} for v in smp.disagreements]
+        violations += [{**v, "kind": f"gateway_vs_systemd_{v['kind']}"}
+                       for v in smp.disagreements]
         if pid_changed or restarts:
             violations.append({"kind": "gateway_restarted", "restarts": restarts,
                                "pid_changed": pid_changed})
@@ -631,7 +657,13 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
     rows: list[tuple[str, list[str]]] = []
 
     def row(name: str, get: Any) -> None:
-        rows.append((name, [str(get(r)) for r in results]))
+        rows.append((name, [cell(get, r) for r in results]))
+
+    def cell(get: Any, r: dict[str, Any]) -> str:
+        try:
+            return str(get(r))
+        except (KeyError, TypeError):   # a run that ended in an error has no figures
+            return "-"
 
     def change(r: dict[str, Any], key: str) -> str:
         g = r["gateway"]
@@ -639,7 +671,7 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
         ok = g["rss_ok" if key == "rss_mib" else "fds_ok"]
         return f"{a} → {b} ({'ok' if ok else 'OUT OF BOUNDS'})"
 
-    s0 = results[0]["spec"]
+    slots = results[0]["spec"]["slots"]
     row("models / slots / clients / drop", lambda r: (
         f"{r['spec']['models']} / {r['spec']['slots']} / {r['spec']['concurrency']} / "
         f"{r['spec']['drop']:.0%}"))
@@ -659,13 +691,14 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
         f"{r['engine_unit_starts_systemd']} / {r['engine_unit_failures_systemd']}"))
     row("engines stopped, by reason", lambda r: ", ".join(
         f"{k}: {v}" for k, v in sorted(r["stop_reasons"].items())) or "-")
-    row(f"max active engine units (slots {s0['slots']})", lambda r: r["max_active_units"])
+    row(f"max active engine units (slots {slots})", lambda r: r["max_active_units"])
     row("samples / over slots", lambda r: f"{r['samples']} / {r['samples_over_slots']}")
     row("gateway vs systemd, disagreeing 2 samples in a row", lambda r: r["disagreements"])
     row("**invariant violations**", lambda r: r["violations"])
     row("gateway RSS MiB (after warm-up → end)", lambda r: change(r, "rss_mib"))
     row("gateway open fds (after warm-up → end)", lambda r: change(r, "fds"))
     row("verdict", lambda r: "PASS" if r["passed"] else "FAIL: " + "; ".join(r["reasons"]))
+    row("run error", lambda r: (r.get("error") or "-").splitlines()[0])
     lines = ["| | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     lines += [f"| {name} | " + " | ".join(vals) + " |" for name, vals in rows]
     return "\n".join(lines)
@@ -686,6 +719,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=6.0,
                    help="idle seconds before each RSS/fd reading")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    p.add_argument("--request-timeout", type=float, default=60.0,
+                   help="seconds a request may take before it counts as an error (timeout)")
     p.add_argument("--mode", choices=[*MODES, "both"], default="transient")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
@@ -709,16 +744,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason := why_unavailable():
         print(f"soak: {reason}", file=sys.stderr)
         return 2
-    llama = find_llama_server(args.llama_server)
+    llama = str(Path(find_llama_server(args.llama_server)).resolve())
+    # a SIGTERM (or a timeout(1) around us) still stops the container: finally blocks run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = []
     for mode in (MODES if args.mode == "both" else (args.mode,)):
         spec = Spec(mode=mode, models=args.models, slots=args.slots,
                     concurrency=args.concurrency, drop=args.drop, duration=args.duration,
                     settle=args.settle, interval=args.interval, seed=args.seed,
-                    llama_server=llama, gateway_src=str(args.gateway_src.resolve()),
+                    request_timeout=args.request_timeout, llama_server=llama,
+                    gateway_src=str(args.gateway_src.resolve()),
                     deb=str(Path(args.deb).resolve()) if args.deb else "")
         spec.warmup = spec.warmup_s() if args.warmup is None else args.warmup
-        results.append(run_mode(spec, args.logs))
+        try:
+            results.append(run_mode(spec, args.logs))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"soak[{mode}]: {e}", file=sys.stderr)
+            results.append({"mode": mode, "spec": asdict(spec), "passed": False,
+                            "reasons": [f"the run failed: {str(e).splitlines()[0]}"],
+                            "error": str(e)})
     print(markdown(results))
     passed = all(r["passed"] for r in results)
     if args.json:

@@ -132,8 +132,21 @@ class LogsRead:
     lines: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Reconciled:
+    """What a listing of systemd's units says, when no start or stop is under way and
+    no signal arrived meanwhile: the whole truth, not a change. active_state None: no
+    such unit. Corrects a state that lost or misread a signal."""
+
+    now: float
+    active_state: str | None
+    main_pid: int = 0
+    n_restarts: int = 0
+
+
 Event = (StartRequested | UnitChanged | HealthReady | StartFailed | LoadTimedOut
-         | StopRequested | UnitGone | LogsRead)
+         | StopRequested | UnitGone | LogsRead | Reconciled)
+RUNNING_STATES = frozenset({"active", "activating", "reloading"})
 
 
 def exit_reason(code: int | None, status: int | None) -> tuple[str, int | None, int | None]:
@@ -194,6 +207,8 @@ def apply(engine: Engine, event: Event) -> Engine:
             return replace(engine, failure=replace(engine.failure, log_tail=lines))
         case UnitChanged():
             return _unit_changed(engine, event)
+        case Reconciled():
+            return _reconciled(engine, event)
     raise TypeError(f"unknown event {event!r}")
 
 
@@ -250,3 +265,28 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
         # running but not necessarily loaded: /health decides when it is ready
         return _to(engine, EngineState.LOADING, ev.now, ready_since=None, **changes)
     return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
+
+
+def _reconciled(engine: Engine, ev: Reconciled) -> Engine:
+    s = engine.state
+    if ev.active_state in RUNNING_STATES:
+        pid = ev.main_pid or engine.main_pid
+        if s in (EngineState.READY, EngineState.LOADING) and (
+                not engine.main_pid or not ev.main_pid or ev.main_pid == engine.main_pid):
+            return replace(engine, main_pid=pid, restarts=ev.n_restarts) \
+                if (pid, ev.n_restarts) != (engine.main_pid, engine.restarts) else engine
+        # running, whatever we thought (stopped, stopping, failed, or a new process):
+        # loaded or not, /health decides when it is ready
+        return _to(engine, EngineState.LOADING, ev.now, main_pid=pid, ready_since=None,
+                   restarts=ev.n_restarts, failure=None)
+    if s is EngineState.FAILED:
+        failure = engine.failure
+        if failure is not None and failure.restarting:
+            return replace(engine, failure=replace(failure, restarting=False), main_pid=0)
+        return engine
+    if ev.active_state == "failed":
+        return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
+                   failure=Failure("stopped unexpectedly"))
+    if s is EngineState.STOPPED:
+        return engine
+    return _to(engine, EngineState.STOPPED, ev.now, main_pid=0, ready_since=None)

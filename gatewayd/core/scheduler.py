@@ -69,6 +69,10 @@ class Usage:
             return "pinned"
         if self.state is not EngineState.READY:
             return "restarting" if self.restarting else self.state.value
+        if self.queued and not self.draining:
+            # requests woken by its load, about to take their slots: each load serves
+            # the requests that waited for it, so swapping always makes progress
+            return f"awaited by {self.queued} request(s)"
         return None
 
 

@@ -41,6 +41,7 @@ from gatewayd.core.engines import (
     HealthReady,
     LoadTimedOut,
     LogsRead,
+    Reconciled,
     StartFailed,
     StartRequested,
     StopRequested,
@@ -93,7 +94,7 @@ class EngineManager:
         self._listeners: list[EngineListener] = []
         self._locks: dict[str, asyncio.Lock] = {}
         self._in_lifecycle: dict[str, int] = {}     # operations holding or awaiting the lock
-        self._epoch: dict[str, int] = {}            # bumped by every lifecycle operation
+        self._versions: dict[str, int] = {}         # bumped by every event and operation
         self._failures: dict[str, tuple[int, float]] = {}   # model -> (in a row, retry at)
         self.stop_reasons: dict[str, str] = {}   # why each engine was last stopped
         self._readiness = Readiness(health, load_timeout_s=config.load_timeout_s, clock=clock,
@@ -117,9 +118,10 @@ class EngineManager:
         """A start or stop of this model is under way (or waiting for its turn)."""
         return self._in_lifecycle.get(model_id, 0) > 0
 
-    def epoch(self, model_id: str) -> int:
-        """Changes whenever a start or stop of the model begins (for the reconciler)."""
-        return self._epoch.get(model_id, 0)
+    def versions(self) -> dict[str, int]:
+        """Per model, a number that changes with every event and every start or stop: a
+        listing taken between two equal readings saw nothing newer than the gateway."""
+        return dict(self._versions)
 
     def backoff_left(self, model_id: str) -> float:
         """Seconds before a failed model may be started again by a request (0: now)."""
@@ -252,16 +254,13 @@ class EngineManager:
         return self._engines[info.model_id]
 
     def observe(self, model_id: str, info: EngineUnitInfo | None) -> None:
-        """What a listing says about a model's unit (None: systemd has no such unit)."""
-        engine = self._engines.get(model_id)
-        if engine is None or self.busy(model_id):
+        """What a listing says about a model's unit (None: systemd has no such unit).
+        The caller makes sure nothing happened to the model since the listing began."""
+        if self._engines.get(model_id) is None or self.busy(model_id):
             return
-        if info is None:
-            if engine.state is not EngineState.STOPPED and not (
-                    engine.state is EngineState.FAILED and not engine.restarting):
-                self._event(model_id, UnitGone(self._clock()))
-            return
-        self._apply_info(model_id, info)
+        self._event(model_id, Reconciled(
+            self._clock(), info.active_state if info else None,
+            main_pid=info.main_pid if info else 0, n_restarts=info.n_restarts if info else 0))
 
     def _apply_info(self, model_id: str, info: EngineUnitInfo) -> None:
         self._event(model_id, UnitChanged(
@@ -305,7 +304,7 @@ class EngineManager:
         self._in_lifecycle[model_id] = self._in_lifecycle.get(model_id, 0) + 1
         try:
             async with self._locks.setdefault(model_id, asyncio.Lock()):
-                self._epoch[model_id] = self._epoch.get(model_id, 0) + 1
+                self._bump(model_id)
                 yield
         finally:
             self._in_lifecycle[model_id] -= 1
@@ -326,10 +325,14 @@ class EngineManager:
         self._unit_props.pop(stopped.unit, None)
         return stopped
 
+    def _bump(self, model_id: str) -> None:
+        self._versions[model_id] = self._versions.get(model_id, 0) + 1
+
     def _event(self, model_id: str, event: Event) -> None:
         old = self._engines.get(model_id)
         if old is None:
             return
+        self._bump(model_id)
         new = apply(old, event)
         if new is not old:
             self._engines[model_id] = new

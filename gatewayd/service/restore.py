@@ -21,13 +21,13 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.engines import RUNNING_STATES as RUNNING
+from gatewayd.core.engines import Engine
 from gatewayd.core.errors import GatewayError
 from gatewayd.service.engine_manager import EngineManager
 
 log = logging.getLogger("gatewayd.restore")
 RECONCILE_PERIOD_S = 5.0
-RUNNING = frozenset({"active", "activating", "reloading"})
 
 
 async def adopt(engines: EngineManager) -> list[Engine]:
@@ -111,51 +111,29 @@ class Reconciler:
     async def reconcile(self) -> list[str]:
         """One pass; returns what it changed (for the log and the tests)."""
         mgr = self._engines
-        epochs = {e.model_id: mgr.epoch(e.model_id) for e in mgr.engines()}
-        listed = await mgr.units.list_engines()
+        before = mgr.versions()
+        listed = {i.model_id: i for i in await mgr.units.list_engines()
+                  if i.model_id is not None and i.socket is not None}
         changes: list[str] = []
-        by_model = {}
-        for info in listed:
-            if info.model_id is None or info.socket is None:
-                continue
-            by_model[info.model_id] = info
-        for model_id, info in by_model.items():
-            if mgr.busy(model_id) or mgr.epoch(model_id) != epochs.get(model_id,
-                                                                        mgr.epoch(model_id)):
-                continue   # a start or stop is under way: its own effects settle it
+        for model_id in sorted({*listed, *(e.model_id for e in mgr.engines())}):
+            if mgr.busy(model_id) or mgr.versions().get(model_id, 0) != before.get(model_id, 0):
+                continue   # a start, stop or signal since the listing began: it is newer
+            info = listed.get(model_id)
             engine = mgr.get(model_id)
-            running = info.active_state in RUNNING
-            if engine is None or (not engine.holds_slot and running):
-                if running and mgr.take_over(info) is not None:
+            if engine is None:
+                if info is not None and info.active_state in RUNNING and mgr.take_over(info):
                     changes.append(f"adopted {info.unit} ({info.active_state})")
                 continue
-            if engine.unit == info.unit and (
-                    _differs(engine, info.active_state) or engine.main_pid != info.main_pid):
-                mgr.observe(model_id, info)
-                changes.append(f"{model_id}: {engine.state.value} -> systemd says "
-                               f"{info.active_state}")
-        for engine in mgr.engines():
-            model_id = engine.model_id
-            if model_id in by_model or mgr.busy(model_id) or \
-                    mgr.epoch(model_id) != epochs.get(model_id, -1):
+            if info is not None and info.unit != engine.unit:
                 continue
-            if engine.state is not EngineState.STOPPED and not (
-                    engine.state is EngineState.FAILED and not engine.restarting):
-                mgr.observe(model_id, None)
-                changes.append(f"{model_id}: {engine.unit} is gone")
+            mgr.observe(model_id, info)
+            after = mgr.get(model_id)
+            if after is not None and after.state is not engine.state:
+                changes.append(f"{model_id}: {engine.state.value} -> {after.state.value} "
+                               f"(systemd: {info.active_state if info else 'no unit'})")
         if sum(1 for e in mgr.engines() if e.holds_slot) > mgr.config.max_engines:
             changes.append("more engines than max_engines: evicting the surplus")
             self._on_over_limit()
         for change in changes:
             log.warning("reconcile: %s", change)
         return changes
-
-
-def _differs(engine: Engine, active_state: str) -> bool:
-    """Whether systemd's ActiveState contradicts the engine's state (not just lags it)."""
-    running = active_state in RUNNING
-    if engine.state in (EngineState.LOADING, EngineState.READY):
-        return not running
-    if engine.state is EngineState.FAILED and not engine.restarting:
-        return running
-    return False

@@ -32,9 +32,12 @@ def u(model: str, state: EngineState = R, **kw: object) -> Usage:
     # slots full: the least recently used idle engine goes
     ([u("a", last_used=5), u("b", last_used=1)], 2, 1, None, Evict("b", "")),
     ([u("a", last_used=5), u("b", last_used=1, in_flight=1)], 2, 1, None, Evict("a", "")),
-    # none can go now: the least recently used busy (or awaited) one drains
-    ([u("a", last_used=5, queued=2), u("b", last_used=1, pinned=True)], 2, 1, None,
+    # none can go now: the least recently used busy one drains
+    ([u("a", last_used=5, in_flight=2), u("b", last_used=1, pinned=True)], 2, 1, None,
      Drain("a", "")),
+    # an engine just loaded for waiting requests is theirs first (no swap without progress)
+    ([u("a", last_used=5, queued=2), u("b", last_used=1, pinned=True)], 2, 1, None,
+     Blocked("engine_limit", (("a", "awaited by 2 request(s)"), ("b", "pinned")))),
     ([u("a", in_flight=3)], 1, 1, None, Drain("a", "")),
     ([u("a", last_used=1, in_flight=1), u("b", last_used=2, in_flight=1)], 2, 1, None,
      Drain("a", "")),

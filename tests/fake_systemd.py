@@ -1,0 +1,185 @@
+"""A fake systemd for engine units whose signals arrive late, early, reordered or twice.
+
+It implements the UnitControl port with systemd's rules and timings (start and stop
+jobs take time; a stopped transient unit is collected; Restart=on-failure restarts a
+crashed one after RestartSec) and keeps score of the rules the gateway must never
+break, as `violations`:
+- a start of a unit whose previous instance still exists (its stop is under way);
+- a stop of an engine that is serving requests (asked of the dispatcher);
+Signals (PropertiesChanged) are delivered by the event loop after a delay the test
+chooses per signal: zero (before the job returns, as D-Bus does), later than the job,
+in another order than sent, or twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gatewayd.core.catalog import Model
+from gatewayd.core.engine_units import EngineLayout
+from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
+from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
+
+RUNNING = ("active", "activating", "reloading")
+SIGNAL_MODES = ("in_order", "late", "shuffled", "duplicated")
+
+
+@dataclass
+class FakeUnit:
+    model_id: str
+    socket: str
+    active: str
+    sub: str
+    pid: int
+    restarts: int = 0
+    loaded_at: float = 0.0      # /health answers 200 from then on
+
+
+class FakeSystemd:
+    mode, manager = "transient", "system"
+
+    def __init__(self, rng: random.Random, *, signal_mode: str = "in_order",
+                 job_s: float = 0.05, load_s: float = 0.2, stop_s: float = 0.05,
+                 restart_s: float = 1.0) -> None:
+        self.rng = rng
+        self.signal_mode = signal_mode
+        self.job_s, self.load_s, self.stop_s, self.restart_s = job_s, load_s, stop_s, restart_s
+        self.units: dict[str, FakeUnit] = {}
+        self.stopping: set[str] = set()
+        self.watchers: list[UnitWatcher] = []
+        self.violations: list[str] = []
+        self.starts = 0
+        self.in_flight: Callable[[str], int] = lambda model_id: 0
+        self._pid = 1000
+
+    # -- UnitControl -------------------------------------------------------------------
+
+    def layout(self, model_id: str) -> EngineLayout:
+        return EngineLayout.for_model(model_id)
+
+    async def start_engine(self, model: Model) -> EngineLayout:
+        layout = self.layout(model.id)
+        unit = layout.unit
+        if unit in self.stopping:
+            self.violations.append(f"start of {unit} while its previous instance is stopping")
+        existing = self.units.get(unit)
+        if existing is not None:
+            if existing.active in RUNNING:
+                raise UnitAlreadyActive(f"{unit} is already {existing.active}", unit=unit)
+            self.violations.append(f"start of {unit} while its previous instance exists")
+            raise UnitOperationFailed(f"Unit {unit} was already loaded",
+                                      dbus_error="org.freedesktop.systemd1.UnitExists")
+        self.starts += 1
+        self._pid += 1
+        u = FakeUnit(model.id, layout.socket, "activating", "start", self._pid)
+        self.units[unit] = u
+        self._signal(unit, ActiveState="inactive", SubState="dead")   # a unit being created
+        self._signal(unit, ActiveState="activating", SubState="start")
+        self._signal(unit, MainPID=u.pid)
+        await asyncio.sleep(self.job_s)
+        if self.units.get(unit) is u and u.active == "activating":
+            self._run(unit, u)
+        return layout
+
+    async def stop_engine(self, unit: str) -> None:
+        u = self.units.get(unit)
+        if u is None:
+            return
+        if serving := self.in_flight(u.model_id):
+            self.violations.append(f"stop of {unit} while it serves {serving} request(s)")
+        self.stopping.add(unit)
+        u.active, u.sub = "deactivating", "stop-sigterm"
+        self._signal(unit, ActiveState="deactivating", SubState="stop-sigterm")
+        await asyncio.sleep(self.stop_s)
+        u.active, u.sub, u.pid = "inactive", "dead", 0
+        self._signal(unit, ActiveState="inactive", SubState="dead", Result="success")
+        del self.units[unit]   # CollectMode=inactive-or-failed: collected right away
+        self.stopping.discard(unit)
+
+    async def list_engines(self) -> list[EngineUnitInfo]:
+        await asyncio.sleep(0)
+        return [self._info(name, u) for name, u in self.units.items()]
+
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        u = self.units.get(unit)
+        return None if u is None else self._info(unit, u)
+
+    def watch(self, callback: UnitWatcher) -> Callable[[], None]:
+        self.watchers.append(callback)
+        return lambda: self.watchers.remove(callback)
+
+    # -- faults --------------------------------------------------------------------------
+
+    def crash(self, model_id: str) -> bool:
+        """The engine's process dies; systemd restarts it after restart_s."""
+        unit = self.layout(model_id).unit
+        u = self.units.get(unit)
+        if u is None or u.active != "active":
+            return False
+        u.active, u.sub, u.pid = "activating", "auto-restart", 0
+        self._signal(unit, ActiveState="activating", SubState="auto-restart",
+                     ExecMainCode=2, ExecMainStatus=9, MainPID=0)
+        asyncio.get_running_loop().call_later(self.restart_s, self._restart, unit, u)
+        return True
+
+    # -- what the tests read ---------------------------------------------------------------
+
+    def running(self) -> dict[str, str]:
+        """model -> ActiveState of every unit that exists and runs or will run again."""
+        return {u.model_id: u.active for u in self.units.values() if u.active != "inactive"}
+
+    def health(self, socket: str) -> int | None:
+        for u in self.units.values():
+            if u.socket == socket:
+                loop = asyncio.get_running_loop()
+                return 200 if u.active == "active" and loop.time() >= u.loaded_at else 503
+        return None
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _run(self, unit: str, u: FakeUnit) -> None:
+        u.active, u.sub = "active", "running"
+        u.loaded_at = asyncio.get_running_loop().time() + self.load_s
+        self._signal(unit, ActiveState="active", SubState="running")
+
+    def _restart(self, unit: str, u: FakeUnit) -> None:
+        if self.units.get(unit) is not u or u.sub != "auto-restart":
+            return
+        self._pid += 1
+        u.pid, u.restarts = self._pid, u.restarts + 1
+        self._signal(unit, NRestarts=u.restarts, MainPID=u.pid)
+        self._run(unit, u)
+
+    def _info(self, name: str, u: FakeUnit) -> EngineUnitInfo:
+        return EngineUnitInfo(unit=name, model_id=u.model_id, socket=u.socket,
+                              active_state=u.active, sub_state=u.sub, main_pid=u.pid,
+                              n_restarts=u.restarts, memory_bytes=None, started_at_us=0)
+
+    def _signal(self, unit: str, **props: Any) -> None:
+        loop = asyncio.get_running_loop()
+        mode = self.signal_mode
+        copies = 2 if mode == "duplicated" and self.rng.random() < 0.5 else 1
+        for _ in range(copies):
+            if mode == "in_order":
+                self._deliver(unit, props)            # before the job returns, in order
+            elif mode == "late":
+                loop.call_later(self.job_s * 3, self._deliver, unit, props)
+            else:
+                loop.call_later(self.rng.uniform(0, self.job_s * 4), self._deliver, unit, props)
+
+    def _deliver(self, unit: str, props: dict[str, Any]) -> None:
+        for watcher in list(self.watchers):
+            watcher(unit, props)
+
+
+class FakeSystemdHealth:
+    def __init__(self, systemd: FakeSystemd) -> None:
+        self._systemd = systemd
+
+    async def status(self, socket: str) -> int | None:
+        await asyncio.sleep(0)
+        return self._systemd.health(socket)

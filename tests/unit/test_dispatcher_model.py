@@ -1,0 +1,225 @@
+"""Model-based tests of the dispatcher + engine manager on a fake systemd (hypothesis).
+
+Random sequences of requests (held for a while, some clients leaving early), crashes
+and time passing, against a fake systemd whose signals arrive in order, late,
+shuffled or twice. After every step:
+- never more engine units exist than max_engines (a restarting one counts);
+- no unit is stopped while its engine serves a request, and no unit is started while
+  its previous instance still exists (the fake systemd keeps score);
+- every request is answered within its deadline (room within eviction_wait_s, the load
+  within load_timeout_s), and with success unless a crash explains the error;
+and after the system settles, the gateway's view of every model equals systemd's.
+Time is virtual (tests/virtual_time.py): seconds of timeouts cost microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from gatewayd.adapters.desired import DesiredEngines
+from gatewayd.adapters.gpu import NoGpu
+from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.config import GatewayConfig, ModelConfig
+from gatewayd.core.engines import EngineState
+from gatewayd.core.errors import GatewayError
+from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.restore import Reconciler
+from tests.fake_systemd import SIGNAL_MODES, FakeSystemd, FakeSystemdHealth
+from tests.fakes import FakeJournal
+from tests.virtual_time import VirtualTimeLoop
+
+MODELS = ("a", "b", "c")
+EVICTION_WAIT_S = 10.0
+LOAD_TIMEOUT_S = 5.0
+CRASH_EXCUSE_S = 40.0     # errors this long after a crash of the model are explained by it
+SETTLE_S = 60.0
+
+
+@dataclass
+class Request:
+    model: str
+    sent: float
+    hold: float
+    task: asyncio.Task[None]
+    answered: float | None = None
+    error: GatewayError | None = None
+
+
+class DispatcherMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = VirtualTimeLoop()
+        asyncio.set_event_loop(self.loop)
+        self.tmp = Path(tempfile.mkdtemp(prefix="dispatcher-model-"))
+        self.sent: list[Request] = []
+        self.crashes: dict[str, float] = {}
+        self.max_engines = 1
+        self.max_seen = 0
+
+    @initialize(max_engines=st.integers(1, 3), signal_mode=st.sampled_from(SIGNAL_MODES),
+                seed=st.integers(0, 2**16))
+    def build(self, max_engines: int, signal_mode: str, seed: int) -> None:
+        self.max_engines = max_engines
+        self.systemd = FakeSystemd(random.Random(seed), signal_mode=signal_mode)
+        models = []
+        for name in MODELS:
+            path = self.tmp / f"{name}.gguf"
+            path.write_bytes(b"x")
+            models.append(Model(id=name, config=ModelConfig(name=name, path=path),
+                                names=frozenset({name}), size_bytes=1))
+        config = GatewayConfig(max_engines=max_engines, state_dir=self.tmp / "state",
+                               load_timeout_s=LOAD_TIMEOUT_S, eviction_wait_s=EVICTION_WAIT_S)
+        catalog = Catalog(models, {})
+
+        async def build() -> None:
+            self.mgr = EngineManager(
+                catalog=catalog, config=config, units=self.systemd,
+                health=FakeSystemdHealth(self.systemd), gpu=NoGpu("test"),
+                journal=FakeJournal(), desired=DesiredEngines(config.state_dir),
+                clock=self.loop.time)
+            self.dispatcher = Dispatcher(self.mgr, catalog=catalog, gpu=self.mgr.gpu,
+                                         config=config, clock=self.loop.time)
+            self.reconciler = Reconciler(self.mgr, on_over_limit=self.dispatcher.enforce_limit,
+                                         period_s=2.0)
+            self.reconciler.start()
+        self.loop.run_until_complete(build())
+        self.systemd.in_flight = self._in_flight
+
+    def _in_flight(self, model_id: str) -> int:
+        use = self.dispatcher._slots.peek(model_id)
+        return use.in_flight if use else 0
+
+    def _advance(self, seconds: float) -> None:
+        self.loop.run_until_complete(asyncio.sleep(seconds))
+        self.max_seen = max(self.max_seen, len(self.systemd.running()))
+
+    # -- rules -------------------------------------------------------------------------
+
+    @rule(model=st.sampled_from(MODELS), hold=st.floats(0.0, 3.0), count=st.integers(1, 4),
+          leave_after=st.none() | st.floats(0.0, 2.0))
+    def requests(self, model: str, hold: float, count: int, leave_after: float | None) -> None:
+        for _ in range(count):
+            self._send(model, hold, leave_after)
+        self._advance(0.001)
+
+    @rule(seconds=st.floats(0.01, 4.0))
+    def time_passes(self, seconds: float) -> None:
+        self._advance(seconds)
+
+    @rule(model=st.sampled_from(MODELS))
+    def crash(self, model: str) -> None:
+        async def crash() -> bool:
+            return self.systemd.crash(model)
+        if self.loop.run_until_complete(crash()):
+            self.crashes[model] = self.loop.time()
+        self._advance(0.001)
+
+    @precondition(lambda self: hasattr(self, "mgr"))
+    @rule()
+    def settle(self) -> None:
+        """Let every request finish and every signal land; then the views must agree."""
+        self._settle()
+        self.check_views_agree()
+
+    # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def never_more_units_than_max_engines(self) -> None:
+        if hasattr(self, "systemd"):
+            running = self.systemd.running()
+            assert len(running) <= self.max_engines, running
+            assert self.max_seen <= self.max_engines
+
+    @invariant()
+    def systemd_rules_kept(self) -> None:
+        if hasattr(self, "systemd"):
+            assert self.systemd.violations == []
+
+    @invariant()
+    def every_request_answered_in_time_and_well(self) -> None:
+        now = self.loop.time()
+        for r in self.sent:
+            bound = r.sent + EVICTION_WAIT_S + LOAD_TIMEOUT_S + r.hold + 10.0
+            if r.answered is None:
+                assert now <= bound, f"{r.model} request sent at {r.sent} still waits at {now}"
+                continue
+            assert r.answered <= bound, f"{r.model} answered at {r.answered}, sent {r.sent}"
+            if r.error is not None:
+                crashed = self.crashes.get(r.model)
+                assert crashed is not None and r.sent - CRASH_EXCUSE_S <= crashed, \
+                    f"{r.model}: {r.error.code}: {r.error.message}"
+
+    def check_views_agree(self) -> None:
+        running = self.systemd.running()
+        for model in MODELS:
+            engine = self.mgr.get(model)
+            ours = engine is not None and engine.holds_slot
+            assert ours == (model in running), (model, engine, running)
+            if engine is not None and running.get(model) == "active":
+                assert engine.state in (EngineState.READY, EngineState.LOADING), engine
+
+    def teardown(self) -> None:
+        try:
+            if hasattr(self, "mgr"):
+                self._settle()
+                assert all(r.answered is not None for r in self.sent)
+
+                async def close() -> None:
+                    await self.reconciler.close()
+                    await self.dispatcher.close()
+                    await self.mgr.close()
+                self.loop.run_until_complete(close())
+        finally:
+            self.loop.close()
+            asyncio.set_event_loop(None)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _send(self, model: str, hold: float, leave_after: float | None) -> None:
+        record = Request(model, self.loop.time(), hold, task=None)  # type: ignore[arg-type]
+
+        async def request() -> None:
+            try:
+                async with self.dispatcher.serve(model, autoload=True):
+                    await asyncio.sleep(hold)
+            except GatewayError as e:
+                record.error = e
+            finally:
+                record.answered = self.loop.time()
+
+        task = self.loop.create_task(request())
+        record.task = task
+        self.sent.append(record)
+        if leave_after is not None:   # the client goes away (the handler is cancelled)
+            self.loop.call_later(leave_after, task.cancel)
+            task.add_done_callback(lambda t: setattr(record, "answered", record.answered
+                                                     or self.loop.time()))
+
+    def _settle(self) -> None:
+        deadline = self.loop.time() + SETTLE_S
+        while self.loop.time() < deadline and any(r.answered is None for r in self.sent):
+            self._advance(0.5)
+        self._advance(5.0)   # stragglers: late signals, a reconcile period or two
+
+
+DispatcherMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestDispatcherModel = DispatcherMachine.TestCase
