@@ -634,8 +634,12 @@ def run_mode(spec: Spec, logs: Path | None = None) -> dict[str, Any]:
             argv = ["bash", str(SCRIPT), "run", box.name, "-p", f"WorkingDirectory={REPO}",
                     spec.python, "-m", "bench.soak", "--inside", str(outdir / "spec.json")]
             limit = spec.duration + spec.warmup_s() + 2 * spec.settle + 600
+            try:
+                progress: int | None = sys.stderr.fileno()
+            except (AttributeError, OSError, ValueError):   # e.g. under pytest's capsys
+                progress = None
             proc = subprocess.run(argv, env=box._env, stdin=subprocess.DEVNULL,
-                                  stdout=sys.stderr, check=False, timeout=limit)
+                                  stdout=progress, check=False, timeout=limit)
             result_file = outdir / f"result-{spec.mode}.json"
             if proc.returncode != 0 or not result_file.exists():
                 raise RuntimeError(f"the soak driver inside the container exited "
@@ -681,7 +685,7 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
     row("ok", lambda r: r["requests"]["ok"])
     row("dropped (streamed, left after the first event)", lambda r: r["requests"]["dropped"])
     row("**errors**", lambda r: r["requests"]["errors"])
-    codes = sorted({k for r in results for k in r["requests"]["errors_by_code"]})
+    codes = sorted({k for r in results for k in r.get("requests", {}).get("errors_by_code", {})})
     for code in codes:
         row(f"  error {code}", lambda r, c=code: r["requests"]["errors_by_code"].get(c, 0))
     row("latency p50 / p99 of ok (ms)", lambda r: (
@@ -744,7 +748,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason := why_unavailable():
         print(f"soak: {reason}", file=sys.stderr)
         return 2
+    if not (args.gateway_src / "gatewayd/__init__.py").is_file():
+        print(f"soak: no gatewayd package in {args.gateway_src}", file=sys.stderr)
+        return 2
     llama = str(Path(find_llama_server(args.llama_server)).resolve())
+    if not os.access(llama, os.X_OK):
+        print(f"soak: {llama} is not an executable llama-server", file=sys.stderr)
+        return 2
     # a SIGTERM (or a timeout(1) around us) still stops the container: finally blocks run
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = []
@@ -763,10 +773,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append({"mode": mode, "spec": asdict(spec), "passed": False,
                             "reasons": [f"the run failed: {str(e).splitlines()[0]}"],
                             "error": str(e)})
-    print(markdown(results))
     passed = all(r["passed"] for r in results)
     if args.json:
         args.json.write_text(json.dumps({"passed": passed, "runs": results}, indent=2) + "\n")
+    print(markdown(results))
     return 0 if passed else 1
 
 

@@ -13,7 +13,7 @@ import selectors
 from typing import Any
 
 
-class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc, valid-type]
+class _VirtualSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0

@@ -249,9 +249,12 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
             text = f"{text} ({ev.result})"
         return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
                    failure=Failure(text, code, sig), **changes)
+    if s is EngineState.STARTING and active in ("inactive", "deactivating"):
+        # a unit being created reports inactive/dead before activating; a deactivating
+        # one is the previous instance's signal arriving late (it was stopped and gone
+        # before this start was sent)
+        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
     if active == "inactive":
-        if s is EngineState.STARTING:
-            return engine  # a unit being created reports inactive/dead before activating
         return _to(engine, EngineState.STOPPED, ev.now, main_pid=0, ready_since=None, **changes)
     if active == "deactivating":
         return _to(engine, EngineState.STOPPING, ev.now, **changes)

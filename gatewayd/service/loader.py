@@ -132,10 +132,15 @@ class Loader:
     async def _make_room_and_start(self, model: Model) -> None:
         need = model_need_mib(model, self._config.vram_margin_mib)
         deadline = self._clock() + self._config.eviction_wait_s
+        give_up = deadline + self._config.load_timeout_s
         engines = self._engines
         while True:
             if not self._slots.queued(model.id):
                 return   # every client left: nothing to make room for
+            if self._clock() >= give_up:
+                waited = self._config.eviction_wait_s + self._config.load_timeout_s
+                raise EngineFailed(f"{model.id!r} was not ready within {waited:g}s",
+                                   retry_after=5, model=model.id)
             engine = engines.get(model.id)
             use = self._slots.use(model.id)
             if engine is not None and engine.state is EngineState.READY:
@@ -146,8 +151,10 @@ class Loader:
             if engine is not None and (engine.state in (EngineState.STARTING,
                                                         EngineState.LOADING)
                                        or engine.restarting):
-                await engines.wait_ready(model.id)   # someone else started it
-                return
+                with contextlib.suppress(EngineNotRunning):   # stopped meanwhile: again
+                    await engines.wait_ready(model.id)   # someone else started it
+                    return
+                continue
             if engines.busy(model.id) or (engine is not None
                                           and engine.state is EngineState.STOPPING):
                 await self._wait(deadline, model, "its engine is stopping")
@@ -169,8 +176,8 @@ class Loader:
                     try:
                         await engines.start(model.id, force=isinstance(
                             decision, scheduler.TryAnyway))
-                    except AlreadyRunning:
-                        await engines.wait_ready(model.id)
+                    except (AlreadyRunning, EngineNotRunning):
+                        continue   # started by someone else, or stopped meanwhile: look again
                     return
                 case scheduler.Evict(victim, reason):
                     await self._evict(victim, reason)

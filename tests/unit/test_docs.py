@@ -28,3 +28,20 @@ def test_readme_opens_with_the_two_commands() -> None:
     ci = (REPO / ".ci" / "run").read_text()
     command = first_block[1].split("#")[0].strip()
     assert f"\n{command}\n" in ci  # CI runs exactly the README's test command
+
+
+def test_design_names_every_module_under_its_layer() -> None:
+    """docs/design.md's "Layers" section names each module in its folder's bullet."""
+    design = (REPO / "docs" / "design.md").read_text()
+    layers = design[design.index("## Layers"):design.index("### Why dbus-fast")]
+    bullets = {m.group(1): m.group(0) for m in re.finditer(
+        r"^- \*\*`?([\w ]+?)/?`?\*\*.*?(?=^- \*\*|\Z)", layers, re.S | re.M)}
+    package = REPO / "gatewayd"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        if path.stem == "__init__":
+            continue
+        folder = path.parent.name if path.parent != package else "top level"
+        if f"`{path.stem}`" not in bullets.get(folder, ""):
+            missing.append(f"{path.relative_to(REPO)} (under {folder})")
+    assert missing == []
