@@ -5,7 +5,9 @@ jobs take time; a stopped transient unit is collected; Restart=on-failure restar
 crashed one after RestartSec) and keeps score of the rules the gateway must never
 break, as `violations`:
 - a start of a unit whose previous instance still exists (its stop is under way);
-- a stop of an engine that is serving requests (asked of the dispatcher);
+- a start that makes more units exist than max_engines (a restarting one counts);
+- an eviction (or idle stop) of an engine that is serving requests (asked of the
+  dispatcher; an operator's explicit stop may stop a busy engine);
 Signals (PropertiesChanged) are delivered by the event loop after a delay the test
 chooses per signal: zero (before the job returns, as D-Bus does), later than the job,
 in another order than sent, or twice.
@@ -42,10 +44,13 @@ class FakeUnit:
 class FakeSystemd:
     mode, manager = "transient", "system"
 
-    def __init__(self, rng: random.Random, *, signal_mode: str = "in_order",
+    def __init__(self, rng: random.Random, *, max_engines: int, signal_mode: str = "in_order",
                  job_s: float = 0.05, load_s: float = 0.2, stop_s: float = 0.05,
                  restart_s: float = 1.0) -> None:
         self.rng = rng
+        self.max_engines = max_engines
+        self.fail_next_start: set[str] = set()
+        self.faults: dict[str, list[float]] = {}   # model -> when a crash or failed start hit
         self.signal_mode = signal_mode
         self.job_s, self.load_s, self.stop_s, self.restart_s = job_s, load_s, stop_s, restart_s
         self.units: dict[str, FakeUnit] = {}
@@ -54,6 +59,7 @@ class FakeSystemd:
         self.violations: list[str] = []
         self.starts = 0
         self.in_flight: Callable[[str], int] = lambda model_id: 0
+        self.stop_reason: Callable[[str], str | None] = lambda model_id: None
         self._pid = 1000
 
     # -- UnitControl -------------------------------------------------------------------
@@ -73,6 +79,14 @@ class FakeSystemd:
             self.violations.append(f"start of {unit} while its previous instance exists")
             raise UnitOperationFailed(f"Unit {unit} was already loaded",
                                       dbus_error="org.freedesktop.systemd1.UnitExists")
+        if model.id in self.fail_next_start:
+            self.fail_next_start.discard(model.id)
+            self.faults.setdefault(model.id, []).append(asyncio.get_running_loop().time())
+            raise UnitOperationFailed(f"systemd could not start {unit}: job failed",
+                                      unit=unit, job_result="failed")
+        if len(self.running()) >= self.max_engines:
+            self.violations.append(f"start of {unit} with {sorted(self.running())} running "
+                                   f"(max_engines {self.max_engines})")
         self.starts += 1
         self._pid += 1
         u = FakeUnit(model.id, layout.socket, "activating", "start", self._pid)
@@ -89,8 +103,9 @@ class FakeSystemd:
         u = self.units.get(unit)
         if u is None:
             return
-        if serving := self.in_flight(u.model_id):
-            self.violations.append(f"stop of {unit} while it serves {serving} request(s)")
+        reason = self.stop_reason(u.model_id)
+        if (serving := self.in_flight(u.model_id)) and reason in ("evicted", "idle_ttl"):
+            self.violations.append(f"{reason} {unit} while it serves {serving} request(s)")
         self.stopping.add(unit)
         u.active, u.sub = "deactivating", "stop-sigterm"
         self._signal(unit, ActiveState="deactivating", SubState="stop-sigterm")
@@ -121,6 +136,7 @@ class FakeSystemd:
         if u is None or u.active != "active":
             return False
         u.active, u.sub, u.pid = "activating", "auto-restart", 0
+        self.faults.setdefault(model_id, []).append(asyncio.get_running_loop().time())
         self._signal(unit, ActiveState="activating", SubState="auto-restart",
                      ExecMainCode=2, ExecMainStatus=9, MainPID=0)
         asyncio.get_running_loop().call_later(self.restart_s, self._restart, unit, u)

@@ -1,8 +1,10 @@
 """Model-based tests of the dispatcher + engine manager on a fake systemd (hypothesis).
 
-Random sequences of requests (held for a while, some clients leaving early), crashes
-and time passing, against a fake systemd whose signals arrive in order, late,
-shuffled or twice. After every step:
+Random sequences of requests (held for a while, some clients leaving early, bursts
+interleaved tick by tick, steady load that keeps an engine busy for longer than
+eviction_wait_s), crashes, failed starts, an operator's stops and time passing,
+against a fake systemd whose signals arrive in order, late, shuffled or twice. After
+every step:
 - never more engine units exist than max_engines (a restarting one counts);
 - no unit is stopped while its engine serves a request, and no unit is started while
   its previous instance still exists (the fake systemd keeps score);
@@ -15,6 +17,7 @@ Time is virtual (tests/virtual_time.py): seconds of timeouts cost microseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
 import tempfile
@@ -68,7 +71,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         asyncio.set_event_loop(self.loop)
         self.tmp = Path(tempfile.mkdtemp(prefix="dispatcher-model-"))
         self.sent: list[Request] = []
-        self.crashes: dict[str, float] = {}
+        self.clients: list[asyncio.Task[None]] = []
         self.max_engines = 1
         self.max_seen = 0
 
@@ -76,7 +79,8 @@ class DispatcherMachine(RuleBasedStateMachine):
                 seed=st.integers(0, 2**16))
     def build(self, max_engines: int, signal_mode: str, seed: int) -> None:
         self.max_engines = max_engines
-        self.systemd = FakeSystemd(random.Random(seed), signal_mode=signal_mode)
+        self.systemd = FakeSystemd(random.Random(seed), max_engines=max_engines,
+                                   signal_mode=signal_mode)
         models = []
         for name in MODELS:
             path = self.tmp / f"{name}.gguf"
@@ -100,6 +104,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             self.reconciler.start()
         self.loop.run_until_complete(build())
         self.systemd.in_flight = self._in_flight
+        self.systemd.stop_reason = self.mgr.stop_reasons.get
 
     def _in_flight(self, model_id: str) -> int:
         use = self.dispatcher._slots.peek(model_id)
@@ -118,6 +123,43 @@ class DispatcherMachine(RuleBasedStateMachine):
             self._send(model, hold, leave_after)
         self._advance(0.001)
 
+    @rule(models=st.lists(st.sampled_from(MODELS), min_size=2, max_size=6),
+          hold=st.floats(0.0, 1.0))
+    def burst(self, models: list[str], hold: float) -> None:
+        """Requests one event-loop tick apart: lands between a decision and its effect."""
+        for model in models:
+            self._send(model, hold, None)
+            self.loop.run_until_complete(asyncio.sleep(0))
+        self._advance(0.001)
+
+    @rule(model=st.sampled_from(MODELS), seconds=st.floats(EVICTION_WAIT_S, 3 * EVICTION_WAIT_S))
+    def steady_load(self, model: str, seconds: float) -> None:
+        """Two clients back to back on one model: its engine is never idle for that long."""
+        until = self.loop.time() + seconds
+
+        async def client(offset: float) -> None:
+            await asyncio.sleep(offset)
+            while self.loop.time() < until:
+                request = self._send(model, 0.5, None)
+                await request.task
+                if request.error is not None:
+                    await asyncio.sleep(1.0)   # a client backs off after an error
+        for offset in (0.0, 0.25):
+            self.clients.append(self.loop.create_task(client(offset)))
+        self._advance(0.001)
+
+    @rule(model=st.sampled_from(MODELS))
+    def start_fails_once(self, model: str) -> None:
+        self.systemd.fail_next_start.add(model)
+
+    @rule(model=st.sampled_from(MODELS))
+    def operator_stops(self, model: str) -> None:
+        async def stop() -> None:
+            with contextlib.suppress(GatewayError):
+                await self.mgr.stop(model)
+        self.loop.create_task(stop())
+        self._advance(0.001)
+
     @rule(seconds=st.floats(0.01, 4.0))
     def time_passes(self, seconds: float) -> None:
         self._advance(seconds)
@@ -126,8 +168,7 @@ class DispatcherMachine(RuleBasedStateMachine):
     def crash(self, model: str) -> None:
         async def crash() -> bool:
             return self.systemd.crash(model)
-        if self.loop.run_until_complete(crash()):
-            self.crashes[model] = self.loop.time()
+        self.loop.run_until_complete(crash())
         self._advance(0.001)
 
     @precondition(lambda self: hasattr(self, "mgr"))
@@ -160,9 +201,9 @@ class DispatcherMachine(RuleBasedStateMachine):
                 assert now <= bound, f"{r.model} request sent at {r.sent} still waits at {now}"
                 continue
             assert r.answered <= bound, f"{r.model} answered at {r.answered}, sent {r.sent}"
-            if r.error is not None:
-                crashed = self.crashes.get(r.model)
-                assert crashed is not None and r.sent - CRASH_EXCUSE_S <= crashed, \
+            if r.error is not None:   # only a fault of that model, shortly before, explains it
+                faults = self.systemd.faults.get(r.model, [])
+                assert any(r.sent - CRASH_EXCUSE_S <= f <= r.answered for f in faults), \
                     f"{r.model}: {r.error.code}: {r.error.message}"
 
     def check_views_agree(self) -> None:
@@ -186,13 +227,18 @@ class DispatcherMachine(RuleBasedStateMachine):
                     await self.mgr.close()
                 self.loop.run_until_complete(close())
         finally:
+            leftovers = asyncio.all_tasks(self.loop)
+            for task in leftovers:
+                task.cancel()
+            if leftovers:
+                self.loop.run_until_complete(asyncio.wait(leftovers))
             self.loop.close()
             asyncio.set_event_loop(None)
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _send(self, model: str, hold: float, leave_after: float | None) -> None:
+    def _send(self, model: str, hold: float, leave_after: float | None) -> Request:
         record = Request(model, self.loop.time(), hold, task=None)  # type: ignore[arg-type]
 
         async def request() -> None:
@@ -211,10 +257,12 @@ class DispatcherMachine(RuleBasedStateMachine):
             self.loop.call_later(leave_after, task.cancel)
             task.add_done_callback(lambda t: setattr(record, "answered", record.answered
                                                      or self.loop.time()))
+        return record
 
     def _settle(self) -> None:
         deadline = self.loop.time() + SETTLE_S
-        while self.loop.time() < deadline and any(r.answered is None for r in self.sent):
+        while self.loop.time() < deadline and (any(r.answered is None for r in self.sent)
+                                               or not all(c.done() for c in self.clients)):
             self._advance(0.5)
         self._advance(5.0)   # stragglers: late signals, a reconcile period or two
 
