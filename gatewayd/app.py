@@ -124,6 +124,8 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file) if config.records_enabled else None
     upstreams = Upstreams(config.read_timeout_s)
+    engines.subscribe(lambda old, new: upstreams.forget(new.socket)
+                      if new.state is not old.state and not new.holds_slot else None)
     app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES],
                                                  app[DISPATCHER], upstreams, records)
     try:

@@ -45,6 +45,7 @@ class Upstreams:
                                               sock_read=read_timeout_s)
         self._pooled: dict[str, aiohttp.ClientSession] = {}
         self._oneshot: dict[str, aiohttp.ClientSession] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def session(self, socket: str, *, stream: bool) -> aiohttp.ClientSession:
         sessions = self._oneshot if stream else self._pooled
@@ -58,6 +59,18 @@ class Upstreams:
                                                 "User-Agent", "Accept-Encoding"))
             sessions[socket] = session
         return session
+
+    def pooled(self, socket: str) -> bool:
+        return socket in self._pooled
+
+    def forget(self, socket: str) -> None:
+        """The engine behind socket is gone: close its pooled keep-alive connections now
+        (they would otherwise hold descriptors until the next use of that socket)."""
+        session = self._pooled.pop(socket, None)
+        if session is not None and not session.closed:
+            task = asyncio.get_running_loop().create_task(session.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         for session in [*self._pooled.values(), *self._oneshot.values()]:

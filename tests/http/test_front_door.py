@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gatewayd.adapters import records
 from gatewayd.app import DISPATCHER, build_app
-from gatewayd.http import admin_api
+from gatewayd.http import admin_api, openai_api
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
 from tests.fakes import FakeUnits, dispatcher_for, engine_manager_on_fakes
@@ -363,3 +363,12 @@ async def test_a_get_never_autoloads(gw: Gateway) -> None:
     resp = await gw.client.get("/props", params={"model": "c"})
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "model_not_loaded"
     assert "start c" not in gw.units.log
+
+
+async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> None:
+    assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+    upstreams = gw.client.app[openai_api.FRONT].upstreams
+    socket = gw.units.layout("a").socket
+    assert upstreams.pooled(socket)
+    await gw.engines.stop("a")
+    assert not upstreams.pooled(socket)
