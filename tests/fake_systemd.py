@@ -4,7 +4,8 @@ It implements the UnitControl port with systemd's rules and timings (start and s
 jobs take time; a stopped transient unit is collected; Restart=on-failure restarts a
 crashed one after RestartSec) and keeps score of the rules the gateway must never
 break, as `violations`:
-- a start of a unit whose previous instance still exists (its stop is under way);
+- a start of a unit whose previous instance still exists (its stop is under way), and a
+  stop of a unit whose start job has not finished (one lifecycle at a time);
 - a start that makes more units exist than max_engines (a restarting one counts);
 - an eviction (or idle stop) of an engine that is serving requests (asked of the
   dispatcher; an operator's explicit stop may stop a busy engine);
@@ -55,6 +56,7 @@ class FakeSystemd:
         self.job_s, self.load_s, self.stop_s, self.restart_s = job_s, load_s, stop_s, restart_s
         self.units: dict[str, FakeUnit] = {}
         self.stopping: set[str] = set()
+        self.starting: set[str] = set()
         self.watchers: list[UnitWatcher] = []
         self.violations: list[str] = []
         self.starts = 0
@@ -94,7 +96,11 @@ class FakeSystemd:
         self._signal(unit, ActiveState="inactive", SubState="dead")   # a unit being created
         self._signal(unit, ActiveState="activating", SubState="start")
         self._signal(unit, MainPID=u.pid)
-        await asyncio.sleep(self.job_s)
+        self.starting.add(unit)
+        try:
+            await asyncio.sleep(self.job_s)
+        finally:
+            self.starting.discard(unit)
         if self.units.get(unit) is u and u.active == "activating":
             self._run(unit, u)
         return layout
@@ -103,6 +109,8 @@ class FakeSystemd:
         u = self.units.get(unit)
         if u is None:
             return
+        if unit in self.starting:
+            self.violations.append(f"stop of {unit} while its start job runs")
         reason = self.stop_reason(u.model_id)
         if (serving := self.in_flight(u.model_id)) and reason in ("evicted", "idle_ttl"):
             self.violations.append(f"{reason} {unit} while it serves {serving} request(s)")

@@ -36,11 +36,13 @@ SLOT_STATES = frozenset({EngineState.STARTING, EngineState.LOADING, EngineState.
                          EngineState.STOPPING})
 
 
-def holds_slot(state: EngineState, restarting: bool) -> bool:
+def holds_slot(state: EngineState, restarting: bool, exit_unconfirmed: bool = False) -> bool:
     """The one definition of "holds one of the max_engines slots": the unit exists and
     runs or will run again — starting, loading, ready, stopping, or failed while
-    systemd restarts it (Restart=on-failure: its unit is still there)."""
-    return state in SLOT_STATES or (state is EngineState.FAILED and restarting)
+    systemd restarts it (Restart=on-failure: its unit is still there) — or a signal
+    said it ended and systemd has not confirmed that yet."""
+    return (exit_unconfirmed or state in SLOT_STATES
+            or (state is EngineState.FAILED and restarting))
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class Engine:
     ready_since: float | None = None    # monotonic time it last became ready
     failure: Failure | None = None
     adopted: bool = False
+    # A signal (not our stop) said the unit ended. Until systemd confirms it, the slot
+    # stays counted: a late or reordered signal must never let a start exceed max_engines.
+    exit_unconfirmed: bool = False
 
     @property
     def restarting(self) -> bool:
@@ -75,7 +80,7 @@ class Engine:
 
     @property
     def holds_slot(self) -> bool:
-        return holds_slot(self.state, self.restarting)
+        return holds_slot(self.state, self.restarting, self.exit_unconfirmed)
 
 
 # -- events ----------------------------------------------------------------------
@@ -206,7 +211,10 @@ def apply(engine: Engine, event: Event) -> Engine:
                 return engine
             return replace(engine, failure=replace(engine.failure, log_tail=lines))
         case UnitChanged():
-            return _unit_changed(engine, event)
+            new = _unit_changed(engine, event)
+            if engine.holds_slot and not new.holds_slot and s is not EngineState.STOPPING:
+                new = replace(new, exit_unconfirmed=True)
+            return new
         case Reconciled():
             return _reconciled(engine, event)
     raise TypeError(f"unknown event {event!r}")
@@ -271,6 +279,8 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
 
 
 def _reconciled(engine: Engine, ev: Reconciled) -> Engine:
+    if engine.exit_unconfirmed:   # this is the confirmation, whatever it says
+        engine = replace(engine, exit_unconfirmed=False)
     s = engine.state
     if ev.active_state in RUNNING_STATES:
         pid = ev.main_pid or engine.main_pid

@@ -46,29 +46,37 @@ class Usage:
     idle_ttl_s: float | None = None
     restarting: bool = False  # failed, and systemd is starting it again
     draining: bool = False    # picked to make room: finishing its requests, then evicted
+    exit_unconfirmed: bool = False   # a signal said it ended; systemd has not confirmed
 
     @property
     def holds_slot(self) -> bool:
-        return holds_slot(self.state, self.restarting)
+        return holds_slot(self.state, self.restarting, self.exit_unconfirmed)
 
     def why_not_evictable(self) -> str | None:
         """Why this engine may not be stopped now (None: it may)."""
         if self.pinned:
             return "pinned"
         if self.state is not EngineState.READY:
-            return "restarting" if self.restarting else self.state.value
+            return self._state_text()
         if self.in_flight:
             return f"serving {self.in_flight} request(s)"
         if self.queued and not self.draining:
             return f"awaited by {self.queued} request(s)"
         return None
 
+    def _state_text(self) -> str:
+        if self.restarting:
+            return "restarting"
+        if self.exit_unconfirmed:
+            return f"{self.state.value}, not yet confirmed by systemd"
+        return self.state.value
+
     def why_not_drainable(self) -> str | None:
         """Why this engine may not be drained to make room (None: it may)."""
         if self.pinned:
             return "pinned"
         if self.state is not EngineState.READY:
-            return "restarting" if self.restarting else self.state.value
+            return self._state_text()
         if self.queued and not self.draining:
             # requests woken by its load, about to take their slots: each load serves
             # the requests that waited for it, so swapping always makes progress

@@ -109,7 +109,8 @@ class Dispatcher:
                 else None,
                 idle_ttl_s=model.config.idle_ttl_s if model else None,
                 restarting=engine.restarting,
-                draining=bool(use and use.draining)))
+                draining=bool(use and use.draining),
+                exit_unconfirmed=engine.exit_unconfirmed))
         return rows
 
     def ledger(self) -> scheduler.Ledger | None:

@@ -308,6 +308,9 @@ class EngineManager:
                 yield
         finally:
             self._in_lifecycle[model_id] -= 1
+            engine = self._engines.get(model_id)
+            if engine is not None and engine.exit_unconfirmed and not self.busy(model_id):
+                self._spawn(self._confirm_exit(model_id))
 
     def _register(self, engine: Engine) -> None:
         old = self._engines.get(engine.model_id)
@@ -348,6 +351,8 @@ class EngineManager:
             self._failures[new.model_id] = (count, self._clock() + backoff)
         for listener in list(self._listeners):
             listener(old, new)
+        if new.exit_unconfirmed and not old.exit_unconfirmed and not self.busy(new.model_id):
+            self._spawn(self._confirm_exit(new.model_id))
         if new.state is old.state:
             return
         failure = new.failure
@@ -401,6 +406,21 @@ class EngineManager:
                     await self.units.stop_engine(engine.unit)
                 except Exception as e:
                     log.warning("stopping %s after its load timeout failed: %s", model_id, e)
+
+    async def _confirm_exit(self, model_id: str) -> None:
+        """A signal said the unit ended (not our stop): ask systemd before the slot is
+        released. Real D-Bus keeps one connection's signals in order, so this is one
+        round trip per engine exit that confirms; it guards against the lost or late one."""
+        engine = self._engines.get(model_id)
+        if engine is None:
+            return
+        info = await self._info_quietly(engine.unit)
+        current = self._engines.get(model_id)
+        if current is None or not current.exit_unconfirmed or self.busy(model_id):
+            return
+        self._event(model_id, Reconciled(
+            self._clock(), info.active_state if info else None,
+            main_pid=info.main_pid if info else 0, n_restarts=info.n_restarts if info else 0))
 
     async def _settle_failure(self, model_id: str) -> None:
         """Attach the engine's last log lines to its failure, then tell the waiters."""

@@ -41,6 +41,7 @@ from gatewayd.service.slots import Slots
 log = logging.getLogger("gatewayd.dispatcher")
 MEMORY_SETTLE_S = 10.0
 CHANGE_POLL_S = 1.0   # a wait for a change also re-checks this often (nothing is missed)
+LOOK_AGAIN_S = 0.01   # never spin: a retry always yields to the event loop first
 
 
 class Changes:
@@ -155,8 +156,8 @@ class Loader:
                     await engines.wait_ready(model.id)   # someone else started it
                     return
                 continue
-            if engines.busy(model.id) or (engine is not None
-                                          and engine.state is EngineState.STOPPING):
+            if engines.busy(model.id) or (engine is not None and (
+                    engine.state is EngineState.STOPPING or engine.exit_unconfirmed)):
                 await self._wait(deadline, model, "its engine is stopping")
                 continue
             if (left := engines.backoff_left(model.id)) > 0:
@@ -177,7 +178,9 @@ class Loader:
                         await engines.start(model.id, force=isinstance(
                             decision, scheduler.TryAnyway))
                     except (AlreadyRunning, EngineNotRunning):
-                        continue   # started by someone else, or stopped meanwhile: look again
+                        # started by someone else, or stopped meanwhile: look again
+                        await asyncio.sleep(LOOK_AGAIN_S)
+                        continue
                     return
                 case scheduler.Evict(victim, reason):
                     await self._evict(victim, reason)

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -160,6 +161,14 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.loop.create_task(stop())
         self._advance(0.001)
 
+    @rule(model=st.sampled_from(MODELS))
+    def operator_starts(self, model: str) -> None:
+        async def start() -> None:
+            with contextlib.suppress(GatewayError):   # 409 or 503 are fair answers
+                await self.mgr.start(model)
+        self.loop.create_task(start())
+        self._advance(0.001)
+
     @rule(seconds=st.floats(0.01, 4.0))
     def time_passes(self, seconds: float) -> None:
         self._advance(seconds)
@@ -205,6 +214,19 @@ class DispatcherMachine(RuleBasedStateMachine):
                 faults = self.systemd.faults.get(r.model, [])
                 assert any(r.sent - CRASH_EXCUSE_S <= f <= r.answered for f in faults), \
                     f"{r.model}: {r.error.code}: {r.error.message}"
+
+    def check_order(self, first: str, then: str) -> None:
+        """Every request for `first` was served before any request for `then`."""
+        served = {m: [r.answered for r in self.sent
+                      if r.model == m and r.error is None and r.answered is not None]
+                  for m in (first, then)}
+        assert served[first] and served[then], served
+        assert max(served[first]) <= min(served[then]), served
+
+    def check_ok(self, model: str, last: int) -> None:
+        recent = [r for r in self.sent if r.model == model][-last:]
+        assert all(r.answered is not None and r.error is None for r in recent), \
+            [(r.answered, r.error and r.error.message) for r in recent]
 
     def check_views_agree(self) -> None:
         running = self.systemd.running()
@@ -265,6 +287,95 @@ class DispatcherMachine(RuleBasedStateMachine):
                                                or not all(c.done() for c in self.clients)):
             self._advance(0.5)
         self._advance(5.0)   # stragglers: late signals, a reconcile period or two
+
+
+# -- scenarios: sequences the search may take long to find, run every time ----------------
+# Each is what reverting one of the scheduler's fixes breaks (tried once per fix).
+
+
+def run_scenario(steps: list[tuple[str, dict[str, Any]]], **build: Any) -> None:
+    machine = DispatcherMachine()
+    try:
+        machine.build(**{"max_engines": 1, "signal_mode": "in_order", "seed": 0, **build})
+        for name, args in steps:
+            getattr(machine, name)(**args)
+            machine.never_more_units_than_max_engines()
+            machine.systemd_rules_kept()
+            machine.every_request_answered_in_time_and_well()
+        machine.settle()
+    finally:
+        machine.teardown()
+
+
+def test_a_stop_and_a_start_of_one_model_never_overlap() -> None:
+    """One lifecycle per model: an operator's start waits for the eviction's stop."""
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("operator_starts", {"model": "a"}),
+                  ("time_passes", {"seconds": 1.0})])
+
+
+def test_a_restarting_engine_keeps_its_slot() -> None:
+    run_scenario([("steady_load", {"model": "a", "seconds": 12.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 0.3}),
+                  ("crash", {"model": "a"}),
+                  ("time_passes", {"seconds": 2.0})], max_engines=1)
+
+
+def test_a_request_landing_between_the_choice_of_a_victim_and_its_stop_keeps_its_engine(
+        ) -> None:
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("burst", {"models": ["b", "a"], "hold": 0.5}),
+                  ("time_passes", {"seconds": 2.0})])
+
+
+def test_a_model_waiting_under_steady_load_on_the_others_is_served() -> None:
+    run_scenario([("steady_load", {"model": "a", "seconds": 25.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "b", "hold": 0.1, "count": 2, "leave_after": None}),
+                  ("time_passes", {"seconds": 15.0})])
+
+
+def test_models_are_served_in_the_order_they_asked() -> None:
+    """FIFO across models: c asked before a; a must not overtake it while b drains."""
+    run_scenario([("steady_load", {"model": "b", "seconds": 20.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("requests", {"model": "a", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 10.0}),
+                  ("check_order", {"first": "c", "then": "a"})])
+
+
+def test_a_failed_model_is_tried_again_later() -> None:
+    run_scenario([("start_fails_once", {"model": "a"}),
+                  ("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 4.0}),
+                  ("settle", {}),
+                  ("time_passes", {"seconds": 4.0}), ("time_passes", {"seconds": 4.0}),
+                  ("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 2.0}),
+                  ("check_ok", {"model": "a", "last": 1})])
+
+
+def test_shuffled_signals_never_let_a_start_exceed_max_engines() -> None:
+    """A reordered 'inactive' must not free the slot of a unit that still runs."""
+    for seed in range(20):
+        run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                      ("time_passes", {"seconds": 0.02}),
+                      ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                      ("time_passes", {"seconds": 3.0})], signal_mode="shuffled", seed=seed)
+
+
+def test_views_agree_again_after_signals_were_lost_or_shuffled() -> None:
+    for seed in range(10):
+        run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 2, "leave_after": None}),
+                      ("requests", {"model": "b", "hold": 0.0, "count": 2, "leave_after": None}),
+                      ("time_passes", {"seconds": 2.0}),
+                      ("settle", {})], signal_mode="shuffled", seed=seed, max_engines=2)
 
 
 DispatcherMachine.TestCase.settings = settings(

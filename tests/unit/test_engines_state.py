@@ -15,6 +15,7 @@ from gatewayd.core.engines import (
     HealthReady,
     LoadTimedOut,
     LogsRead,
+    Reconciled,
     StartFailed,
     StartRequested,
     StopRequested,
@@ -83,7 +84,29 @@ def test_exit_status_arriving_after_the_state_fills_in_the_reason() -> None:
     assert engine.failure is not None and engine.failure.reason == "stopped unexpectedly"
     engine = apply(engine, UnitChanged(2, exec_code=CLD_EXITED, exec_status=1))
     assert engine.failure is not None and engine.failure.reason == "exited with status 1"
-    assert engine.failure.exit_code == 1 and not engine.holds_slot
+    assert engine.failure.exit_code == 1
+    assert engine.holds_slot and engine.exit_unconfirmed   # until systemd confirms it
+    engine = apply(engine, Reconciled(3, "failed"))
+    assert engine.state is S.FAILED and engine.failure.exit_code == 1
+    assert not engine.holds_slot
+
+
+def test_a_late_deactivating_of_the_previous_instance_leaves_a_start_alone() -> None:
+    engine = run(StartRequested(0), unit("deactivating", "stop-sigterm"),
+                 unit("inactive", "dead"))
+    assert engine.state is S.STARTING
+
+
+def test_an_end_we_did_not_ask_for_keeps_the_slot_until_systemd_confirms_it() -> None:
+    ready = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
+    reordered = apply(ready, unit("inactive", "dead"))   # e.g. the creation's, arriving late
+    assert reordered.state is S.STOPPED and reordered.holds_slot
+    running = apply(reordered, Reconciled(2, "active", main_pid=42))
+    assert running.state is S.LOADING and not running.exit_unconfirmed and running.holds_slot
+    gone = apply(reordered, Reconciled(2, None))
+    assert gone.state is S.STOPPED and not gone.holds_slot
+    ours = apply(apply(ready, StopRequested(3)), unit("inactive", "dead"))
+    assert ours.state is S.STOPPED and not ours.holds_slot   # our own stop: no question
 
 
 def test_restart_we_did_not_see_fails_back_to_loading() -> None:
