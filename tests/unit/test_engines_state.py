@@ -87,7 +87,8 @@ def test_exit_status_arriving_after_the_state_fills_in_the_reason() -> None:
     assert engine.failure.exit_code == 1
     assert engine.holds_slot and engine.exit_unconfirmed   # until systemd confirms it
     engine = apply(engine, Reconciled(3, "failed"))
-    assert engine.state is S.FAILED and engine.failure.exit_code == 1
+    assert engine.state is S.FAILED and engine.failure is not None
+    assert engine.failure.exit_code == 1
     assert not engine.holds_slot
 
 
