@@ -47,13 +47,14 @@ class FakeSystemd:
 
     def __init__(self, rng: random.Random, *, max_engines: int, signal_mode: str = "in_order",
                  job_s: float = 0.05, load_s: float = 0.2, stop_s: float = 0.05,
-                 restart_s: float = 1.0) -> None:
+                 collect_s: float = 0.05, restart_s: float = 1.0) -> None:
         self.rng = rng
         self.max_engines = max_engines
         self.fail_next_start: set[str] = set()
         self.faults: dict[str, list[float]] = {}   # model -> when a crash or failed start hit
         self.signal_mode = signal_mode
         self.job_s, self.load_s, self.stop_s, self.restart_s = job_s, load_s, stop_s, restart_s
+        self.collect_s = collect_s
         self.units: dict[str, FakeUnit] = {}
         self.stopping: set[str] = set()
         self.starting: set[str] = set()
@@ -120,7 +121,10 @@ class FakeSystemd:
         await asyncio.sleep(self.stop_s)
         u.active, u.sub, u.pid = "inactive", "dead", 0
         self._signal(unit, ActiveState="inactive", SubState="dead", Result="success")
-        del self.units[unit]   # CollectMode=inactive-or-failed: collected right away
+        # the adapter's stop returns once the unit is collected (UnitRemoved), a moment
+        # after its inactive signal: a start in that moment would meet the old instance
+        await asyncio.sleep(self.collect_s)
+        del self.units[unit]
         self.stopping.discard(unit)
 
     async def list_engines(self) -> list[EngineUnitInfo]:

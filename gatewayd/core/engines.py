@@ -199,20 +199,23 @@ def apply(engine: Engine, event: Event) -> Engine:
             if s is EngineState.STOPPED:
                 return engine
             return _to(engine, EngineState.STOPPING, now)
-        case UnitGone(now):
+        case UnitGone(now):   # our stop is complete: the unit is gone, for certain
             if s is EngineState.FAILED:
                 failure = engine.failure
                 if failure is not None and failure.restarting:
                     failure = replace(failure, restarting=False)
-                return replace(engine, failure=failure, main_pid=0)
-            return _to(engine, EngineState.STOPPED, now, main_pid=0)
+                return replace(engine, failure=failure, main_pid=0, exit_unconfirmed=False)
+            return _to(engine, EngineState.STOPPED, now, main_pid=0, exit_unconfirmed=False)
         case LogsRead(lines):
             if engine.failure is None:
                 return engine
             return replace(engine, failure=replace(engine.failure, log_tail=lines))
         case UnitChanged():
             new = _unit_changed(engine, event)
-            if engine.holds_slot and not new.holds_slot and s is not EngineState.STOPPING:
+            if engine.holds_slot and not new.holds_slot:
+                # a signal alone never frees a slot: it may be late or out of order (the
+                # creation's "inactive" can even arrive while our stop waits its turn);
+                # our stop's end (UnitGone) or systemd's answer (Reconciled) does
                 new = replace(new, exit_unconfirmed=True)
             return new
         case Reconciled():

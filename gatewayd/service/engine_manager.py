@@ -323,6 +323,10 @@ class EngineManager:
             self._changed(old, engine)
 
     def _forget(self, model_id: str) -> Engine:
+        # whoever began to wait during the stop (a late signal can make a stopping engine
+        # look loading for a moment) hears now, not at its deadline
+        self._fail_waiters(model_id, EngineNotRunning(
+            f"the engine for {model_id!r} was stopped", model=model_id))
         stopped = self._engines.pop(model_id)
         self._by_unit.pop(stopped.unit, None)
         self._unit_props.pop(stopped.unit, None)

@@ -107,7 +107,8 @@ def test_an_end_we_did_not_ask_for_keeps_the_slot_until_systemd_confirms_it() ->
     gone = apply(reordered, Reconciled(2, None))
     assert gone.state is S.STOPPED and not gone.holds_slot
     ours = apply(apply(ready, StopRequested(3)), unit("inactive", "dead"))
-    assert ours.state is S.STOPPED and not ours.holds_slot   # our own stop: no question
+    assert ours.state is S.STOPPED and ours.holds_slot   # until our stop sees the unit gone
+    assert not apply(ours, UnitGone(4)).holds_slot
 
 
 def test_restart_we_did_not_see_fails_back_to_loading() -> None:
