@@ -76,7 +76,8 @@ class Engine:
     @property
     def restarting(self) -> bool:
         """Failed, and systemd is about to start it again."""
-        return self.failure is not None and self.failure.restarting
+        return (self.state is EngineState.FAILED and self.failure is not None
+                and self.failure.restarting)
 
     @property
     def holds_slot(self) -> bool:

@@ -152,10 +152,12 @@ class Loader:
             if engine is not None and (engine.state in (EngineState.STARTING,
                                                         EngineState.LOADING)
                                        or engine.restarting):
-                with contextlib.suppress(EngineNotRunning):   # stopped meanwhile: again
+                try:
                     await engines.wait_ready(model.id)   # someone else started it
                     return
-                continue
+                except EngineNotRunning:   # stopped meanwhile: look again (never spin)
+                    await asyncio.sleep(LOOK_AGAIN_S)
+                    continue
             if engines.busy(model.id) or (engine is not None and (
                     engine.state is EngineState.STOPPING or engine.exit_unconfirmed)):
                 await self._wait(deadline, model, "its engine is stopping")

@@ -126,3 +126,11 @@ def test_logs_attach_to_a_failure_only() -> None:
     assert run(LogsRead(("x",))).failure is None
     engine = run(StartRequested(0), StartFailed(1, "boom"), LogsRead(("line 1", "line 2")))
     assert engine.failure is not None and engine.failure.log_tail == ("line 1", "line 2")
+
+
+def test_a_stopped_engine_is_not_restarting_whatever_its_last_failure_said() -> None:
+    crashed = run(StartRequested(0), unit("active", "running", main_pid=42),
+                  unit("activating", "auto-restart", exec_code=CLD_KILLED, exec_status=9))
+    assert crashed.state is S.FAILED and crashed.restarting
+    stopping = apply(crashed, StopRequested(1))
+    assert stopping.state is S.STOPPING and not stopping.restarting
