@@ -125,7 +125,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     records = RecordWriter(config.records_file) if config.records_enabled else None
     upstreams = Upstreams(config.read_timeout_s)
     engines.subscribe(lambda old, new: upstreams.forget(new.socket)
-                      if new.state is not old.state and not new.holds_slot else None)
+                      if old.holds_slot and not new.holds_slot else None)
     app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES],
                                                  app[DISPATCHER], upstreams, records)
     try:

@@ -132,8 +132,8 @@ class Dispatcher:
         self._loader.enforce_limit()
 
     def _on_engine_change(self, old: Engine, new: Engine) -> None:
-        if old.state is new.state:
-            return
+        if old.state is new.state and old.holds_slot == new.holds_slot:
+            return   # (a slot freed without a change of state: an exit confirmed, a stop done)
         use = self._slots.peek(new.model_id)
         if new.state is EngineState.READY:
             use = self._slots.use(new.model_id)
