@@ -123,10 +123,6 @@ class Dispatcher:
         """listener(model, depth) whenever a model's queue depth changes."""
         return self._slots.subscribe(listener)
 
-    @property
-    def evictions(self) -> int:
-        return self._loader.evictions
-
     def enforce_limit(self) -> None:
         """More engines than max_engines (the reconciler found some): evict the surplus."""
         self._loader.enforce_limit()

@@ -80,7 +80,6 @@ class Loader:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._line: list[str] = []        # models whose loaders want room, oldest first
         self._limit_task: asyncio.Task[None] | None = None
-        self.evictions = 0
 
     def ensure(self, model: Model) -> None:
         """A loader for model, unless one runs already."""
@@ -224,7 +223,6 @@ class Loader:
     async def _evict(self, victim: str, reason: str) -> None:
         before = self._gpu.memory()
         log.info("evicting %s (%s)", victim, reason)
-        self.evictions += 1
         try:
             await self._engines.stop(victim, reason="evicted")
         except EngineNotRunning:
