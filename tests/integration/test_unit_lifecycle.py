@@ -28,12 +28,15 @@ def _model(name: str, path: Path) -> Model:
                  names=frozenset({name}), size_bytes=path.stat().st_size)
 
 
+def _engine_units(systemd: Systemd, llama_server: Path, state: Path) -> TransientEngineUnits:
+    config = GatewayConfig(llama_server=str(llama_server), state_dir=state)
+    return TransientEngineUnits(systemd, config, manager="system", run_root="/run")
+
+
 async def test_stop_then_start_of_one_unit_back_to_back_never_collides(
         systemd: Systemd, llama_server: Path, tiny_models: dict[str, Path],
         tmp_path: Path) -> None:
-    units = TransientEngineUnits(systemd, GatewayConfig(llama_server=str(llama_server),
-                                                        state_dir=tmp_path),
-                                 manager="system", run_root="/run")
+    units = _engine_units(systemd, llama_server, tmp_path)
     model = _model("lifecycle-a", tiny_models["alpha"])
     layout = units.layout(model.id)
     pids = []
@@ -53,9 +56,7 @@ async def test_stop_then_start_of_one_unit_back_to_back_never_collides(
 async def test_starting_a_unit_systemd_already_runs_says_so(
         systemd: Systemd, llama_server: Path, tiny_models: dict[str, Path],
         tmp_path: Path) -> None:
-    units = TransientEngineUnits(systemd, GatewayConfig(llama_server=str(llama_server),
-                                                        state_dir=tmp_path),
-                                 manager="system", run_root="/run")
+    units = _engine_units(systemd, llama_server, tmp_path)
     model = _model("lifecycle-b", tiny_models["beta"])
     layout = units.layout(model.id)
     try:
