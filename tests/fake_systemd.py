@@ -9,6 +9,14 @@ break, as `violations`:
 - a start that makes more units exist than max_engines (a restarting one counts);
 - an eviction (or idle stop) of an engine that is serving requests (asked of the
   dispatcher; an operator's explicit stop may stop a busy engine);
+- with a GPU (gpu_total_mib), a start while the engines' memory would not fit: each
+  engine holds engine_mib, which shows in the free figure only once it has loaded, and
+  until free_delay_s after its unit is gone (the driver frees it a moment after the
+  process exits): the gateway must count loads in progress and wait for freed memory.
+Faults the tests inject: a crash (systemd restarts the engine), a failed start, a unit
+started or stopped behind the gateway's back (`systemctl` by hand; the stop's signals
+lost), and a stop whose signals are held back for a while (they arrive out of order
+with the next instance's).
 Signals (PropertiesChanged) are delivered by the event loop after a delay the test
 chooses per signal: zero (before the job returns, as D-Bus does), later than the job,
 in another order than sent, or twice.
@@ -22,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gatewayd.core.budget import GpuMemory
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
@@ -47,7 +56,9 @@ class FakeSystemd:
 
     def __init__(self, rng: random.Random, *, max_engines: int, signal_mode: str = "in_order",
                  job_s: float = 0.05, load_s: float = 0.2, stop_s: float = 0.05,
-                 collect_s: float = 0.05, restart_s: float = 1.0) -> None:
+                 collect_s: float = 0.05, restart_s: float = 1.0,
+                 gpu_total_mib: int | None = None, engine_mib: int = 0,
+                 free_delay_s: float = 0.5) -> None:
         self.rng = rng
         self.max_engines = max_engines
         self.fail_next_start: set[str] = set()
@@ -63,6 +74,10 @@ class FakeSystemd:
         self.starts = 0
         self.in_flight: Callable[[str], int] = lambda model_id: 0
         self.stop_reason: Callable[[str], str | None] = lambda model_id: None
+        self.gpu_total_mib, self.engine_mib = gpu_total_mib, engine_mib
+        self.free_delay_s = free_delay_s
+        self.freeing_mib = 0                        # of units gone, not yet shown as free
+        self.held_back: dict[str, float] = {}       # model -> delay of its next stop's signals
         self._pid = 1000
 
     # -- UnitControl -------------------------------------------------------------------
@@ -90,6 +105,9 @@ class FakeSystemd:
         if len(self.running()) >= self.max_engines:
             self.violations.append(f"start of {unit} with {sorted(self.running())} running "
                                    f"(max_engines {self.max_engines})")
+        if self.gpu_total_mib is not None and self.engine_mib > self.uncommitted_mib():
+            self.violations.append(f"start of {unit} needing {self.engine_mib} MiB with "
+                                   f"{self.uncommitted_mib()} MiB not held or loading")
         self.starts += 1
         self._pid += 1
         u = FakeUnit(model.id, layout.socket, "activating", "start", self._pid)
@@ -116,15 +134,16 @@ class FakeSystemd:
         if (serving := self.in_flight(u.model_id)) and reason in ("evicted", "idle_ttl"):
             self.violations.append(f"{reason} {unit} while it serves {serving} request(s)")
         self.stopping.add(unit)
+        delay = self.held_back.pop(u.model_id, None)
         u.active, u.sub = "deactivating", "stop-sigterm"
-        self._signal(unit, ActiveState="deactivating", SubState="stop-sigterm")
+        self._signal(unit, delay, ActiveState="deactivating", SubState="stop-sigterm")
         await asyncio.sleep(self.stop_s)
         u.active, u.sub, u.pid = "inactive", "dead", 0
-        self._signal(unit, ActiveState="inactive", SubState="dead", Result="success")
+        self._signal(unit, delay, ActiveState="inactive", SubState="dead", Result="success")
         # the adapter's stop returns once the unit is collected (UnitRemoved), a moment
         # after its inactive signal: a start in that moment would meet the old instance
         await asyncio.sleep(self.collect_s)
-        del self.units[unit]
+        self._remove(unit)
         self.stopping.discard(unit)
 
     async def list_engines(self) -> list[EngineUnitInfo]:
@@ -154,11 +173,50 @@ class FakeSystemd:
         asyncio.get_running_loop().call_later(self.restart_s, self._restart, unit, u)
         return True
 
+    def start_behind_our_back(self, model_id: str) -> bool:
+        """`systemctl start` of the engine unit by hand (only where there is room): the
+        gateway hears signals for a unit it does not know."""
+        unit = self.layout(model_id).unit
+        if unit in self.units or len(self.running()) >= self.max_engines or (
+                self.gpu_total_mib is not None and self.engine_mib > self.uncommitted_mib()):
+            return False
+        self._pid += 1
+        self.units[unit] = u = FakeUnit(model_id, self.layout(model_id).socket, "activating",
+                                        "start", self._pid)
+        self._signal(unit, ActiveState="activating", SubState="start", MainPID=u.pid)
+        self._run(unit, u)
+        return True
+
+    def stop_behind_our_back(self, model_id: str) -> bool:
+        """`systemctl stop` by hand while the gateway's bus connection misses the signals
+        (a bus restart): only a listing can tell the gateway the unit is gone."""
+        unit = self.layout(model_id).unit
+        u = self.units.get(unit)
+        if u is None or unit in self.starting or unit in self.stopping:
+            return False
+        self.faults.setdefault(model_id, []).append(asyncio.get_running_loop().time())
+        self._remove(unit)
+        return True
+
+    def hold_back_signals(self, model_id: str, seconds: float) -> None:
+        """The next stop of this model's unit: its signals arrive seconds late."""
+        self.held_back[model_id] = seconds
+
     # -- what the tests read ---------------------------------------------------------------
 
     def running(self) -> dict[str, str]:
         """model -> ActiveState of every unit that exists and runs or will run again."""
         return {u.model_id: u.active for u in self.units.values() if u.active != "inactive"}
+
+    def free_mib(self) -> int:
+        """Free memory as NVML shows it: an engine's memory shows once it has loaded."""
+        now = asyncio.get_running_loop().time()
+        used = sum(self.engine_mib for u in self.units.values() if 0 < u.loaded_at <= now)
+        return (self.gpu_total_mib or 0) - used - self.freeing_mib
+
+    def uncommitted_mib(self) -> int:
+        """Memory no engine holds or is loading into: what a new start may take."""
+        return (self.gpu_total_mib or 0) - self.engine_mib * len(self.units) - self.freeing_mib
 
     def health(self, socket: str) -> int | None:
         for u in self.units.values():
@@ -174,6 +232,15 @@ class FakeSystemd:
         u.loaded_at = asyncio.get_running_loop().time() + self.load_s
         self._signal(unit, ActiveState="active", SubState="running")
 
+    def _remove(self, unit: str) -> None:
+        del self.units[unit]
+        if self.gpu_total_mib is not None and self.engine_mib:
+            self.freeing_mib += self.engine_mib
+            asyncio.get_running_loop().call_later(self.free_delay_s, self._freed)
+
+    def _freed(self) -> None:
+        self.freeing_mib -= self.engine_mib
+
     def _restart(self, unit: str, u: FakeUnit) -> None:
         if self.units.get(unit) is not u or u.sub != "auto-restart":
             return
@@ -187,8 +254,11 @@ class FakeSystemd:
                               active_state=u.active, sub_state=u.sub, main_pid=u.pid,
                               n_restarts=u.restarts, memory_bytes=None, started_at_us=0)
 
-    def _signal(self, unit: str, **props: Any) -> None:
+    def _signal(self, unit: str, held_back: float | None = None, **props: Any) -> None:
         loop = asyncio.get_running_loop()
+        if held_back is not None:
+            loop.call_later(held_back, self._deliver, unit, props)
+            return
         mode = self.signal_mode
         copies = 2 if mode == "duplicated" and self.rng.random() < 0.5 else 1
         for _ in range(copies):
@@ -211,3 +281,20 @@ class FakeSystemdHealth:
     async def status(self, socket: str) -> int | None:
         await asyncio.sleep(0)
         return self._systemd.health(socket)
+
+
+class FakeSystemdGpu:
+    """The GPU the fake systemd's engines use (a GpuProbe): free memory as NVML shows it."""
+
+    def __init__(self, systemd: FakeSystemd) -> None:
+        self._systemd = systemd
+        self.description = "fake device (fake systemd's engines)"
+
+    def memory(self, devices: str | None = None) -> GpuMemory | None:
+        total = self._systemd.gpu_total_mib
+        if total is None:
+            return None
+        return GpuMemory(total_mib=total, free_mib=self._systemd.free_mib(), devices=("0",))
+
+    def process_mib(self) -> dict[int, int] | None:
+        return None

@@ -176,8 +176,11 @@ class Ledger:
     """GPU memory, accounted for. All MiB.
 
     held     = Σ measured use of the engines' processes (NVML per process; 0 where unknown)
-    pending  = Σ over starting/loading engines of max(0, estimate - measured): memory a
-               load will still take, which NVML's free figure does not show yet
+    pending  = Σ over engines holding a slot that are not ready (starting, loading,
+               restarting, stopping) of max(0, estimate - measured): memory a load will
+               still take, which NVML's free figure does not show yet; a stopping engine
+               counts until it is gone (it may have been loading, or hold what it
+               loaded: counting it twice errs on the safe side for a moment)
     external = max(0, total - free - held): what other processes hold
     plan_free = max(0, free - pending): what a new engine may count on
     """
@@ -199,7 +202,7 @@ def memory_ledger(total_mib: int, free_mib: int, usages: Iterable[Usage]) -> Led
         if not u.holds_slot:
             continue
         held += u.measured_mib or 0
-        if u.state in (EngineState.STARTING, EngineState.LOADING):
+        if u.state is not EngineState.READY:   # loading, restarting, or stopping
             pending += max(0, u.estimate_mib - (u.measured_mib or 0))
     return Ledger(total_mib=total_mib, free_mib=free_mib, held_mib=held, pending_mib=pending,
                   external_mib=max(0, total_mib - free_mib - held))

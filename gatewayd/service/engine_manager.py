@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -97,6 +98,7 @@ class EngineManager:
         self._versions: dict[str, int] = {}         # bumped by every event and operation
         self._failures: dict[str, tuple[int, float]] = {}   # model -> (in a row, retry at)
         self.stop_reasons: dict[str, str] = {}   # why each engine was last stopped
+        self.last_release: float | None = None   # when an engine last gave up its slot
         self._readiness = Readiness(health, load_timeout_s=config.load_timeout_s, clock=clock,
                                     engine=self._engines.get, on_ready=self._on_ready,
                                     on_timeout=self._on_load_timeout)
@@ -296,8 +298,24 @@ class EngineManager:
     def _admit(self, model: Model, *, force: bool = False) -> None:
         need = budget.model_need_mib(model, self.config.vram_margin_mib)
         gpu = None if force else self.gpu.memory(model.config.cuda_visible_devices)
+        if gpu is not None and (loading := self._loading_mib()):
+            # loads in progress will take memory that NVML does not show as used yet
+            gpu = dataclasses.replace(gpu, free_mib=max(0, gpu.free_mib - loading))
         budget.check_admission(model.id, self._engines.values(),
                                max_engines=self.config.max_engines, need_mib=need, gpu=gpu)
+
+    def _loading_mib(self) -> int:
+        """GPU memory that engines holding a slot but not ready (loading, restarting,
+        stopping) may still take beyond what they hold now."""
+        per_process = self.gpu.process_mib()
+        total = 0
+        for engine in self._engines.values():
+            model = self.catalog.get(engine.model_id)
+            if model is None or not engine.holds_slot or engine.state is EngineState.READY:
+                continue   # (as scheduler.memory_ledger counts "pending")
+            held = per_process.get(engine.main_pid, 0) if per_process else 0
+            total += max(0, budget.model_need_mib(model, self.config.vram_margin_mib) - held)
+        return total
 
     @contextlib.asynccontextmanager
     async def _lifecycle(self, model_id: str) -> AsyncIterator[None]:
@@ -328,6 +346,8 @@ class EngineManager:
         self._fail_waiters(model_id, EngineNotRunning(
             f"the engine for {model_id!r} was stopped", model=model_id))
         stopped = self._engines.pop(model_id)
+        if stopped.holds_slot:
+            self.last_release = self._clock()
         self._by_unit.pop(stopped.unit, None)
         self._unit_props.pop(stopped.unit, None)
         return stopped
@@ -346,6 +366,8 @@ class EngineManager:
             self._changed(old, new)
 
     def _changed(self, old: Engine, new: Engine) -> None:
+        if old.holds_slot and not new.holds_slot:
+            self.last_release = self._clock()   # its GPU memory shows as free a bit later
         if new.state is EngineState.READY:
             self._failures.pop(new.model_id, None)
         elif (new.state is EngineState.FAILED and not new.restarting

@@ -39,7 +39,8 @@ from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.slots import Slots
 
 log = logging.getLogger("gatewayd.dispatcher")
-MEMORY_SETTLE_S = 10.0
+MEMORY_SETTLE_S = 10.0   # how long a stopped engine's GPU memory may take to show as free
+MEMORY_POLL_S = 0.1
 CHANGE_POLL_S = 1.0   # a wait for a change also re-checks this often (nothing is missed)
 LOOK_AGAIN_S = 0.01   # never spin: a retry always yields to the event loop first
 
@@ -171,6 +172,10 @@ class Loader:
                 model.id, usages, max_engines=self._config.max_engines, need_mib=need,
                 free_mib=free, ahead=self.ahead(model.id))
             match decision:
+                case scheduler.TryAnyway() if self._memory_coming_back():
+                    # an engine just went away: its memory may not show as free yet, so
+                    # what looks like "does not fit even alone" may fit in a moment
+                    await asyncio.sleep(MEMORY_POLL_S)
                 case scheduler.Fits() | scheduler.TryAnyway():
                     if isinstance(decision, scheduler.TryAnyway):
                         log.info("%s: %d MiB needed by estimate, more than is free with "
@@ -195,6 +200,10 @@ class Loader:
                         raise self._no_room(model, limit, holders, need,
                                             gpu.free_mib if gpu else None)
                     await self._changes.wait(deadline)
+
+    def _memory_coming_back(self) -> bool:
+        released = self._engines.last_release
+        return released is not None and self._clock() - released < MEMORY_SETTLE_S
 
     async def _wait(self, deadline: float, model: Model, why: str) -> None:
         if self._clock() >= deadline:
@@ -221,7 +230,7 @@ class Loader:
             retry_after=5, required_mib=need, free_mib=free, running=[m for m, _ in holders])
 
     async def _evict(self, victim: str, reason: str) -> None:
-        before = self._gpu.memory()
+        before = self._room()
         log.info("evicting %s (%s)", victim, reason)
         try:
             await self._engines.stop(victim, reason="evicted")
@@ -237,10 +246,19 @@ class Loader:
             expect = model_need_mib(model, 0) if model else 0
             deadline = self._clock() + MEMORY_SETTLE_S
             while self._clock() < deadline:
-                now = self._gpu.memory()
-                if now is None or now.free_mib >= before.free_mib + expect * 0.9:
+                now = self._room()
+                if now is None or now >= before + expect * 0.9:
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(MEMORY_POLL_S)
+
+    def _room(self) -> int | None:
+        """Free GPU memory less what loads in progress will still take (may be negative):
+        it rises by what a stopped engine held, even while another engine loads."""
+        gpu = self._gpu.memory()
+        if gpu is None:
+            return None
+        ledger = scheduler.memory_ledger(gpu.total_mib, gpu.free_mib, self._usages())
+        return ledger.free_mib - ledger.pending_mib
 
     # -- more engines than max_engines (found by the reconciler) ------------------------
 

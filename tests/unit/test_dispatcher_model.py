@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.gpu import NoGpu
+from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engines import EngineState
@@ -44,7 +45,7 @@ from gatewayd.core.errors import GatewayError
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.restore import Reconciler
-from tests.fake_systemd import SIGNAL_MODES, FakeSystemd, FakeSystemdHealth
+from tests.fake_systemd import SIGNAL_MODES, FakeSystemd, FakeSystemdGpu, FakeSystemdHealth
 from tests.fakes import FakeJournal
 from tests.virtual_time import VirtualTimeLoop
 
@@ -53,6 +54,8 @@ EVICTION_WAIT_S = 10.0
 LOAD_TIMEOUT_S = 5.0
 CRASH_EXCUSE_S = 40.0     # errors this long after a crash of the model are explained by it
 SETTLE_S = 60.0
+ENGINE_MIB = 900          # what an engine holds on the fake GPU once loaded (its file size)
+ENGINE_NEED_MIB = 1000    # the gateway's estimate: file + vram_margin_mib
 
 
 @dataclass
@@ -75,27 +78,34 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.clients: list[asyncio.Task[None]] = []
         self.max_engines = 1
         self.max_seen = 0
+        self._restore: list[Any] = []
 
     @initialize(max_engines=st.integers(1, 3), signal_mode=st.sampled_from(SIGNAL_MODES),
-                seed=st.integers(0, 2**16))
-    def build(self, max_engines: int, signal_mode: str, seed: int) -> None:
+                seed=st.integers(0, 2**16), gpu_fits=st.none() | st.integers(1, 2))
+    def build(self, max_engines: int, signal_mode: str, seed: int,
+              gpu_fits: int | None = None) -> None:
+        """gpu_fits: None, no GPU; else how many engines fit in its memory at once."""
         self.max_engines = max_engines
-        self.systemd = FakeSystemd(random.Random(seed), max_engines=max_engines,
-                                   signal_mode=signal_mode)
+        self.systemd = FakeSystemd(
+            random.Random(seed), max_engines=max_engines, signal_mode=signal_mode,
+            gpu_total_mib=None if gpu_fits is None else ENGINE_NEED_MIB * gpu_fits + 100,
+            engine_mib=ENGINE_MIB)
         models = []
         for name in MODELS:
             path = self.tmp / f"{name}.gguf"
             path.write_bytes(b"x")
             models.append(Model(id=name, config=ModelConfig(name=name, path=path),
-                                names=frozenset({name}), size_bytes=1))
+                                names=frozenset({name}), size_bytes=ENGINE_MIB * 2**20))
         config = GatewayConfig(max_engines=max_engines, state_dir=self.tmp / "state",
-                               load_timeout_s=LOAD_TIMEOUT_S, eviction_wait_s=EVICTION_WAIT_S)
+                               load_timeout_s=LOAD_TIMEOUT_S, eviction_wait_s=EVICTION_WAIT_S,
+                               vram_margin_mib=ENGINE_NEED_MIB - ENGINE_MIB)
         catalog = Catalog(models, {})
+        gpu = NoGpu("test") if gpu_fits is None else FakeSystemdGpu(self.systemd)
 
         async def build() -> None:
             self.mgr = EngineManager(
                 catalog=catalog, config=config, units=self.systemd,
-                health=FakeSystemdHealth(self.systemd), gpu=NoGpu("test"),
+                health=FakeSystemdHealth(self.systemd), gpu=gpu,
                 journal=FakeJournal(), desired=DesiredEngines(config.state_dir),
                 clock=self.loop.time)
             self.dispatcher = Dispatcher(self.mgr, catalog=catalog, gpu=self.mgr.gpu,
@@ -184,12 +194,48 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.loop.run_until_complete(crash())
         self._advance(0.001)
 
+    @rule(model=st.sampled_from(MODELS))
+    def stopped_behind_our_back(self, model: str) -> None:
+        """`systemctl stop` by hand, its signals lost: only the reconciler can tell."""
+        async def stop() -> bool:
+            return self.systemd.stop_behind_our_back(model)
+        self.loop.run_until_complete(stop())
+        self._advance(0.001)
+
+    @rule(model=st.sampled_from(MODELS), seconds=st.floats(0.1, 2.0))
+    def signals_held_back(self, model: str, seconds: float) -> None:
+        """The next stop of model's unit signals late: after its next instance began."""
+        self.systemd.hold_back_signals(model, seconds)
+
     @precondition(lambda self: hasattr(self, "mgr"))
     @rule()
     def settle(self) -> None:
         """Let every request finish and every signal land; then the views must agree."""
         self._settle()
         self.check_views_agree()
+
+    # -- steps only the scenarios take -------------------------------------------------
+
+    def started_behind_our_back(self, model: str) -> None:
+        """`systemctl start` of an engine unit by hand (where there is room)."""
+        async def start() -> bool:
+            return self.systemd.start_behind_our_back(model)
+        assert self.loop.run_until_complete(start())
+        self._advance(0.001)
+
+    def request_when_chosen_as_victim(self, model: str) -> None:
+        """The next time the scheduler picks model's engine to evict, a request for it
+        arrives at that very moment (before any await of the loader that chose it)."""
+        plan_start = scheduler.plan_start
+
+        def plan_and_send(*args: Any, **kwargs: Any) -> scheduler.Decision:
+            decision = plan_start(*args, **kwargs)
+            if isinstance(decision, scheduler.Evict) and decision.model_id == model:
+                scheduler.plan_start = plan_start
+                self._send(model, 0.5, None)
+            return decision
+        scheduler.plan_start = plan_and_send
+        self._restore.append(lambda: setattr(scheduler, "plan_start", plan_start))
 
     # -- invariants ----------------------------------------------------------------------
 
@@ -253,6 +299,8 @@ class DispatcherMachine(RuleBasedStateMachine):
                     await self.mgr.close()
                 self.loop.run_until_complete(close())
         finally:
+            for undo in self._restore:
+                undo()
             leftovers = asyncio.all_tasks(self.loop)
             for task in leftovers:
                 task.cancel()
