@@ -38,6 +38,7 @@ from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
 
 RUNNING = ("active", "activating", "reloading")
 SIGNAL_MODES = ("in_order", "late", "shuffled", "duplicated")
+BUS_ROUND_TRIP_S = 0.002   # a method call's answer (signals sent before it arrive first)
 
 
 @dataclass
@@ -130,6 +131,10 @@ class FakeSystemd:
             return
         if unit in self.starting:
             self.violations.append(f"stop of {unit} while its start job runs")
+        if unit in self.stopping:   # a stop by hand runs: our stop job joins it
+            while unit in self.units:
+                await asyncio.sleep(0.01)
+            return
         reason = self.stop_reason(u.model_id)
         if (serving := self.in_flight(u.model_id)) and reason in ("evicted", "idle_ttl"):
             self.violations.append(f"{reason} {unit} while it serves {serving} request(s)")
@@ -147,10 +152,11 @@ class FakeSystemd:
         self.stopping.discard(unit)
 
     async def list_engines(self) -> list[EngineUnitInfo]:
-        await asyncio.sleep(0)
+        await asyncio.sleep(BUS_ROUND_TRIP_S)
         return [self._info(name, u) for name, u in self.units.items()]
 
     async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        await asyncio.sleep(BUS_ROUND_TRIP_S)
         u = self.units.get(unit)
         return None if u is None else self._info(unit, u)
 
@@ -198,6 +204,24 @@ class FakeSystemd:
         self._remove(unit)
         return True
 
+    async def stop_by_hand(self, model_id: str, exit_s: float | None = None) -> bool:
+        """`systemctl stop` by hand: the gateway hears the signals of a stop it did not ask
+        for (a slot freed by an exit that only systemd can confirm)."""
+        unit = self.layout(model_id).unit
+        u = self.units.get(unit)
+        if u is None or unit in self.starting or unit in self.stopping:
+            return False
+        self.faults.setdefault(model_id, []).append(asyncio.get_running_loop().time())
+        self.stopping.add(unit)
+        u.active, u.sub = "deactivating", "stop-sigterm"
+        self._signal(unit, ActiveState="deactivating", SubState="stop-sigterm")
+        await asyncio.sleep(self.stop_s if exit_s is None else exit_s)
+        u.active, u.sub, u.pid = "inactive", "dead", 0
+        self._signal(unit, ActiveState="inactive", SubState="dead", Result="success")
+        self._remove(unit)
+        self.stopping.discard(unit)
+        return True
+
     def hold_back_signals(self, model_id: str, seconds: float) -> None:
         """The next stop of this model's unit: its signals arrive seconds late."""
         self.held_back[model_id] = seconds
@@ -233,8 +257,8 @@ class FakeSystemd:
         self._signal(unit, ActiveState="active", SubState="running")
 
     def _remove(self, unit: str) -> None:
-        del self.units[unit]
-        if self.gpu_total_mib is not None and self.engine_mib:
+        u = self.units.pop(unit)
+        if self.gpu_total_mib is not None and self.engine_mib and u.loaded_at > 0:
             self.freeing_mib += self.engine_mib
             asyncio.get_running_loop().call_later(self.free_delay_s, self._freed)
 

@@ -296,6 +296,10 @@ def _reconciled(engine: Engine, ev: Reconciled) -> Engine:
         # loaded or not, /health decides when it is ready
         return _to(engine, EngineState.LOADING, ev.now, main_pid=pid, ready_since=None,
                    restarts=ev.n_restarts, failure=None)
+    if ev.active_state == "deactivating":
+        # going away, not gone: it keeps its slot (and a new start waits) until systemd
+        # says inactive or the unit is gone
+        return _to(engine, EngineState.STOPPING, ev.now, ready_since=None)
     if s is EngineState.FAILED:
         failure = engine.failure
         if failure is not None and failure.restarting:

@@ -390,6 +390,10 @@ class EngineManager:
                     fut.set_result(new)
         elif new.state is EngineState.FAILED:
             self._spawn(self._settle_failure(new.model_id), key=new.model_id)
+        elif new.state is EngineState.STOPPED:   # gone, and not by our stop (that forgets)
+            self._fail_waiters(new.model_id, EngineNotRunning(
+                f"the engine for {new.model_id!r} stopped outside the gateway",
+                model=new.model_id))
         elif new.state is EngineState.LOADING:
             self._readiness.watch(new.model_id)
 

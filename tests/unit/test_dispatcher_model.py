@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import shutil
 import tempfile
@@ -200,6 +201,12 @@ class DispatcherMachine(RuleBasedStateMachine):
         async def stop() -> bool:
             return self.systemd.stop_behind_our_back(model)
         self.loop.run_until_complete(stop())
+        self._advance(0.001)
+
+    @rule(model=st.sampled_from(MODELS), exit_s=st.sampled_from([0.05, 3.0]))
+    def stopped_by_hand(self, model: str, exit_s: float = 0.05) -> None:
+        """`systemctl stop` by hand, signals and all; the engine takes exit_s to exit."""
+        self.loop.create_task(self.systemd.stop_by_hand(model, exit_s))
         self._advance(0.001)
 
     @rule(model=st.sampled_from(MODELS), seconds=st.floats(0.1, 2.0))
@@ -389,6 +396,93 @@ def test_a_request_landing_between_the_choice_of_a_victim_and_its_stop_keeps_its
                   ("time_passes", {"seconds": 2.0})])
 
 
+def test_a_request_arriving_as_its_engine_is_chosen_for_eviction_keeps_it() -> None:
+    """The victim serves nobody when chosen, and no request is handed it from then on."""
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("request_when_chosen_as_victim", {"model": "a"}),
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 3.0}),
+                  ("check_ok", {"model": "a", "last": 1})])
+
+
+def test_a_stale_exit_signal_does_not_free_the_slot_of_the_next_instance() -> None:
+    """a's stop signals arrive after its next instance is running: the slot stays taken."""
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("signals_held_back", {"model": "a", "seconds": 1.5}),
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 0.5}),
+                  ("requests", {"model": "a", "hold": 3.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.5}),
+                  ("requests", {"model": "c", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0})])
+
+
+def test_a_unit_systemd_already_runs_is_adopted_by_the_next_request() -> None:
+    run_scenario([("started_behind_our_back", {"model": "a"}),
+                  ("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("check_ok", {"model": "a", "last": 1})], max_engines=2)
+
+
+def test_units_started_or_stopped_behind_our_back_are_seen_by_the_reconciler() -> None:
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("started_behind_our_back", {"model": "b"}),
+                  ("stopped_behind_our_back", {"model": "a"}),
+                  ("time_passes", {"seconds": 5.0}),
+                  ("settle", {})], max_engines=2)
+
+
+def test_a_load_whose_unit_vanished_is_tried_again_and_the_line_moves_on() -> None:
+    """b's unit is stopped behind our back while it loads (its signals lost): once the
+    reconciler sees it gone, b's loader hears so at once (not at its load deadline) and
+    starts b again; c, behind b in the line for room, is served in time."""
+    run_scenario([("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 0.1}),
+                  ("stopped_behind_our_back", {"model": "b"}),
+                  ("requests", {"model": "c", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 4.0}),   # a reconcile period (2 s), two loads
+                  ("check_ok", {"model": "c", "last": 1})], max_engines=3, gpu_fits=1)
+
+
+def test_a_unit_listed_while_it_stops_keeps_its_slot_until_gone() -> None:
+    """a is stopped by hand and takes 5 s to exit (SIGTERM handling): a listing in that time
+    finds it deactivating. It still holds its slot: b waits until it is gone."""
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("stopped_by_hand", {"model": "a", "exit_s": 5.0}),
+                  ("time_passes", {"seconds": 3.0}),   # a reconcile period or more
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 4.0})])
+
+
+def test_models_are_served_in_the_order_they_asked_while_memory_comes_back() -> None:
+    """c asked before a. When b's slot frees, c waits for b's memory to show as free;
+    a must not take the slot meanwhile (enough memory shows for a, but c is first)."""
+    run_scenario([("steady_load", {"model": "b", "seconds": 12.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("requests", {"model": "a", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 10.0}),
+                  ("check_order", {"first": "c", "then": "a"})], gpu_fits=2)
+
+
+def test_a_slot_freed_by_an_exit_systemd_confirms_goes_to_the_waiting_model_at_once(
+        ) -> None:
+    """b waits for a's slot; a is stopped by hand. The slot is free once systemd confirms
+    the exit (no change of a's state then): b's loader hears it at once, not at its next
+    periodic look."""
+    run_scenario([("requests", {"model": "a", "hold": 4.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 0.1}),
+                  ("stopped_by_hand", {"model": "a"}),
+                  ("time_passes", {"seconds": 0.5}),
+                  ("check_ok", {"model": "b", "last": 1})])
+
+
 def test_a_model_waiting_under_steady_load_on_the_others_is_served() -> None:
     run_scenario([("steady_load", {"model": "a", "seconds": 25.0}),
                   ("time_passes", {"seconds": 1.0}),
@@ -436,8 +530,10 @@ def test_views_agree_again_after_signals_were_lost_or_shuffled() -> None:
 
 # No shrinking: a failing sequence is printed as found. Shrinking sequences with steady
 # load takes minutes; the scenarios above are the short readable cases.
+# DISPATCHER_MODEL_EXAMPLES=1000 searches longer (minutes), e.g. after a scheduler change.
 DispatcherMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None,
+    max_examples=int(os.environ.get("DISPATCHER_MODEL_EXAMPLES", "60")),
+    stateful_step_count=30, deadline=None,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.too_slow])
 TestDispatcherModel = DispatcherMachine.TestCase

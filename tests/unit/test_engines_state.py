@@ -92,6 +92,16 @@ def test_exit_status_arriving_after_the_state_fills_in_the_reason() -> None:
     assert not engine.holds_slot
 
 
+def test_a_listing_that_finds_the_unit_deactivating_keeps_the_slot_taken() -> None:
+    """Stopped by hand (`systemctl stop`), seen by the reconciler mid-stop: the unit still
+    exists, so its slot stays taken and no new start may be sent yet."""
+    ready = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
+    going = apply(ready, Reconciled(2, "deactivating", main_pid=42))
+    assert going.state is S.STOPPING and going.holds_slot
+    gone = apply(going, Reconciled(3, None))
+    assert gone.state is S.STOPPED and not gone.holds_slot
+
+
 def test_a_late_deactivating_of_the_previous_instance_leaves_a_start_alone() -> None:
     engine = run(StartRequested(0), unit("deactivating", "stop-sigterm"),
                  unit("inactive", "dead"))
