@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.mutants            # every mutant
     .venv/bin/python -m tests.mutants -k drain   # those whose name contains "drain"
+    .venv/bin/python -m tests.mutants --scenarios  # killed by the fixed scenarios alone
 
 Each mutant is one textual edit of the gateway (the fix undone, or the rule broken the
 simplest way). It is applied to a copy of the working tree under a temporary directory
@@ -96,6 +97,24 @@ MUTANTS = (
            "gatewayd/core/engines.py",
            '    if ev.active_state == "deactivating":\n',
            '    if False:\n'),
+    Mutant("admit-ignores-loads", "an operator's start counts loads in progress against "
+           "free memory",
+           "gatewayd/service/engine_manager.py",
+           "        if gpu is not None and (loading := self._loading_mib()):",
+           "        if False:"),
+    Mutant("try-anyway-at-once", "'try anyway' waits while a stopped engine's memory may "
+           "still be coming back",
+           "gatewayd/service/loader.py",
+           "                case scheduler.TryAnyway() if self._memory_coming_back():",
+           "                case scheduler.TryAnyway() if False:"),
+    Mutant("settle-ignores-loads", "the wait after an eviction measures room net of loads",
+           "gatewayd/service/loader.py",
+           "        return ledger.free_mib - ledger.pending_mib",
+           "        return ledger.free_mib"),
+    Mutant("stopping-holds-no-memory", "a stopping engine's memory counts until it is gone",
+           "gatewayd/core/scheduler.py",
+           "        if u.state is not EngineState.READY:   # loading, restarting, or stopping",
+           "        if u.state in (EngineState.STARTING, EngineState.LOADING):"),
     Mutant("failed-is-sticky", "a failed model is tried again by a later request",
            "gatewayd/service/loader.py",
            "            if (left := engines.backoff_left(model.id)) > 0:",
@@ -137,7 +156,7 @@ def copy_tree(dest: Path) -> None:
     (dest / ".venv").symlink_to(ROOT / ".venv")
 
 
-def run(mutant: Mutant, workdir: Path) -> tuple[Mutant, bool, str, float]:
+def run(mutant: Mutant, workdir: Path, select: list[str]) -> tuple[Mutant, bool, str, float]:
     tree = workdir / mutant.name
     copy_tree(tree)
     for name, old, new in mutant.edits():
@@ -154,7 +173,7 @@ def run(mutant: Mutant, workdir: Path) -> tuple[Mutant, bool, str, float]:
         [str(ROOT / ".venv/bin/python"), "-c",
          "import gatewayd, sys; assert gatewayd.__file__.startswith(sys.argv[1]), "
          "gatewayd.__file__; import pytest; sys.exit(pytest.main(sys.argv[2:]))",
-         str(tree), "-x", "-q", "-p", "no:cacheprovider", TESTS],
+         str(tree), "-x", "-q", "-p", "no:cacheprovider", *select, TESTS],
         cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     took = time.monotonic() - began
     out = proc.stdout + proc.stderr
@@ -170,12 +189,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-k", default="", help="only mutants whose name contains this")
     parser.add_argument("-j", type=int, default=max(1, (os.cpu_count() or 2) // 2 + 1))
+    parser.add_argument("--scenarios", action="store_true",
+                        help="only the fixed scenarios (no random search): each mutant "
+                             "must be killed by a scenario written for it")
     args = parser.parse_args()
+    select = ["-k", "not TestDispatcherModel"] if args.scenarios else []
     chosen = [m for m in MUTANTS if args.k in m.name]
     survivors = 0
     with tempfile.TemporaryDirectory(prefix="gatewayd-mutants-") as tmp, \
             ThreadPoolExecutor(args.j) as pool:
-        for mutant, killed, detail, took in pool.map(lambda m: run(m, Path(tmp)), chosen):
+        for mutant, killed, detail, took in pool.map(lambda m: run(m, Path(tmp), select), chosen):
             survivors += not killed
             print(f"{'killed  ' if killed else 'SURVIVED'} {mutant.name:24} {took:5.0f}s  "
                   f"({mutant.why})\n         {detail}", flush=True)

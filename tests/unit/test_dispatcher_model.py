@@ -483,6 +483,46 @@ def test_a_slot_freed_by_an_exit_systemd_confirms_goes_to_the_waiting_model_at_o
                   ("check_ok", {"model": "b", "last": 1})])
 
 
+# -- GPU memory: what NVML shows lags what engines take and give back --------------------
+
+
+def test_an_operators_start_counts_a_load_in_progress() -> None:
+    """a is loading (its memory does not show yet): starting b too would not fit."""
+    run_scenario([("operator_starts", {"model": "a"}),
+                  ("operator_starts", {"model": "b"}),
+                  ("time_passes", {"seconds": 2.0})], max_engines=2, gpu_fits=1)
+
+
+def test_a_stopping_engine_counts_until_its_unit_is_gone() -> None:
+    """b is stopped during its start job: until its unit is gone it may take memory."""
+    run_scenario([("operator_starts", {"model": "b"}),
+                  ("operator_stops", {"model": "b"}),
+                  ("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 2.0})], max_engines=3, gpu_fits=1)
+
+
+def test_nothing_else_runs_but_the_memory_of_the_last_engine_is_not_back_yet() -> None:
+    """'Does not fit even alone, try anyway' must not be decided on memory still being
+    freed by the driver after a stop."""
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("operator_stops", {"model": "a"}),
+                  ("time_passes", {"seconds": 0.2}),
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 2.0}),
+                  ("check_ok", {"model": "b", "last": 1})], max_engines=2, gpu_fits=1)
+
+
+def test_the_wait_for_an_evicted_engines_memory_is_not_fooled_by_another_load() -> None:
+    """c starts loading as b is evicted for a: free memory rises by b's and falls by c's.
+    The wait for b's memory must still end when it is back (not at its 10-s bound)."""
+    run_scenario([("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("burst", {"models": ["c", "a"], "hold": 0.0, "ticks": 1}),
+                  ("time_passes", {"seconds": 3.0}),
+                  ("check_ok", {"model": "a", "last": 1})], max_engines=2, gpu_fits=2)
+
+
 def test_a_model_waiting_under_steady_load_on_the_others_is_served() -> None:
     run_scenario([("steady_load", {"model": "a", "seconds": 25.0}),
                   ("time_passes", {"seconds": 1.0}),
