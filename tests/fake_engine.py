@@ -48,7 +48,12 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/audio/transcriptions", self.transcribe)
+        app.on_response_prepare.append(self._mark)
         return app
+
+    async def _mark(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer says it came from this engine (tests tell relayed from own)."""
+        response.headers["X-Fake-Engine"] = self.name
 
     async def start(self, socket: str) -> None:
         Path(socket).parent.mkdir(parents=True, exist_ok=True)

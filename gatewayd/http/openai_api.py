@@ -166,6 +166,8 @@ async def model_of(request: web.Request, body: bytes) -> tuple[str | None, dict 
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("the body is nested too deeply to be parsed") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("the body must be a JSON object")
     model = payload.get("model")
@@ -184,14 +186,14 @@ async def multipart_model(request: web.Request, body: bytes) -> str | None:
                           loop=asyncio.get_running_loop())
     stream.feed_data(body)
     stream.feed_eof()
-    reader = MultipartReader(request.headers, stream)
     try:
+        reader = MultipartReader(request.headers, stream)
         while (part := await reader.next()) is not None:
             if getattr(part, "name", None) == "model" and not getattr(part, "filename", None):
                 text = await part.text()  # type: ignore[union-attr]
                 return text.strip() or None
             await part.release()
-    except (ValueError, AssertionError) as e:
+    except Exception as e:   # the client's bytes: whatever the parser trips on is a 400
         raise InvalidRequest(f"the multipart body cannot be parsed: {e}") from None
     return None
 

@@ -372,3 +372,28 @@ async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> Non
     assert upstreams.pooled(socket)
     await gw.engines.stop("a")
     assert not upstreams.pooled(socket)
+
+
+# -- the client's mistakes: a clear 4xx with the envelope, never a 500 -------------------
+
+
+@pytest.mark.parametrize(("content_type", "body"), [
+    ("application/json", b"[" * 100_000 + b"]" * 100_000),                 # nested too deep
+    ("application/json", b'{"model": "a", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+    ("multipart/form-data", b"--x\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nb"),
+    ("multipart/form-data; boundary=x",                                     # cut short
+     b"--x\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF"),
+    ("multipart/form-data; boundary=x", b"--x\r\nno headers end here"),
+    ("multipart/form-data; boundary=x", b"\xff\xfe" * 100),
+    ("application/json", b"\xff\xfe{}"),
+    ("application/json", b'"just a string"'),
+])
+async def test_a_malformed_body_is_a_400_with_the_envelope(gw: Gateway, content_type: str,
+                                                           body: bytes) -> None:
+    resp = await gw.client.post("/v1/audio/transcriptions", data=body,
+                                headers={"Content-Type": content_type})
+    error = (await resp.json())["error"]
+    assert resp.status == 400, error
+    assert error["type"] == "invalid_request_error" and error["message"] and error["code"]
+    resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
+    assert resp.status == 200                                   # and the gateway serves on
