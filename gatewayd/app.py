@@ -22,10 +22,17 @@ from gatewayd.adapters.model_files import load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_socket
 from gatewayd.adapters.records import RecordWriter
 from gatewayd.adapters.systemd import Systemd
-from gatewayd.adapters.unit_control import TemplateEngineUnits, TransientEngineUnits, runtime_root
+from gatewayd.adapters.unit_control import (
+    TemplateEngineUnits,
+    TransientEngineUnits,
+    resolve_binary,
+    runtime_root,
+)
+from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig, UnitMode
+from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
-from gatewayd.core.errors import ConfigError
+from gatewayd.core.errors import ConfigError, EngineBinaryMissing
 from gatewayd.http import admin_api, openai_api
 from gatewayd.http.middleware import error_middleware
 from gatewayd.http.proxy import Upstreams
@@ -70,6 +77,22 @@ def unit_mode(config: GatewayConfig) -> tuple[UnitMode, str, str]:
     return mode, config.bus, "system"  # an explicit address: a system manager's bus
 
 
+def check_binaries(catalog: Catalog, config: GatewayConfig) -> None:
+    """Say at start which engine servers cannot run (their models fail with the same
+    words when asked for; the others are served)."""
+    seen: set[tuple[str, str]] = set()
+    for model in catalog:
+        binary = server_binary(model, config)
+        if binary in seen:
+            continue
+        seen.add(binary)
+        try:
+            resolve_binary(*binary)
+        except EngineBinaryMissing as e:
+            users = [m.id for m in catalog if server_binary(m, config) == binary]
+            log.error("%s; models that need it cannot start: %s", e.message, ", ".join(users))
+
+
 async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     catalog = load_catalog(config)
@@ -93,6 +116,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     engines.subscribe(lambda old, new: _report(notifier, engines, old, new))
     log.info("%d models; engines as %s units of the %s manager; GPU: %s",
              len(catalog), units.mode, manager, gpu.description)
+    check_binaries(catalog, config)
     await adopt(engines)
     # Restore (and preload) runs in the background, one engine at a time, while we serve.
     app[RESTORE] = asyncio.get_running_loop().create_task(restore(engines))

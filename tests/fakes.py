@@ -30,7 +30,7 @@ class FakeUnits:
         self.log: list[str] = []
         self.watchers: list[UnitWatcher] = []
         self.units: dict[str, EngineUnitInfo] = {}
-        self.fail_start: str | None = None
+        self.fail_start: str | BaseException | None = None   # BaseException: raised as is
         self.next_pid = 100
 
     def layout(self, model_id: str) -> EngineLayout:
@@ -43,6 +43,8 @@ class FakeUnits:
     async def start_engine(self, model: Model) -> EngineLayout:
         layout = self.layout(model.id)
         self.log.append(f"start {model.id}")
+        if isinstance(self.fail_start, BaseException):
+            raise self.fail_start
         if self.fail_start:
             raise UnitOperationFailed(self.fail_start)
         self.emit(layout.unit, ActiveState="inactive", SubState="dead")

@@ -36,7 +36,7 @@ from gatewayd.core.engine_units import (
     transient_spec,
     unit_patterns,
 )
-from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
+from gatewayd.core.errors import EngineBinaryMissing, UnitAlreadyActive, UnitOperationFailed
 from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
 
 _UNSET = 2**64 - 1  # systemd's "not set / unknown" for t properties
@@ -126,7 +126,8 @@ class TransientEngineUnits(_EngineUnits):
 
     async def start_engine(self, model: Model) -> EngineLayout:
         layout = self.layout(model.id)
-        spec = transient_spec(model, layout, resolve_binary(server_binary(model, self._config)))
+        binary = resolve_binary(*server_binary(model, self._config))
+        spec = transient_spec(model, layout, binary)
         await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
 
@@ -149,7 +150,7 @@ class TemplateEngineUnits(_EngineUnits):
     async def start_engine(self, model: Model) -> EngineLayout:
         layout = self.layout(model.id)
         self.settings_dir.mkdir(parents=True, exist_ok=True)
-        binary = resolve_binary(server_binary(model, self._config))
+        binary = resolve_binary(*server_binary(model, self._config))
         write_atomic(self.settings_dir / f"{layout.instance}.json",
                      json.dumps(template_settings(model, layout, binary)).encode())
         if limits := resource_limits(model):
@@ -193,11 +194,21 @@ def runtime_root(manager: str) -> str:
     return "/run"
 
 
-def resolve_binary(name: str) -> str:
+def resolve_binary(name: str, key: str = "llama_server") -> str:
+    """The absolute path of an engine server (a bare name is looked up in PATH), or a
+    clear error naming the configuration key."""
     if os.path.isabs(name):
+        path = Path(name)
+        if not path.is_file():
+            raise EngineBinaryMissing(f"{key} = {name!r}: no such file; set {key} to the "
+                                      "engine server's path", key=key)
+        if not os.access(path, os.X_OK):
+            raise EngineBinaryMissing(f"{key} = {name!r}: not executable", key=key)
         return name
-    for directory in os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":"):
+    search = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    for directory in search.split(":"):
         candidate = Path(directory, name)
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
-    return name  # UnitSpec refuses a relative argv[0]; the engine start reports it
+    raise EngineBinaryMissing(f"{key} = {name!r}: not found in PATH ({search}); set {key} "
+                              "to the engine server's absolute path", key=key)

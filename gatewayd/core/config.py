@@ -136,9 +136,9 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         models=models,
         max_engines=max_engines,
         vram_margin_mib=_non_negative(data.get("vram_margin_mib", 1024), where, "vram_margin_mib"),
-        llama_server=_expect(data.get("llama_server", "llama-server"), str, where,
+        llama_server=_binary(data.get("llama_server", "llama-server"), base, where,
                              "llama_server"),
-        whisper_server=_expect(data.get("whisper_server", "whisper-server"), str, where,
+        whisper_server=_binary(data.get("whisper_server", "whisper-server"), base, where,
                                "whisper_server"),
         state_dir=_path(data.get("state_dir"), base, where, "state_dir") or state_dir,
         bus=_expect(data.get("bus", "auto"), str, where, "bus"),
@@ -270,6 +270,15 @@ def _percent(value: Any, where: str, key: str) -> float | None:
     if number <= 0:
         raise ConfigError(f"{where}: {key} = {value!r} is not a CPU quota (use e.g. \"200%\")")
     return number
+
+
+def _binary(value: Any, base: Path, where: str, key: str) -> str:
+    """An engine server: a bare name is looked up in PATH when an engine starts; a path
+    with a slash is taken from base (the configuration file's directory) if relative."""
+    name = _expect(value, str, where, key).strip()
+    if not name:
+        raise ConfigError(f"{where}: {key} is empty: give the engine server's name or path")
+    return str(base / name) if "/" in name and not name.startswith("/") else name
 
 
 def _path(value: Any, base: Path, where: str, key: str) -> Path | None:

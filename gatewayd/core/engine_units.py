@@ -84,9 +84,12 @@ def unit_patterns() -> list[str]:
     return [f"{UNIT_PREFIX}-*.service", f"{UNIT_PREFIX}@*.service"]
 
 
-def server_binary(model: Model, config: GatewayConfig) -> str:
-    """The engine server's configured name or path (resolved against PATH by the adapter)."""
-    return config.llama_server if model.backend is Backend.LLAMA else config.whisper_server
+def server_binary(model: Model, config: GatewayConfig) -> tuple[str, str]:
+    """(the engine server's configured name or path, its configuration key); a bare name
+    is resolved against PATH by the adapter."""
+    if model.backend is Backend.LLAMA:
+        return config.llama_server, "llama_server"
+    return config.whisper_server, "whisper_server"
 
 
 def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:

@@ -108,6 +108,10 @@ class ConfigError(GatewayError):
     status, type, code = 500, "server_error", "config_error"
 
 
+class EngineBinaryMissing(ConfigError):
+    """The configured engine server cannot be run (missing, not executable)."""
+
+
 class SystemdUnavailable(GatewayError):
     """No systemd manager (or no D-Bus) to run engines under."""
 

@@ -160,7 +160,6 @@ class EngineManager:
             self._event(model.id, StartRequested(self._clock()))
             log.info("starting %s as %s", model.id, layout.unit)
             try:
-                self.desired.add(model.id)
                 await self.units.start_engine(model)
             except UnitAlreadyActive:
                 # systemd runs it already (we lost track): that is the truth, adopt it
@@ -175,6 +174,11 @@ class EngineManager:
                 if settling := self._settling.get(model.id):
                     await asyncio.shield(settling)
                 raise self.failed_error(model.id) from e
+            try:   # only a start that happened is wanted again after a reboot
+                self.desired.add(model.id)
+            except OSError as e:
+                log.warning("%s: could not update the desired engine list (it will not be "
+                            "restored after a reboot): %s", model.id, e)
             self._readiness.watch(model.id, new_start=True)
         return await self.wait_ready(model.id) if wait else self._engines[model.id]
 

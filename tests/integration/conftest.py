@@ -15,10 +15,11 @@ _ports = iter(range(18300, 18480))
 
 class GatewayFactory(Protocol):
     def __call__(self, extra: str = "", max_engines: int = 4,
-                 env: dict[str, str] | None = None) -> GatewayService: ...
+                 env: dict[str, str] | None = None,
+                 llama_server_setting: str | None = None) -> GatewayService: ...
 
 
-def write_config(tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path], *,
+def write_config(tmp_path: Path, llama_server: Path | str, tiny_models: dict[str, Path], *,
                  extra: str = "", max_engines: int = 4) -> tuple[Path, int]:
     """A config over the three tiny models; extra goes before [listen] (top-level keys, tables)."""
     port = next(_ports)
@@ -48,9 +49,10 @@ def gateway_factory(tmp_path: Path, llama_server: Path,
     started: list[GatewayService] = []
 
     def make(extra: str = "", max_engines: int = 4,
-             env: dict[str, str] | None = None) -> GatewayService:
-        config, port = write_config(tmp_path, llama_server, tiny_models, extra=extra,
-                                    max_engines=max_engines)
+             env: dict[str, str] | None = None,
+             llama_server_setting: str | None = None) -> GatewayService:
+        config, port = write_config(tmp_path, llama_server_setting or llama_server,
+                                    tiny_models, extra=extra, max_engines=max_engines)
         gw = GatewayService(config, port, env=env or {})
         gw.start()
         started.append(gw)

@@ -12,6 +12,7 @@ import os
 import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,34 @@ def test_limits_give_the_documented_errors(gateway_factory: GatewayFactory) -> N
     assert proc.returncode == 1 and "the limit (max_engines) is 2" in proc.stderr
     status, body = gw.api("POST", "/admin/engines/start", {"model": "no-such-model"})
     assert status == 404 and "tiny-alpha" in body["error"]["available_models"]
+
+
+def test_engine_server_paths_relative_to_the_config_and_missing_ones_named(
+        gateway_factory: GatewayFactory, llama_server: Path, tmp_path: Path) -> None:
+    """One that is not there fails every start at once with the key named (never a
+    wedged model) and is not put on the list restored after a reboot; a relative
+    llama_server is taken from the configuration file's directory."""
+    gw = gateway_factory(llama_server_setting="nowhere/llama-server")
+    assert "llama_server = '" in journal_until("models that need it cannot start",
+                                               "-u", gw.unit)
+    for _ in range(2):
+        began = time.monotonic()
+        status, body = gw.api("POST", "/v1/completions",
+                              {"model": "tiny-alpha", "prompt": "hi", "max_tokens": 2})
+        assert status == 502 and body["error"]["code"] == "engine_failed", body
+        assert "llama_server = " in body["error"]["message"]
+        assert "no such file" in body["error"]["message"]
+        assert time.monotonic() - began < 5
+    assert gw.engines()["tiny-alpha"]["state"] == "failed"
+    desired = tmp_path / "state" / "engines.json"
+    assert not desired.exists() or "tiny-alpha" not in desired.read_text()
+    gw.stop()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-server").symlink_to(llama_server)
+    gw = gateway_factory(llama_server_setting="bin/llama-server")
+    status, body = gw.api("POST", "/v1/completions",
+                          {"model": "tiny-alpha", "prompt": "hi", "max_tokens": 2})
+    assert status == 200, body
 
 
 def test_vram_budget_with_a_fake_device(gateway_factory: GatewayFactory) -> None:

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 
 from gatewayd.adapters.config_file import load_config
+from gatewayd.adapters.unit_control import resolve_binary
 from gatewayd.core.config import Backend, GatewayConfig, UnitMode, parse_config
-from gatewayd.core.errors import ConfigError
+from gatewayd.core.errors import ConfigError, EngineBinaryMissing
 
 
 def test_missing_default_file_means_defaults(tmp_path: Path) -> None:
@@ -78,3 +79,30 @@ def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
     cfg.write_text("max_engines = = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(cfg)
+
+
+def test_engine_server_paths(tmp_path: Path) -> None:
+    """A bare name is looked up in PATH at start; a path with a slash is taken from the
+    configuration file's directory; an empty one is refused, naming the key."""
+    config = tmp_path / "gateway.toml"
+    config.write_text('llama_server = "bin/llama-server"\nwhisper_server = "whisper-server"\n')
+    loaded = load_config(config)
+    assert loaded.llama_server == str(tmp_path / "bin" / "llama-server")
+    assert loaded.whisper_server == "whisper-server"
+    config.write_text('llama_server = " "\n')
+    with pytest.raises(ConfigError, match="llama_server is empty"):
+        load_config(config)
+
+
+def test_an_engine_server_that_cannot_run_is_named_by_its_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(EngineBinaryMissing, match=r"whisper_server = 'ws': not found in PATH"):
+        resolve_binary("ws", "whisper_server")
+    with pytest.raises(EngineBinaryMissing, match="no such file"):
+        resolve_binary(str(tmp_path / "nope"), "llama_server")
+    (tmp_path / "ls").write_text("#!/bin/sh\n")
+    with pytest.raises(EngineBinaryMissing, match="not executable"):
+        resolve_binary(str(tmp_path / "ls"), "llama_server")
+    (tmp_path / "ls").chmod(0o755)
+    assert resolve_binary("ls") == str(tmp_path / "ls")

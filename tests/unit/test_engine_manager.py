@@ -48,6 +48,43 @@ async def test_unit_start_failure_reaches_the_caller_with_log_lines(tmp_path: Pa
     assert mgr.get("a") is not None and mgr.get("a").state is EngineState.FAILED  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("error", [ValueError("argv[0] must be an absolute path"),
+                                   TimeoutError(), OSError(28, "No space left on device"),
+                                   RuntimeError("File descriptor 7 is used by transport")])
+async def test_a_start_is_a_transaction_whatever_the_adapter_raises(
+        tmp_path: Path, error: BaseException) -> None:
+    """Failed with the reason, waiters told, not on the list restored after a reboot; and
+    the next start is tried (after the backoff), not waited on forever."""
+    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+    units.fail_start = error
+    waiter = None
+
+    def wait_when_starting(old: object, new: object) -> None:
+        nonlocal waiter
+        if waiter is None:
+            waiter = asyncio.ensure_future(mgr.wait_ready("a"))
+    mgr.subscribe(wait_when_starting)
+    with pytest.raises(EngineFailed) as err:
+        await mgr.start("a")
+    assert type(error).__name__ in err.value.message
+    engine = mgr.get("a")
+    assert engine is not None and engine.state is EngineState.FAILED and not engine.holds_slot
+    assert waiter is not None
+    with pytest.raises(EngineFailed):
+        await asyncio.wait_for(waiter, 1)
+    assert DesiredEngines(tmp_path / "state").ids == []
+    assert mgr.backoff_left("a") > 0
+    units.fail_start = None
+    assert (await mgr.start("a")).state is EngineState.READY   # an explicit start retries
+
+
+async def test_an_unwritable_state_directory_does_not_fail_a_start(tmp_path: Path) -> None:
+    mgr, _, _ = engine_manager_on_fakes(tmp_path)
+    (tmp_path / "state").write_text("a file where the directory should be")  # even for root
+    engine = await mgr.start("a")
+    assert engine.state is EngineState.READY
+
+
 async def test_crash_while_loading_fails_every_waiter(tmp_path: Path) -> None:
     mgr, units, health = engine_manager_on_fakes(tmp_path)
     health.all_ready = False
