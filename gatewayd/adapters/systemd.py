@@ -15,6 +15,7 @@ and subscribes to systemd's signals instead of polling:
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,9 @@ WATCHED = frozenset({
 })
 
 UnitChangeCallback = Callable[[str, Mapping[str, Any]], None]
+# A job's JobRemoved can only beat the reply that names it by a few messages: a busy
+# host's other jobs need not be remembered beyond these.
+FINISHED_JOBS_KEPT = 256
 
 
 def unit_object_path(unit: str) -> str:
@@ -83,7 +87,9 @@ class Systemd:
     def __init__(self, bus: MessageBus) -> None:
         self._bus = bus
         self._jobs: dict[str, asyncio.Future[str]] = {}
-        self._finished_jobs: dict[str, str] = {}
+        # jobs whose JobRemoved came before we asked (the reply to our call was still on
+        # its way); after Subscribe that is every job on the host, so only the latest few
+        self._finished_jobs: OrderedDict[str, str] = OrderedDict()
         self._watchers: list[UnitChangeCallback] = []
         self._removals: dict[str, list[asyncio.Future[None]]] = {}
 
@@ -193,6 +199,8 @@ class Systemd:
             fut = self._jobs.pop(job, None)
             if fut is None:
                 self._finished_jobs[job] = result
+                if len(self._finished_jobs) > FINISHED_JOBS_KEPT:
+                    self._finished_jobs.popitem(last=False)
             elif not fut.done():
                 fut.set_result(result)
         elif msg.member == "UnitRemoved" and msg.interface == MANAGER:

@@ -125,8 +125,8 @@ def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
     strong: dict[str, set[str]] = {}
     for model_id, m in ids.items():
         names = {model_id, m.path.name, _strip_ext(m.path.name), *m.aliases}
-        if m.path.parent.name and config.models_dir and m.path.parent != config.models_dir:
-            names.add(m.path.parent.name)
+        if config.models_dir and m.path.parent.parent == config.models_dir:
+            names.add(m.path.parent.name)   # a model that is a subdirectory of models_dir
         strong[model_id] = {n.casefold() for n in names if n.strip()}
         for name in strong[model_id]:
             other = strong_owner.setdefault(name, model_id)

@@ -124,3 +124,19 @@ def test_an_unreadable_header_is_described(tmp_path: Path) -> None:
     info = load_catalog(GatewayConfig(models_dir=tmp_path)).resolve("broken").describe()
     assert info["header_error"] == "not a GGUF file (bad magic)"
     assert info["architecture"] is None
+
+
+def test_explicit_models_in_one_directory_coexist(tmp_path: Path) -> None:
+    """The parent directory is a name only of a model that is a subdirectory of
+    models_dir: two explicit models in /srv/m are not both 'm'."""
+    config = GatewayConfig(models_dir=tmp_path / "library", models=(
+        ModelConfig(name="a", path=_touch(tmp_path / "m" / "a.gguf")),
+        ModelConfig(name="b", path=_touch(tmp_path / "m" / "b.bin"))))
+    (tmp_path / "library").mkdir()
+    catalog = load_catalog(config, _facts({}))
+    assert catalog.ids == ["a", "b"]
+    with pytest.raises(ModelNotFound):
+        catalog.resolve("m")
+    config = GatewayConfig(models_dir=tmp_path / "library")
+    _touch(tmp_path / "library" / "qwen" / "model.gguf")
+    assert "qwen" in load_catalog(config, _facts({})).get("qwen").names  # type: ignore[union-attr]

@@ -1,10 +1,17 @@
-"""The pure parts of the D-Bus adapter: object paths and transient-unit properties."""
+"""The D-Bus adapter without a bus: object paths, transient-unit properties, signals."""
 
 from __future__ import annotations
 
 import pytest
+from dbus_fast import Message
 
-from gatewayd.adapters.systemd import unit_name_from_path, unit_object_path
+from gatewayd.adapters.systemd import (
+    FINISHED_JOBS_KEPT,
+    MANAGER,
+    Systemd,
+    unit_name_from_path,
+    unit_object_path,
+)
 from gatewayd.core.unit_spec import UnitSpec
 
 
@@ -42,3 +49,20 @@ def test_properties_carry_times_in_microseconds_and_argv_as_exec_start() -> None
 def test_relative_executable_is_refused() -> None:
     with pytest.raises(ValueError, match="absolute"):
         UnitSpec(name="x.service", argv=["llama-server"]).properties()
+
+
+async def test_jobs_we_did_not_ask_for_are_not_kept_forever() -> None:
+    """After Subscribe every job on the host signals JobRemoved: a busy host must not grow
+    the gateway's memory; a job of ours that finished before its reply is still found."""
+    sd = Systemd(bus=None)  # type: ignore[arg-type]
+
+    def job_removed(n: int) -> Message:
+        return Message.new_signal("/org/freedesktop/systemd1", MANAGER, "JobRemoved",
+                                  "uoss", [n, f"/org/freedesktop/systemd1/job/{n}",
+                                           f"other-{n}.service", "done"])
+    sd._on_message(job_removed(7))                       # ours, before the reply came
+    assert await sd._job_result("/org/freedesktop/systemd1/job/7", "x.service", "start") \
+        == "done"
+    for n in range(10_000):
+        sd._on_message(job_removed(100 + n))
+    assert len(sd._finished_jobs) == FINISHED_JOBS_KEPT
