@@ -38,6 +38,7 @@ from gatewayd.http.middleware import error_middleware
 from gatewayd.http.proxy import Upstreams
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.liveness import Liveness
 from gatewayd.service.restore import Reconciler, adopt, restore
 
 log = logging.getLogger("gatewayd")
@@ -105,13 +106,16 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
         units = TransientEngineUnits(systemd, config, manager=manager,
                                      run_root=runtime_root(manager))
     gpu = open_gpu()
+    health = UnixHealthProbe()
     engines = EngineManager(catalog=catalog, config=config, units=units,
-                            health=UnixHealthProbe(), gpu=gpu, journal=Journalctl(manager),
+                            health=health, gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir))
     app[admin_api.ENGINES] = engines
     app[DISPATCHER] = dispatcher = Dispatcher(engines, catalog=catalog, gpu=gpu,
                                               config=config)
     reconciler = Reconciler(engines, on_over_limit=dispatcher.enforce_limit)
+    liveness = Liveness(engines, health, interval_s=config.health_interval_s,
+                        timeout_s=config.health_timeout_s, misses=config.health_misses)
     notifier = app[NOTIFIER]
     engines.subscribe(lambda old, new: _report(notifier, engines, old, new))
     log.info("%d models; engines as %s units of the %s manager; GPU: %s",
@@ -122,9 +126,11 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     app[RESTORE] = asyncio.get_running_loop().create_task(restore(engines))
     dispatcher.start_timers()
     reconciler.start()
+    liveness.start()
     try:
         yield
     finally:
+        await liveness.close()
         app[RESTORE].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[RESTORE]

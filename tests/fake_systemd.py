@@ -179,6 +179,11 @@ class FakeSystemd:
         asyncio.get_running_loop().call_later(self.restart_s, self._restart, unit, u)
         return True
 
+    async def kill_engine(self, unit: str) -> None:
+        u = self.units.get(unit)
+        if u is not None:
+            self.crash(u.model_id)
+
     def start_behind_our_back(self, model_id: str) -> bool:
         """`systemctl start` of the engine unit by hand (only where there is room): the
         gateway hears signals for a unit it does not know."""
@@ -302,7 +307,7 @@ class FakeSystemdHealth:
     def __init__(self, systemd: FakeSystemd) -> None:
         self._systemd = systemd
 
-    async def status(self, socket: str) -> int | None:
+    async def status(self, socket: str, timeout: float = 2.0) -> int | None:
         await asyncio.sleep(0)
         return self._systemd.health(socket)
 

@@ -59,6 +59,15 @@ class FakeUnits:
         self.emit(unit, ActiveState="deactivating", SubState="stop-sigterm")
         self.emit(unit, ActiveState="inactive", SubState="dead")
 
+    async def kill_engine(self, unit: str) -> None:
+        """SIGKILL: Restart=on-failure brings the engine back as a new process."""
+        self.log.append(f"kill {unit}")
+        self.emit(unit, ActiveState="activating", SubState="auto-restart", MainPID=0,
+                  ExecMainCode=2, ExecMainStatus=9)
+        self.next_pid += 1
+        self.emit(unit, MainPID=self.next_pid)
+        self.emit(unit, ActiveState="active", SubState="running")
+
     async def list_engines(self) -> list[EngineUnitInfo]:
         return list(self.units.values())
 
@@ -74,8 +83,11 @@ class FakeHealth:
     def __init__(self) -> None:
         self.ready: set[str] = set()
         self.all_ready = True
+        self.hung: set[str] = set()    # sockets whose engine answers nothing (frozen)
 
-    async def status(self, socket: str) -> int | None:
+    async def status(self, socket: str, timeout: float = 2.0) -> int | None:
+        if socket in self.hung:
+            return None
         return 200 if self.all_ready or socket in self.ready else 503
 
 

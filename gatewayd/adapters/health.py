@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import aiohttp
 
-PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
-
 
 class UnixHealthProbe:
-    async def status(self, socket: str) -> int | None:
+    async def status(self, socket: str, timeout: float = 2.0) -> int | None:
         try:
             async with aiohttp.ClientSession(
                     connector=aiohttp.UnixConnector(path=socket),
-                    timeout=PROBE_TIMEOUT) as session, \
+                    timeout=aiohttp.ClientTimeout(total=timeout)) as session, \
                     session.get("http://engine/health") as resp:
                 return resp.status
         except (TimeoutError, aiohttp.ClientError, OSError):

@@ -143,6 +143,9 @@ class Systemd:
         props = [[key, Variant(sig, value)] for key, sig, value in properties]
         await self._manager("SetUnitProperties", "sba(sv)", [name, runtime, props])
 
+    async def kill_unit(self, name: str, signal: int, whom: str = "all") -> None:
+        await self._manager("KillUnit", "ssi", [name, whom, signal])
+
     async def reset_failed_unit(self, name: str) -> None:
         await self._manager("ResetFailedUnit", "s", [name])
 

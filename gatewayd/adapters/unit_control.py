@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -71,6 +72,9 @@ class _EngineUnits:
             with contextlib.suppress(UnitOperationFailed):
                 await self._sd.reset_failed_unit(unit)
             await self._sd.wait_unit_gone(unit, UNIT_GONE_S)
+
+    async def kill_engine(self, unit: str) -> None:
+        await self._sd.kill_unit(unit, signal.SIGKILL)
 
     async def list_engines(self) -> list[EngineUnitInfo]:
         listed = await self._sd.list_units(self.patterns)

@@ -82,6 +82,11 @@ class GatewayConfig:
     records_path: Path | None = None          # default: <state_dir>/records.db
     records_store_text: bool = False
     records_text_max_bytes: int = 4096
+    # a ready engine's /health is asked every interval; `misses` answers in a row missing
+    # (none within timeout) mean it hangs: it is killed and systemd restarts it (0: never)
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 5.0
+    health_misses: int = 3
     source: Path | None = None
 
     @property
@@ -95,7 +100,7 @@ _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env"
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
-             "records", "autoload", "eviction_wait_s", "queue_limit"}
+             "records", "autoload", "eviction_wait_s", "queue_limit", "health"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -128,6 +133,9 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     max_body_mb = _expect(data.get("max_body_mb", 256), int, where, "max_body_mb")
     if max_body_mb < 1:
         raise ConfigError(f"{where}: max_body_mb must be at least 1")
+    health = data.get("health", {})
+    _expect(health, dict, where, "health")
+    _no_unknown(health, {"interval_s", "timeout_s", "misses"}, f"{where} [health]")
     port = _expect(listen.get("port", 8080), int, where, "listen.port")
     if not 0 < port < 65536:
         raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
@@ -163,6 +171,11 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
                                    "records.store_text"),
         records_text_max_bytes=_non_negative(records.get("text_max_bytes", 4096), where,
                                              "records.text_max_bytes"),
+        health_interval_s=float(_positive(health.get("interval_s", 5), where,
+                                          "health.interval_s")),
+        health_timeout_s=float(_positive(health.get("timeout_s", 5), where,
+                                         "health.timeout_s")),
+        health_misses=_non_negative(health.get("misses", 3), where, "health.misses"),
         source=source,
     )
 

@@ -124,6 +124,15 @@ class LoadTimedOut:
 
 
 @dataclass(frozen=True)
+class Unresponsive:
+    """A ready engine did not answer /health for a while: it is being killed, and
+    systemd will restart it."""
+
+    now: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class StopRequested:
     now: float
 
@@ -151,7 +160,7 @@ class Reconciled:
 
 
 Event = (StartRequested | UnitChanged | HealthReady | StartFailed | LoadTimedOut
-         | StopRequested | UnitGone | LogsRead | Reconciled)
+         | Unresponsive | StopRequested | UnitGone | LogsRead | Reconciled)
 RUNNING_STATES = frozenset({"active", "activating", "reloading"})
 
 
@@ -195,6 +204,12 @@ def apply(engine: Engine, event: Event) -> Engine:
             if s in (EngineState.STARTING, EngineState.LOADING):
                 return _to(engine, EngineState.FAILED, now, failure=Failure(
                     f"not ready after {seconds:g}s (load timeout)"))
+            return engine
+        case Unresponsive(now, seconds):
+            if s is EngineState.READY:
+                return _to(engine, EngineState.FAILED, now, ready_since=None, failure=Failure(
+                    f"did not answer /health for {seconds:g}s (hung): killed, and systemd "
+                    "restarts it", restarting=True))
             return engine
         case StopRequested(now):
             if s is EngineState.STOPPED:
@@ -252,6 +267,9 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
             changes["failure"] = replace(settled, restarting=False)
         return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
     if active == "activating" and sub == "auto-restart":
+        if s is EngineState.FAILED and failure is not None and failure.restarting:
+            # we know why already (we killed it as hung): keep that reason
+            return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
         text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
         return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
                    failure=Failure(text, code, sig, restarting=True), **changes)

@@ -51,6 +51,10 @@ class UnitControl(Protocol):
         next start of the same name cannot collide with it. No such unit: done."""
         ...
 
+    async def kill_engine(self, unit: str) -> None:
+        """SIGKILL every process of the unit (a hung engine): systemd restarts it."""
+        ...
+
     async def list_engines(self) -> list[EngineUnitInfo]: ...
     async def engine_info(self, unit: str) -> EngineUnitInfo | None: ...
     def watch(self, callback: UnitWatcher) -> Callable[[], None]: ...
@@ -68,8 +72,9 @@ class GpuProbe(Protocol):
 
 
 class HealthProbe(Protocol):
-    async def status(self, socket: str) -> int | None:
-        """HTTP status of GET /health over the unix socket; None if unreachable."""
+    async def status(self, socket: str, timeout: float = 2.0) -> int | None:
+        """HTTP status of GET /health over the unix socket; None if unreachable or no
+        answer within timeout seconds."""
         ...
 
 

@@ -48,6 +48,7 @@ from gatewayd.core.engines import (
     StopRequested,
     UnitChanged,
     UnitGone,
+    Unresponsive,
     apply,
 )
 from gatewayd.core.errors import (
@@ -234,6 +235,22 @@ class EngineManager:
                     raise
             self._event(model_id, UnitGone(self._clock()))
             return self._forget(model_id)
+
+    async def kill_unresponsive(self, model_id: str, main_pid: int, silent_s: float) -> None:
+        """The engine (still that process) hangs: failed with the reason, its unit killed;
+        systemd restarts it. Serialised with starts and stops of the model."""
+        async with self._lifecycle(model_id):
+            engine = self._engines.get(model_id)
+            if engine is None or engine.state is not EngineState.READY \
+                    or engine.main_pid != main_pid:
+                return   # stopped, restarted or failed meanwhile
+            log.warning("%s: no answer to /health for %gs: killing %s (PID %d) so systemd "
+                        "restarts it", model_id, silent_s, engine.unit, main_pid)
+            self._event(model_id, Unresponsive(self._clock(), silent_s))
+            try:
+                await self.units.kill_engine(engine.unit)
+            except Exception as e:   # the reconciler brings back whatever systemd says
+                log.warning("%s: could not kill %s: %s", model_id, engine.unit, e)
 
     def _mark_stopping(self, model_id: str, reason: str) -> None:
         """From now on nobody is handed this engine; whoever waits for it hears why."""

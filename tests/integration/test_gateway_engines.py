@@ -7,6 +7,7 @@ whisper-server builds on generated models.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,6 +68,37 @@ def test_kill_9_systemd_restarts_and_gateway_sees_failed_then_ready(
     failed_at = log.index("tiny-alpha: ready -> failed (killed by SIGKILL)")
     assert "tiny-alpha: loading -> ready" in log[failed_at:]
     assert unit_property(again["unit"], "NRestarts") == "1"
+
+
+def test_a_frozen_engine_is_killed_and_restarted_and_its_request_answered(
+        gateway_factory: GatewayFactory) -> None:
+    """kill -STOP on the engine: its /health goes silent; after the misses the gateway
+    kills the unit, systemd restarts it; the request relayed to the frozen engine gets an
+    answer in bounded time (not read_timeout_s), the next one is served, others all along."""
+    gw = gateway_factory(extra="[health]\ninterval_s = 0.5\ntimeout_s = 0.5\nmisses = 3\n")
+    for model in ("tiny-alpha", "tiny-beta"):
+        assert gw.cli("start", model).returncode == 0
+    frozen = gw.engines()["tiny-alpha"]
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        status, body = gw.api("POST", "/v1/completions",
+                              {"model": "tiny-alpha", "prompt": "hi", "max_tokens": 2})
+        assert time.monotonic() - began < 15, body
+        assert status in (200, 502), body
+        status, body = gw.api("POST", "/v1/completions",
+                              {"model": "tiny-beta", "prompt": "hi", "max_tokens": 2})
+        assert status == 200, body
+        again = gw.wait_engine("tiny-alpha", lambda e: e["state"] == "ready"
+                               and e["pid"] != frozen["pid"])
+        assert again["restarts"] == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen["pid"], signal.SIGCONT)
+    status, body = gw.api("POST", "/v1/completions",
+                          {"model": "tiny-alpha", "prompt": "hi", "max_tokens": 2})
+    assert status == 200, body
+    assert "tiny-alpha: no answer to /health for 1.5s: killing" in gw.journal()
 
 
 def test_stop_kills_the_cgroup_and_removes_the_socket(gateway: GatewayService) -> None:

@@ -106,3 +106,18 @@ def test_an_engine_server_that_cannot_run_is_named_by_its_key(
         resolve_binary(str(tmp_path / "ls"), "llama_server")
     (tmp_path / "ls").chmod(0o755)
     assert resolve_binary("ls") == str(tmp_path / "ls")
+
+
+def test_the_health_table(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text("[health]\ninterval_s = 2\ntimeout_s = 1.5\nmisses = 0\n")
+    loaded = load_config(config)
+    assert (loaded.health_interval_s, loaded.health_timeout_s, loaded.health_misses) == \
+        (2.0, 1.5, 0)
+    assert GatewayConfig().health_misses == 3
+    for bad, match in (("misses = -1", "health.misses cannot be negative"),
+                       ("timeout_s = 0", "health.timeout_s must be positive"),
+                       ("every = 3", "every")):
+        config.write_text(f"[health]\n{bad}\n")
+        with pytest.raises(ConfigError, match=match):
+            load_config(config)
