@@ -114,6 +114,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     app[DISPATCHER] = dispatcher = Dispatcher(engines, catalog=catalog, gpu=gpu,
                                               config=config)
     reconciler = Reconciler(engines, on_over_limit=dispatcher.enforce_limit)
+    systemd.on_reconnect(reconciler.poke)   # signals sent while the bus was away are lost
     liveness = Liveness(engines, health, interval_s=config.health_interval_s,
                         timeout_s=config.health_timeout_s, misses=config.health_misses)
     notifier = app[NOTIFIER]

@@ -9,14 +9,24 @@ and subscribes to systemd's signals instead of polling:
 - JobRemoved can be dispatched before the reply to StartTransientUnit is
   processed, so finished jobs are remembered until someone asks for them;
 - with CollectMode=inactive-or-failed a failed unit disappears, and its exit
-  status survives only in the PropertiesChanged signals received before that.
+  status survives only in the PropertiesChanged signals received before that;
+- the bus can go away (`systemctl restart dbus`): the adapter reconnects with
+  backoff, subscribes again and tells its owner (on_reconnect), who re-lists
+  the units, since signals sent meanwhile are lost. Calls made while it is away
+  wait for the new connection (up to RECONNECT_WAIT_S), and operations waiting
+  for a signal of the old connection (a job, a removal) end with
+  SystemdUnavailable. Ready engines keep serving throughout: requests do not
+  use the bus. (Exiting for systemd to restart us instead would cut every open
+  request.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +63,10 @@ UnitChangeCallback = Callable[[str, Mapping[str, Any]], None]
 # A job's JobRemoved can only beat the reply that names it by a few messages: a busy
 # host's other jobs need not be remembered beyond these.
 FINISHED_JOBS_KEPT = 256
+RECONNECT_WAIT_S = 10.0      # a call made while the bus is away waits this long for it
+RECONNECT_DELAYS_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+log = logging.getLogger("gatewayd.systemd")
 
 
 def unit_object_path(unit: str) -> str:
@@ -84,8 +98,15 @@ class ListedUnit:
 class Systemd:
     """A connection to one systemd manager (system or user) over its bus."""
 
-    def __init__(self, bus: MessageBus) -> None:
+    def __init__(self, bus: MessageBus,
+                 reopen: Callable[[], Awaitable[MessageBus]] | None = None) -> None:
         self._bus = bus
+        self._reopen = reopen
+        self._online = asyncio.Event()
+        self._online.set()
+        self._closing = False
+        self._keeper: asyncio.Task[None] | None = None
+        self._reconnect_listeners: list[Callable[[], None]] = []
         self._jobs: dict[str, asyncio.Future[str]] = {}
         # jobs whose JobRemoved came before we asked (the reply to our call was still on
         # its way); after Subscribe that is every job on the host, so only the latest few
@@ -96,19 +117,28 @@ class Systemd:
     @classmethod
     async def connect(cls, bus: str = "system") -> Systemd:
         """bus: "system", "user" (the session bus of the caller's user manager) or an address."""
-        try:
-            if bus == "system":
-                conn = await MessageBus(bus_type=BusType.SYSTEM).connect()
-            elif bus == "user":
-                conn = await MessageBus(bus_type=BusType.SESSION).connect()
-            else:
-                conn = await MessageBus(bus_address=bus).connect()
-        except (OSError, AuthError, ValueError) as e:
-            raise SystemdUnavailable(
-                f"cannot connect to the {bus} D-Bus: {e}. Is systemd the init system "
-                "here, and dbus running?") from e
-        self = cls(conn)
-        conn.add_message_handler(self._on_message)
+        async def open_bus() -> MessageBus:
+            try:
+                if bus == "system":
+                    return await MessageBus(bus_type=BusType.SYSTEM).connect()
+                if bus == "user":
+                    return await MessageBus(bus_type=BusType.SESSION).connect()
+                return await MessageBus(bus_address=bus).connect()
+            except (OSError, AuthError, ValueError) as e:
+                raise SystemdUnavailable(
+                    f"cannot connect to the {bus} D-Bus: {e}. Is systemd the init system "
+                    "here, and dbus running?") from e
+        self = cls(await open_bus(), open_bus)
+        await self._subscribe()
+        self._keeper = asyncio.get_running_loop().create_task(self._keep_connected())
+        return self
+
+    def on_reconnect(self, listener: Callable[[], None]) -> None:
+        """listener() after each reconnection (signals sent while away were lost)."""
+        self._reconnect_listeners.append(listener)
+
+    async def _subscribe(self) -> None:
+        self._bus.add_message_handler(self._on_message)
         for rule in (
             f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}'",
             f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES}',"
@@ -116,9 +146,49 @@ class Systemd:
         ):
             await self._call(DBUS, DBUS_PATH, DBUS, "AddMatch", "s", [rule])
         await self._manager("Subscribe")
-        return self
+
+    async def _keep_connected(self) -> None:
+        assert self._reopen is not None
+        while True:
+            reason: object = "closed"
+            try:
+                await self._bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
+            except Exception as e:
+                reason = e
+            if self._closing:
+                return
+            self._online.clear()
+            log.warning("lost the system bus (%s); reconnecting", reason)
+            self._fail_waits(SystemdUnavailable(
+                "lost the D-Bus connection to systemd while waiting for it"))
+            for attempt in range(10**9):
+                await asyncio.sleep(RECONNECT_DELAYS_S[min(attempt,
+                                                           len(RECONNECT_DELAYS_S) - 1)])
+                try:
+                    self._bus = await self._reopen()
+                    self._online.set()   # (_subscribe's own calls need it)
+                    await self._subscribe()
+                    break
+                except Exception as e:
+                    self._online.clear()
+                    log.warning("reconnecting to the system bus failed: %s", e)
+            log.warning("reconnected to the system bus; checking the engines' units again")
+            for listener in list(self._reconnect_listeners):
+                listener()
+
+    def _fail_waits(self, error: Exception) -> None:
+        waits: list[asyncio.Future[Any]] = [
+            *self._jobs.values(), *(f for futs in self._removals.values() for f in futs)]
+        for waiting in waits:
+            if not waiting.done():
+                waiting.set_exception(error)
+        self._jobs.clear()
+        self._removals.clear()
 
     def close(self) -> None:
+        self._closing = True
+        if self._keeper is not None:
+            self._keeper.cancel()
         self._bus.disconnect()
 
     # -- unit operations ---------------------------------------------------------
@@ -239,11 +309,17 @@ class Systemd:
 
     async def _call(self, destination: str, path: str, interface: str, member: str,
                     signature: str = "", body: Sequence[Any] = ()) -> list[Any]:
+        if not self._online.is_set() or not self._bus.connected:
+            with contextlib.suppress(TimeoutError):   # reconnecting: wait for it a while
+                await asyncio.wait_for(self._online.wait(), RECONNECT_WAIT_S)
+            if not self._online.is_set() or not self._bus.connected:
+                raise SystemdUnavailable(f"no D-Bus connection to systemd for {member} "
+                                         f"(reconnecting for {RECONNECT_WAIT_S:g}s)")
         try:
             reply = await self._bus.call(Message(
                 destination=destination, path=path, interface=interface, member=member,
                 signature=signature, body=list(body)))
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, RuntimeError) as e:   # (RuntimeError: a closed transport)
             raise SystemdUnavailable(f"lost the D-Bus connection to systemd: {e}") from e
         if reply is None:
             raise SystemdUnavailable(f"no reply from systemd to {member}")

@@ -101,6 +101,24 @@ def test_a_frozen_engine_is_killed_and_restarted_and_its_request_answered(
     assert "tiny-alpha: no answer to /health for 1.5s: killing" in gw.journal()
 
 
+def test_the_gateway_survives_a_restart_of_the_system_bus(
+        gateway_factory: GatewayFactory) -> None:
+    """systemctl restart dbus: the gateway reconnects (re-subscribes, re-lists), so the
+    next start, an eviction and a crash are all seen as before; ready engines serve on."""
+    gw = gateway_factory(max_engines=2)
+    assert gw.cli("start", "tiny-alpha").returncode == 0
+    subprocess.run(["systemctl", "restart", "dbus.service"], check=True, timeout=30)
+    journal_until("reconnected to the system bus", "-u", gw.unit, timeout=30)
+    for model in ("tiny-alpha", "tiny-beta", "tiny-gamma"):   # gamma evicts alpha
+        status, body = gw.api("POST", "/v1/completions",
+                              {"model": model, "prompt": "hi", "max_tokens": 2})
+        assert status == 200, (model, body)
+    engines = gw.wait_engine("tiny-beta", lambda e: e["state"] == "ready")
+    assert "tiny-alpha" not in gw.engines(), gw.engines()
+    os.kill(engines["pid"], signal.SIGKILL)                    # signals arrive again
+    gw.wait_engine("tiny-beta", lambda e: e["state"] == "ready" and e["pid"] != engines["pid"])
+
+
 def test_stop_kills_the_cgroup_and_removes_the_socket(gateway: GatewayService) -> None:
     assert gateway.cli("start", "tiny-gamma").returncode == 0
     engine = gateway.engines()["tiny-gamma"]
