@@ -7,6 +7,9 @@
 - no `model` on a /v1 path: the one ready engine, else 400 model_required.
 - no `model` elsewhere (/props, /metrics, /slots, …): the default engine — the
   configured default_model if it is ready, else the first ready engine.
+Only engines that can answer the path count: audio paths are whisper's, every
+other path is llama-server's. A model named for a path its engine cannot serve
+is a 400 (never relayed to get the engine's 404/501).
 """
 
 from __future__ import annotations
@@ -14,20 +17,39 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gatewayd.core.catalog import Catalog
+from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
-from gatewayd.core.errors import ModelNotFound, ModelRequired, NoEngineReady
+from gatewayd.core.errors import InvalidRequest, ModelNotFound, ModelRequired, NoEngineReady
+
+WHISPER_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations",
+                           "/audio/transcriptions", "/audio/translations", "/inference"})
+
+
+def backend_for(path: str) -> Backend:
+    """Which engine server answers this path."""
+    return Backend.WHISPER if path in WHISPER_PATHS else Backend.LLAMA
 
 
 def choose_model(path: str, model: str | None, *, catalog: Catalog,
                  engines: Sequence[Engine], default_model: str | None) -> str:
+    needed = backend_for(path)
     if model is not None:
         try:
-            return catalog.resolve(model).id
+            found = catalog.resolve(model)
         except ModelNotFound:
             if any(e.model_id == model for e in engines):  # adopted, no longer configured
                 return model
             raise
-    ready = [e for e in engines if e.state is EngineState.READY]
+        if found.backend is not needed:
+            raise InvalidRequest(
+                f"model {found.id!r} is a {found.backend.value} model and cannot answer "
+                f"{path} (that needs a {needed.value} model)", param="model")
+        return found.id
+
+    def can_answer(engine: Engine) -> bool:
+        known = catalog.get(engine.model_id)
+        return known is None or known.backend is needed
+    ready = [e for e in engines if e.state is EngineState.READY and can_answer(e)]
     if path.startswith("/v1/"):
         if len(ready) == 1:
             return ready[0].model_id

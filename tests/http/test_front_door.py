@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gatewayd.adapters import records
 from gatewayd.app import DISPATCHER, build_app
+from gatewayd.core.config import Backend
 from gatewayd.http import admin_api, openai_api
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
@@ -226,7 +227,41 @@ async def test_body_over_the_limit_is_413(tmp_path: Path) -> None:
         assert resp.status == 200                  # and the gateway serves on
 
 
-async def test_multipart_model_field_not_filename(gw: Gateway) -> None:
+@pytest.fixture
+async def gw_audio(tmp_path: Path) -> AsyncIterator[Gateway]:
+    """a: a ready llama engine; b: a ready whisper engine."""
+    async for g in _gateway(tmp_path, ("a", "b"),
+                            models_config={"b": {"backend": Backend.WHISPER}}):
+        yield g
+
+
+async def test_requests_go_only_to_engines_that_can_answer_them(gw_audio: Gateway,
+                                                                gw_one: Gateway) -> None:
+    """A transcription never reaches a llama engine, a chat never a whisper one."""
+    form = aiohttp.FormData()
+    form.add_field("file", b"RIFF....", filename="a.wav", content_type="audio/wav")
+    resp = await gw_one.client.post("/v1/audio/transcriptions", data=form)   # b: llama
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "model_required"
+    assert gw_one.fakes["b"].requests == []
+    form = aiohttp.FormData()
+    form.add_field("file", b"RIFF....", filename="a.wav", content_type="audio/wav")
+    resp = await gw_audio.client.post("/v1/audio/transcriptions", data=form)  # the one whisper
+    assert resp.status == 200 and (await resp.json())["text"] == "hello from b"
+    form = aiohttp.FormData()
+    form.add_field("model", "a")
+    form.add_field("file", b"RIFF....", filename="a.wav", content_type="audio/wav")
+    resp = await gw_audio.client.post("/v1/audio/transcriptions", data=form)
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and "'a' is a llama model and cannot answer" in error["message"]
+    resp = await gw_audio.client.post("/v1/chat/completions", json=chat("b"))
+    assert resp.status == 400 and "whisper model" in (await resp.json())["error"]["message"]
+    resp = await gw_audio.client.post("/v1/chat/completions", json=chat())   # the one llama
+    assert resp.status == 200 and (await resp.json())["model"] == "a"
+    assert [r.path for r in gw_audio.fakes["a"].requests] == ["/v1/chat/completions"]
+
+
+async def test_multipart_model_field_not_filename(gw_audio: Gateway) -> None:
+    gw = gw_audio
     form = aiohttp.FormData()
     form.add_field("file", b"RIFF" + bytes(range(256)) * 50, filename="model-trap.wav",
                    content_type="audio/wav")
