@@ -39,6 +39,7 @@ from pathlib import Path
 
 PROXYD_CANDIDATES = ("/lib/systemd/systemd-socket-proxyd", "/usr/lib/systemd/systemd-socket-proxyd")
 FALLBACK_PORTS = range(39000, 40000)
+EX_CONFIG = 78
 
 
 def has_private_network() -> bool:
@@ -47,6 +48,19 @@ def has_private_network() -> bool:
         return os.stat("/proc/self/ns/net").st_ino != os.stat("/proc/1/ns/net").st_ino
     except PermissionError:  # unprivileged: a systemd private namespace has only lo
         return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+def loopback_works() -> bool:
+    """Whether 127.0.0.1 can be listened on and connected to in this namespace."""
+    try:
+        with socket.socket() as server, socket.socket() as client:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            client.settimeout(2)
+            client.connect(server.getsockname())
+        return True
+    except OSError:
+        return False
 
 
 def listening_tcp(port: int) -> set[str]:
@@ -139,6 +153,13 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if private and not loopback_works():
+        print("engine_launch: loopback is down in this engine's private network namespace: "
+              "systemd could not bring it up (PID 1 lacks CAP_NET_ADMIN, e.g. a container "
+              "sharing the host's network). The gateway's transient units fall back to a "
+              "loopback port by themselves; for llm-engine@ units add a drop-in with "
+              "PrivateNetwork=no.", flush=True)
+        return EX_CONFIG
     with port_lock(socket_path) if not private else contextlib.nullcontext():
         if not private:
             port = choose_fallback_port(socket_path)

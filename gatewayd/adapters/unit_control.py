@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,8 @@ from gatewayd.core.engine_units import (
 from gatewayd.core.errors import EngineBinaryMissing, UnitAlreadyActive, UnitOperationFailed
 from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
 
+log = logging.getLogger("gatewayd.units")
+CAP_NET_ADMIN = 12
 _UNSET = 2**64 - 1  # systemd's "not set / unknown" for t properties
 # what systemd answers when a unit of that name still exists (failed, not yet collected)
 LINGERING = frozenset({"org.freedesktop.systemd1.UnitExists",
@@ -124,6 +127,12 @@ class TransientEngineUnits(_EngineUnits):
         super().__init__(systemd, config)
         self.manager = manager
         self._run_root = run_root
+        self.private_network = manager != "system" or manager_can_configure_networks()
+        if not self.private_network:
+            log.warning("systemd (PID 1) lacks CAP_NET_ADMIN (a container sharing the "
+                        "host's network?): it cannot bring up loopback in a private network "
+                        "namespace, so whisper engines listen on a free loopback port of "
+                        "this namespace, still reached only through their unix socket")
 
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, run_root=self._run_root)
@@ -131,7 +140,7 @@ class TransientEngineUnits(_EngineUnits):
     async def start_engine(self, model: Model) -> EngineLayout:
         layout = self.layout(model.id)
         binary = resolve_binary(*server_binary(model, self._config))
-        spec = transient_spec(model, layout, binary)
+        spec = transient_spec(model, layout, binary, private_network=self.private_network)
         await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
 
@@ -196,6 +205,19 @@ def runtime_root(manager: str) -> str:
     if manager == "user":
         return os.environ.get("XDG_RUNTIME_DIR", f"/run/user/{os.getuid()}")
     return "/run"
+
+
+def manager_can_configure_networks(status: str | None = None) -> bool:
+    """Whether PID 1 holds CAP_NET_ADMIN, which PrivateNetwork= needs to bring up the
+    namespace's loopback (nspawn without --private-network drops it). Unknown: yes."""
+    try:
+        text = status if status is not None else Path("/proc/1/status").read_text()
+    except OSError:
+        return True
+    for line in text.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) & (1 << CAP_NET_ADMIN))
+    return True
 
 
 def resolve_binary(name: str, key: str = "llama_server") -> str:

@@ -147,8 +147,13 @@ def resource_limits(model: Model) -> list[tuple[str, str, object]]:
     return limits
 
 
-def transient_spec(model: Model, layout: EngineLayout, binary: str) -> UnitSpec:
-    """The transient service unit that runs this model's engine."""
+def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
+                   private_network: bool = True) -> UnitSpec:
+    """The transient service unit that runs this model's engine.
+
+    private_network: whisper engines get a network namespace of their own (their TCP
+    port reachable by nobody); where systemd cannot set one up properly, they listen
+    on a free loopback port behind the same unix socket (engine_launch)."""
     env = engine_env(model, layout)
     extra: dict[str, tuple[str, object]] = {
         # llama-server refuses to start on a leftover socket file; the runtime
@@ -158,7 +163,7 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str) -> UnitSpec:
         "LogExtraFields": ("aay", [f"{MODEL_ENV}={model.id}".encode()]),
         "MemoryAccounting": ("b", True),   # memory per engine, from systemd
     }
-    if model.backend is Backend.WHISPER:
+    if model.backend is Backend.WHISPER and private_network:
         extra["PrivateNetwork"] = ("b", True)
     for name, signature, value in resource_limits(model):
         extra[name] = (signature, value)

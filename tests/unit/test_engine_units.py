@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gatewayd.adapters.unit_control import manager_can_configure_networks
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig
 from gatewayd.core.engine_units import (
@@ -98,3 +99,19 @@ def test_whisper_spec_runs_the_launcher_in_a_private_network(tmp_path: Path) -> 
     assert spec.argv[1:5] == ["-m", "gatewayd.engine_launch", "--socket", layout.socket]
     assert spec.argv[spec.argv.index("--") + 1] == "/opt/whisper-server"
     assert "/v1/audio/transcriptions" in spec.argv and "{port}" in spec.argv
+
+
+def test_whisper_without_a_usable_private_network_keeps_the_host_namespace(
+        tmp_path: Path) -> None:
+    model = _model("whisper", tmp_path / "w.bin", backend=Backend.WHISPER)
+    spec = transient_spec(model, EngineLayout.for_model(model.id), "/opt/whisper-server",
+                          private_network=False)
+    assert "PrivateNetwork" not in {name for name, _, _ in spec.properties()}
+
+
+def test_pid1_without_cap_net_admin_cannot_configure_private_networks() -> None:
+    full = "Name:\tsystemd\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n"
+    nspawn_shared_net = "Name:\tsystemd\nCapEff:\t00000000fdecafff\n"   # bit 12 cleared
+    assert manager_can_configure_networks(full)
+    assert not manager_can_configure_networks(nspawn_shared_net)
+    assert manager_can_configure_networks("Name:\tsystemd\n")   # unknown: assume it can
