@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.container import SystemdContainer
-from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable, why_unavailable
+from tests.harness.container import SystemdContainer, why_unavailable
+from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
 
 pytestmark = [pytest.mark.container, pytest.mark.engine]
 
