@@ -7,11 +7,13 @@ start-up to restore engines after a reboot, in the order they were started.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from gatewayd.adapters.files import write_atomic
 
 FILE_NAME = "engines.json"
+log = logging.getLogger("gatewayd.desired")
 
 
 class DesiredEngines:
@@ -24,9 +26,16 @@ class DesiredEngines:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return []
-        except (OSError, ValueError):
-            return []  # unreadable: start empty rather than refuse to run
+        except (OSError, ValueError) as e:   # start empty rather than refuse to run
+            what = "not valid JSON" if isinstance(e, ValueError) else "unreadable"
+            log.warning("%s is %s (%s): no engines will be restored; it is rewritten at the "
+                        "next start or stop", self.path, what, e)
+            return []
         ids = data.get("engines", []) if isinstance(data, dict) else []
+        if not isinstance(data, dict) or not isinstance(ids, list):
+            log.warning("%s is not the expected {\"engines\": [...]}: no engines will be "
+                        "restored", self.path)
+            return []
         return [i for i in ids if isinstance(i, str)]
 
     @property

@@ -10,6 +10,7 @@ Schema changes are numbered migrations tracked in PRAGMA user_version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import sqlite3
@@ -96,11 +97,22 @@ class RecordWriter:
 
     BATCH = 500
     LINGER_S = 0.2
+    RETRY_S = 0.5
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.dropped = 0          # records lost to failed writes (logged; /admin/status)
         self._queue: queue.SimpleQueue[CallRecord | None] = queue.SimpleQueue()
-        self._db = connect(path)
+        try:
+            self._db = connect(path)
+        except sqlite3.DatabaseError as e:   # corrupted: keep it for a look, start anew
+            aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    Path(f"{path}{suffix}").rename(f"{aside}{suffix}")
+            log.error("the records database %s is damaged (%s): set aside as %s, recording "
+                      "into a new one", path, e, aside)
+            self._db = connect(path)
         self._thread = threading.Thread(target=self._run, name="records", daemon=True)
         self._thread.start()
 
@@ -152,8 +164,10 @@ class RecordWriter:
             except sqlite3.Error as e:
                 log.warning("writing %d call records failed (%s), attempt %d", len(rows), e,
                             attempt + 1)
-                time.sleep(0.5)
-        log.error("dropped %d call records after 3 failed writes to %s", len(rows), self.path)
+                time.sleep(self.RETRY_S)
+        self.dropped += len(rows)
+        log.error("dropped %d call records after 3 failed writes to %s (%d dropped so far)",
+                  len(rows), self.path, self.dropped)
 
 
 def query(path: Path, *, model: str | None = None, since: float | None = None,

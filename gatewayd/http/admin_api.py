@@ -18,6 +18,7 @@ from gatewayd.adapters.events import EventHub
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
+from gatewayd.http import openai_api
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -54,6 +55,8 @@ async def status(request: web.Request) -> web.Response:
         "desired": mgr.desired.ids,
         "gpu_memory_mib": _ledger(request),
         "config": str(mgr.config.source) if mgr.config.source else None,
+        "records_dropped": front.records.dropped
+        if (front := request.app.get(openai_api.FRONT)) and front.records else 0,
     })
 
 

@@ -343,6 +343,8 @@ async def test_health_and_admin_records(gw: Gateway) -> None:
     assert len(rows["records"]) == 1 and rows["records"][0]["status"] == 200
     resp = await gw.client.get("/admin/does-not-exist")
     assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
+    status = await (await gw.client.get("/admin/status")).json()
+    assert status["records_dropped"] == 0
 
 
 async def test_a_stopped_model_is_started_once_for_many_requests(gw: Gateway) -> None:

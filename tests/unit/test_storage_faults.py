@@ -1,0 +1,70 @@
+"""What the gateway keeps on disk can be damaged or full: it says so and serves on."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from gatewayd.adapters import records
+from gatewayd.adapters.desired import DesiredEngines
+from gatewayd.adapters.records import CallRecord, RecordWriter
+
+
+def test_a_corrupted_desired_list_is_reported_and_replaced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "engines.json").write_text('{"engines": ["a", ')
+    with caplog.at_level(logging.WARNING):
+        desired = DesiredEngines(tmp_path)
+    assert desired.ids == []
+    assert "engines.json" in caplog.text and "not valid JSON" in caplog.text
+    desired.add("b")
+    assert DesiredEngines(tmp_path).ids == ["b"]
+
+
+def test_a_corrupted_records_database_is_set_aside_and_a_new_one_started(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    db = tmp_path / "records.db"
+    db.write_bytes(b"this is not a database" * 100)
+    with caplog.at_level(logging.WARNING):
+        writer = RecordWriter(db)
+    writer.add(CallRecord(ts=time.time(), method="POST", endpoint="/v1/chat/completions"))
+    writer.close()
+    assert len(records.query(db)) == 1
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("records.db.corrupt-")]
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not")
+    assert "set aside" in caplog.text and str(aside[0]) in caplog.text
+
+
+def test_records_that_cannot_be_written_are_counted_and_serving_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = RecordWriter(tmp_path / "records.db")
+    monkeypatch.setattr(RecordWriter, "RETRY_S", 0.01)
+
+    class Full:
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def executemany(self, *args: object) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+    real = writer._db
+    writer._db = Full()  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            writer.add(CallRecord(ts=time.time(), method="POST", endpoint="/v1/completions"))
+        deadline = time.monotonic() + 5
+        while writer.dropped < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert writer.dropped == 3
+    assert "disk is full" in caplog.text and "dropped 3 call records" in caplog.text
+    writer._db = real
+    writer.add(CallRecord(ts=time.time(), method="POST", endpoint="/v1/completions"))
+    writer.close()
+    assert len(records.query(tmp_path / "records.db")) == 1   # writing resumes
