@@ -265,6 +265,8 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
         settled = changes.get("failure", failure)
         if isinstance(settled, Failure) and settled.restarting and active != "deactivating":
             changes["failure"] = replace(settled, restarting=False)
+        if active != "deactivating":
+            changes["main_pid"] = 0   # no process any more
         return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
     if active == "activating" and sub == "auto-restart":
         if s is EngineState.FAILED and failure is not None and failure.restarting:
@@ -293,8 +295,13 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
             return _to(engine, EngineState.STARTING, ev.now, **changes)
         return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
     restarted_unseen = s is EngineState.READY and pid_changed and bool(engine.main_pid)
-    if active == "active" and (restarted_unseen or s in (
-            EngineState.STOPPED, EngineState.STARTING, EngineState.FAILED)):
+    # a failed engine runs again when systemd restarts it, or as a new process: the unit's
+    # "active" repeated while we stop a timed-out one (its stop job changes other
+    # properties) is not a restart (a listing, Reconciled, sees any other)
+    failed_runs_again = s is EngineState.FAILED and (
+        (failure is not None and failure.restarting) or pid_changed or not engine.main_pid)
+    if active == "active" and (restarted_unseen or failed_runs_again or s in (
+            EngineState.STOPPED, EngineState.STARTING)):
         # running but not necessarily loaded: /health decides when it is ready
         return _to(engine, EngineState.LOADING, ev.now, ready_since=None, **changes)
     return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]

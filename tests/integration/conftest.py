@@ -16,11 +16,13 @@ _ports = iter(range(18300, 18480))
 class GatewayFactory(Protocol):
     def __call__(self, extra: str = "", max_engines: int = 4,
                  env: dict[str, str] | None = None,
-                 llama_server_setting: str | None = None) -> GatewayService: ...
+                 llama_server_setting: str | None = None,
+                 load_timeout_s: float = 60) -> GatewayService: ...
 
 
 def write_config(tmp_path: Path, llama_server: Path | str, tiny_models: dict[str, Path], *,
-                 extra: str = "", max_engines: int = 4) -> tuple[Path, int]:
+                 extra: str = "", max_engines: int = 4,
+                 load_timeout_s: float = 60) -> tuple[Path, int]:
     """A config over the three tiny models; extra goes before [listen] (top-level keys, tables)."""
     port = next(_ports)
     models = tmp_path / "models"
@@ -35,7 +37,7 @@ models_dir = {toml_str(str(models))}
 llama_server = {toml_str(str(llama_server))}
 state_dir = {toml_str(str(tmp_path / "state"))}
 max_engines = {max_engines}
-load_timeout_s = 60
+load_timeout_s = {load_timeout_s}
 {extra}
 [listen]
 port = {port}
@@ -50,9 +52,11 @@ def gateway_factory(tmp_path: Path, llama_server: Path,
 
     def make(extra: str = "", max_engines: int = 4,
              env: dict[str, str] | None = None,
-             llama_server_setting: str | None = None) -> GatewayService:
+             llama_server_setting: str | None = None,
+             load_timeout_s: float = 60) -> GatewayService:
         config, port = write_config(tmp_path, llama_server_setting or llama_server,
-                                    tiny_models, extra=extra, max_engines=max_engines)
+                                    tiny_models, extra=extra, max_engines=max_engines,
+                                    load_timeout_s=load_timeout_s)
         gw = GatewayService(config, port, env=env or {})
         gw.start()
         started.append(gw)

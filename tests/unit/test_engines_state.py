@@ -144,3 +144,20 @@ def test_a_stopped_engine_is_not_restarting_whatever_its_last_failure_said() -> 
     assert crashed.state is S.FAILED and crashed.restarting
     stopping = apply(crashed, StopRequested(1))
     assert stopping.state is S.STOPPING and not stopping.restarting
+
+
+def test_a_load_timeout_stays_failed_while_its_unit_is_stopped() -> None:
+    """Past load_timeout_s the engine is failed and its unit stopped; systemd repeats
+    ActiveState=active as the stop job is queued: that is not a restart. A new process
+    (a new MainPID) is."""
+    loading = run(StartRequested(0), unit("active", "running", main_pid=42))
+    failed = apply(loading, LoadTimedOut(5, 4))
+    assert failed.state is S.FAILED
+    assert apply(failed, unit("active", "running")).state is S.FAILED
+    assert apply(failed, unit("active", "running", main_pid=42)).state is S.FAILED
+    stopped = apply(apply(failed, unit("deactivating", "stop-sigterm")),
+                    unit("inactive", "dead"))
+    assert stopped.state is S.FAILED and "load timeout" in (stopped.failure.reason
+                                                            if stopped.failure else "")
+    assert stopped.main_pid == 0
+    assert apply(failed, unit("active", "running", main_pid=77)).state is S.LOADING

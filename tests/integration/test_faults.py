@@ -1,0 +1,106 @@
+"""Faults injected into a real systemd: every one ends in a clear answer in bounded time,
+no model is left wedged, and the gateway serves the other models throughout.
+
+The engine binary is a wrapper around the real llama-server that misbehaves for some
+models: tiny-gamma exits at once (crash loop), tiny-beta never becomes ready, tiny-alpha
+is the real thing (slow to start while a flag file exists).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import GatewayFactory
+from tests.integration.gateway_helpers import GatewayService
+
+pytestmark = [pytest.mark.systemd, pytest.mark.engine]
+
+
+@pytest.fixture
+def wrapper(tmp_path: Path, llama_server: Path) -> tuple[str, Path]:
+    slow = tmp_path / "alpha-is-slow"
+    script = tmp_path / "engine.sh"
+    script.write_text(f"""#!/bin/sh
+case "$*" in
+  *tiny-gamma.gguf*) echo "engine: cannot load the model (injected)" >&2; exit 3 ;;
+  *tiny-beta.gguf*) exec sleep 3600 ;;
+  *tiny-alpha.gguf*) [ -e {slow} ] && sleep 3 ;;
+esac
+exec {llama_server} "$@"
+""")
+    script.chmod(0o755)
+    return str(script), slow
+
+
+def complete(gw: GatewayService, model: str) -> tuple[int, Any, float]:
+    began = time.monotonic()
+    status, body = gw.api("POST", "/v1/completions",
+                          {"model": model, "prompt": "hi", "max_tokens": 2})
+    return status, body, time.monotonic() - began
+
+
+def test_engines_that_exit_at_once_or_never_load_end_in_clear_answers(
+        gateway_factory: GatewayFactory, wrapper: tuple[str, Path]) -> None:
+    gw = gateway_factory(llama_server_setting=wrapper[0], load_timeout_s=4)
+    status, body, took = complete(gw, "tiny-gamma")            # exits at once
+    assert status == 502 and body["error"]["code"] == "engine_failed", body
+    assert "exited with status 3" in body["error"]["message"] and took < 10
+    assert any("cannot load the model (injected)" in line
+               for line in body["error"]["failure"]["log_tail"])
+    assert complete(gw, "tiny-alpha")[0] == 200                # the others are served
+    status, body, took = complete(gw, "tiny-beta")             # never ready
+    assert status == 502 and "not ready after 4s" in body["error"]["message"], body
+    assert took < 15
+    beta = gw.wait_engine("tiny-beta", lambda e: e["state"] == "failed")
+    assert beta["pid"] in (0, None)                            # and its unit stopped
+    for model in ("tiny-gamma", "tiny-beta"):                  # asked again: answered again
+        status, body, took = complete(gw, model)
+        assert status in (502, 503) and took < 15, body
+    assert complete(gw, "tiny-alpha")[0] == 200
+    assert all(e["state"] != "starting" for e in gw.engines().values()), gw.engines()
+
+
+def test_a_gateway_killed_during_an_engine_start_adopts_the_engine_when_back(
+        gateway_factory: GatewayFactory, wrapper: tuple[str, Path]) -> None:
+    gw = gateway_factory(llama_server_setting=wrapper[0])
+    wrapper[1].touch()                                         # alpha takes 3 s to start
+    client = subprocess.Popen(["curl", "-s", "-o", "/dev/null", "-X", "POST",
+                               f"{gw.url}/admin/engines/start", "-d",
+                               '{"model": "tiny-alpha"}'])
+    try:
+        gw.wait_engine("tiny-alpha", lambda e: e["state"] in ("starting", "loading"))
+        subprocess.run(["systemctl", "kill", "-s", "KILL", gw.unit], check=True)
+    finally:
+        client.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while subprocess.run(["systemctl", "is-active", "--quiet", gw.unit]).returncode == 0:
+        assert time.monotonic() < deadline, "the gateway did not die"
+        time.sleep(0.05)
+    gw.start()                                                 # back: the unit is adopted
+    alpha = gw.wait_engine("tiny-alpha", lambda e: e["state"] == "ready", timeout=30)
+    assert alpha["restarts"] == 0
+    units = subprocess.run(["systemctl", "list-units", "--plain", "--no-legend",
+                            "llm-engine-tiny*"], capture_output=True, text=True).stdout
+    assert len(units.strip().splitlines()) == 1, units
+    assert complete(gw, "tiny-alpha")[0] == 200
+
+
+def test_daemon_reload_and_reexec_change_nothing(gateway: GatewayService) -> None:
+    assert gateway.cli("start", "tiny-alpha").returncode == 0
+    subprocess.run(["systemctl", "daemon-reload"], check=True, timeout=60)
+    assert complete(gateway, "tiny-alpha")[0] == 200
+    assert complete(gateway, "tiny-beta")[0] == 200            # a start after the reload
+    subprocess.run(["systemctl", "daemon-reexec"], check=True, timeout=60)
+    assert complete(gateway, "tiny-gamma")[0] == 200           # a start after the reexec
+    alpha = gateway.engines()["tiny-alpha"]
+    os.kill(alpha["pid"], signal.SIGKILL)                      # signals arrive as before
+    gateway.wait_engine("tiny-alpha", lambda e: e["state"] == "ready"
+                        and e["pid"] != alpha["pid"])
+    assert complete(gateway, "tiny-alpha")[0] == 200
