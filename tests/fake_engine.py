@@ -37,6 +37,8 @@ class Seen:
 class FakeEngine:
     name: str
     requests: list[Seen] = field(default_factory=list)
+    disconnects: int = 0      # streams whose reader (the gateway) went away mid-way
+    events_sent: int = 0
     runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -127,7 +129,12 @@ class FakeEngine:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def event(data: dict[str, Any]) -> None:
-            await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+            try:
+                await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+            except ConnectionResetError:
+                self.disconnects += 1   # the gateway closed the connection: stop generating
+                raise
+            self.events_sent += 1
 
         if chat:
             await event({**base, "object": obj, "choices": [

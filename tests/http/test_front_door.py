@@ -305,6 +305,12 @@ async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
     (row,) = await gw.records(1, timeout=10)
     assert row["disconnected"] == 1 and row["outcome"] == "disconnected"
     assert row["completion_tokens"] is not None and row["completion_tokens"] < 40
+    engine = gw.fakes["a"]                   # the engine saw its reader go, and stopped
+    for _ in range(100):
+        if engine.disconnects:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.disconnects == 1 and engine.events_sent < 20
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
 
 
@@ -434,3 +440,20 @@ async def test_a_malformed_body_is_a_400_with_the_envelope(gw: Gateway, content_
     assert error["type"] == "invalid_request_error" and error["message"] and error["code"]
     resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
     assert resp.status == 200                                   # and the gateway serves on
+
+
+async def test_busy_and_full_answers_carry_retry_after(tmp_path: Path) -> None:
+    """429 (max_concurrency) and 503 (queue full) tell the client when to come back."""
+    async for gw in _gateway(tmp_path, ("a",), models_config={
+            "a": {"max_concurrency": 1}, "c": {"queue_limit": 0}}):
+        held = await gw.client.post("/v1/chat/completions",
+                                    json=chat("a", prompt="slow 200", stream=True))
+        assert held.status == 200
+        resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "concurrency_limit"
+        await held.read()                                        # the slot is free again
+        assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+        resp = await gw.client.post("/v1/chat/completions", json=chat("c"))
+        assert resp.status == 503 and int(resp.headers["Retry-After"]) > 0
+        assert (await resp.json())["error"]["code"] == "queue_full"

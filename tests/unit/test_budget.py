@@ -52,4 +52,7 @@ def test_vram_budget_against_fresh_free_memory() -> None:
 
 
 def test_no_gpu_means_no_vram_check() -> None:
-    check_admission("x", [], max_engines=1, need_mib=10**9, gpu=None)
+    with pytest.raises(InsufficientGpu):                 # the same need with a device ...
+        check_admission("x", [], max_engines=1, need_mib=10**9,
+                        gpu=GpuMemory(total_mib=1000, free_mib=1000))
+    check_admission("x", [], max_engines=1, need_mib=10**9, gpu=None)   # ... none: admitted

@@ -65,10 +65,13 @@ async def test_lru_idle_engine_is_evicted_when_slots_run_out(
 
 
 async def test_a_busy_engine_is_never_evicted(tmp_path: Path) -> None:
+    """a is the least recently used and busy (a request that does not count as use, like
+    a long poll): the idle b goes, not a."""
     d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2)
+    await use(d, "a")
     await use(d, "b")
-    async with d.serve("a", autoload=True):       # a busy, and least recently used... no:
-        await use(d, "c")                          # b is idle: b goes, a stays
+    async with d.serve("a", autoload=True, counts_as_use=False):
+        await use(d, "c")
     assert "stop llm-engine-a.service" not in units.log
     assert "stop llm-engine-b.service" in units.log
 
@@ -93,8 +96,11 @@ async def test_a_start_waits_for_a_busy_engine_to_become_idle(tmp_path: Path) ->
     d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=1, eviction_wait_s=5)
     await d.acquire("a", autoload=True)                 # a busy
     wanted = asyncio.ensure_future(use(d, "b"))
-    await asyncio.sleep(0.2)
-    assert units.log == ["start a"]                    # b waits: a is never preempted
+    while not d._slots.queued("b"):                    # b waits ...
+        await asyncio.sleep(0.01)
+    for _ in range(20):                                # ... through many loader turns
+        await asyncio.sleep(0)
+    assert units.log == ["start a"]                    # a is never preempted
     d.release("a")
     await asyncio.wait_for(wanted, 5)
     assert units.log == ["start a", "stop llm-engine-a.service", "start b"]

@@ -14,6 +14,7 @@ from gatewayd.core.engines import CLD_KILLED, EngineState
 from gatewayd.core.errors import (
     AlreadyRunning,
     EngineFailed,
+    EngineLimitReached,
     EngineNotRunning,
     InsufficientGpu,
 )
@@ -138,7 +139,7 @@ async def test_limits_and_budget(tmp_path: Path) -> None:
     assert err.value.extra["required_mib"] == 103 and units.log == []
     mgr, units, _ = engine_manager_on_fakes(tmp_path, max_engines=1, gpu=FakeGpu(8000, 4000))
     await mgr.start("a")
-    with pytest.raises(Exception, match="limit \\(max_engines\\) is 1"):
+    with pytest.raises(EngineLimitReached, match="limit \\(max_engines\\) is 1"):
         await mgr.start("b")
 
 
