@@ -7,6 +7,7 @@ from the host. Every verb raises ContainerError with the script's own message.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -81,7 +82,13 @@ class SystemdContainer:
 
     def start(self) -> str:
         _become_subreaper()
-        out = self._script("start", self.name, timeout=90).strip()
+        try:
+            out = self._script("start", self.name, timeout=90).strip()
+        except ContainerError:   # a boot that failed or timed out leaves nothing running
+            with contextlib.suppress(ContainerError):
+                self._script("stop", self.name, timeout=90)
+            self._reap_supervisor_from_file()
+            raise
         self._supervisor = int((self.state_dir / "supervisor.pid").read_text())
         return out
 
@@ -92,6 +99,11 @@ class SystemdContainer:
         out = self._script("stop", self.name, timeout=90).strip()
         self._reap_supervisor()
         return out
+
+    def _reap_supervisor_from_file(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._supervisor = int((self.state_dir / "supervisor.pid").read_text())
+        self._reap_supervisor()
 
     def _reap_supervisor(self, timeout: float = 10) -> None:
         pid, self._supervisor = self._supervisor, None

@@ -151,7 +151,9 @@ open("/root/clients.json", "w").write(json.dumps(results))
 PY
         client=$!
         sleep 1
-        kill -9 $(systemctl show -p MainPID --value llm-gateway.service)
+        pid=$(systemctl show -p MainPID --value llm-gateway.service)
+        [ "${pid:-0}" -gt 0 ] || { echo "no MainPID to kill" >&2; exit 1; }  # kill -9 0: us all
+        kill -9 "$pid"
         wait $client
         cat /root/clients.json""")
     outcomes = json.loads(result.strip().splitlines()[-1])

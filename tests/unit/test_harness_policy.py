@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tests.harness.container import SystemdContainer
@@ -24,3 +27,11 @@ def test_unavailable_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_container_names_are_checked(name: str) -> None:
     with pytest.raises(ValueError):
         SystemdContainer(name)
+
+
+def test_no_test_kills_a_pid_it_did_not_check() -> None:
+    """`kill -9 $(... MainPID ...)` with an empty or 0 PID would be `kill -9 0`: every
+    process in the group. Shell snippets in tests must check the PID first."""
+    offenders = [str(p) for p in Path(__file__).parents[1].rglob("*.py")
+                 if p != Path(__file__) and re.search(r"kill\s+-(9|KILL)\s+\$\(", p.read_text())]
+    assert offenders == []
