@@ -61,15 +61,18 @@ def test_cycling_three_models_in_two_slots_never_evicts_the_streaming_one(
     oa = openai.OpenAI(base_url=gw.url + "/v1", api_key="-", max_retries=0, timeout=120)
     streamed: list[int] = []
 
+    first_chunk = threading.Event()
+
     def stream_long() -> None:
         for chunk in oa.chat.completions.create(
                 model="long", messages=[{"role": "user", "content": "go"}], max_tokens=2000,
                 stream=True, stream_options={"include_usage": True}):
+            first_chunk.set()
             if chunk.usage:
                 streamed.append(chunk.usage.completion_tokens)
     reader = threading.Thread(target=stream_long)
     reader.start()
-    time.sleep(0.3)
+    assert first_chunk.wait(30), "the stream did not start"   # long is busy from here
     for model in ("tiny-beta", "tiny-gamma", "tiny-beta", "tiny-gamma"):
         assert ask(gw, model) == 2          # each needs the slot the other one holds
     assert reader.is_alive(), "the stream should still be running (a slow model)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,7 @@ async def test_queue_limit_and_fair_wakeup(tmp_path: Path) -> None:
         async with d.serve("c", autoload=True):
             order.append(n)
     first = [asyncio.ensure_future(request(n)) for n in range(2)]
-    await asyncio.sleep(0.05)
+    await _until(lambda: d._slots.queued("c") == 2)
     with pytest.raises(QueueFull) as err:
         await d.acquire("c", autoload=True)
     assert err.value.status == 503 and err.value.retry_after
@@ -156,9 +157,9 @@ async def test_a_waiter_that_leaves_does_not_cancel_the_load(tmp_path: Path) -> 
     health.all_ready = False
     leaving = asyncio.ensure_future(use(d, "c"))
     staying = asyncio.ensure_future(use(d, "c"))
-    await asyncio.sleep(0.05)
+    await _until(lambda: d._slots.queued("c") == 2)
     leaving.cancel()
-    await asyncio.sleep(0.05)
+    await _until(lambda: d._slots.queued("c") == 1)
     health.all_ready = True
     await asyncio.wait_for(staying, 5)
     assert units.log == ["start c"]
@@ -204,3 +205,11 @@ async def test_polls_do_not_count_as_use(tmp_path: Path) -> None:
         pass
     await use(d, "c")
     assert "stop llm-engine-a.service" in units.log   # a is still the least recently *used*
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5) -> None:
+    """Wait for a condition (never for a fixed time)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never met"
+        await asyncio.sleep(0.005)

@@ -91,7 +91,8 @@ async def test_crash_while_loading_fails_every_waiter(tmp_path: Path) -> None:
     health.all_ready = False
     await mgr.start("a", wait=False)
     waiters = [asyncio.ensure_future(mgr.wait_ready("a")) for _ in range(3)]
-    await asyncio.sleep(0.05)
+    while len(mgr._waiters.get("a", [])) < 3:       # all three are waiting
+        await asyncio.sleep(0.005)
     unit = units.layout("a").unit
     units.emit(unit, ExecMainCode=1, ExecMainStatus=3, Result="exit-code")
     units.emit(unit, ActiveState="failed", SubState="failed")
