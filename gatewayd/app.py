@@ -42,6 +42,9 @@ from gatewayd.service.liveness import Liveness
 from gatewayd.service.restore import Reconciler, adopt, restore
 
 log = logging.getLogger("gatewayd")
+# how long a stop waits for the first request of connections accepted just before it
+FRESH_CONNECTION_GRACE_S = 1.0
+ACCEPTED_SETTLE_S = 0.05
 CONFIG = web.AppKey("config", GatewayConfig)
 NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
@@ -226,7 +229,38 @@ async def _serve(config: GatewayConfig) -> None:
     log.info("stopping: letting open requests finish (up to %gs)", config.shutdown_timeout_s)
     notifier.stopping()
     notifier.stop_watchdog()
+    await _stop_accepting(site)   # the socket stays systemd's: the next process accepts
+    await _let_fresh_connections_speak(runner)
     await runner.cleanup()
+
+
+async def _stop_accepting(site: web.BaseSite) -> None:
+    """Stop taking connections from the listening socket without dropping any taken.
+
+    asyncio accepts a batch of connections per wakeup and gives each its transport a
+    loop turn later; closing the server in between makes that fail (Server._attach
+    asserts the server is open) and the connection is reset. So: stop polling the
+    listener, let the connections already accepted get their transports, then close."""
+    loop = asyncio.get_running_loop()
+    server = getattr(site, "_server", None)   # aiohttp keeps the asyncio.Server private
+    for listener in getattr(server, "sockets", None) or ():
+        loop.remove_reader(listener.fileno())
+    await asyncio.sleep(ACCEPTED_SETTLE_S)
+    await site.stop()
+
+
+async def _let_fresh_connections_speak(runner: web.AppRunner) -> None:
+    """A connection accepted just before the stop whose request has not arrived yet would
+    be closed unanswered by aiohttp's shutdown (it closes connections waiting for a
+    request): give such connections a moment to send it, then it is served."""
+    server = runner.server
+    if server is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + FRESH_CONNECTION_GRACE_S
+    while loop.time() < deadline and any(
+            getattr(conn, "_request_count", 1) == 0 for conn in server.connections):
+        await asyncio.sleep(0.01)
 
 
 def _sockname(sock: object) -> str:

@@ -3,11 +3,14 @@ container's systemd) → real llama-server / whisper-server units → call recor
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -255,6 +258,69 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
         status, _ = raw(gw, "GET", "/health")   # the socket stays: systemd starts it again
         assert status == 200
     finally:
+        subprocess.run(["systemctl", "stop", f"{name}.socket", f"{name}.service"], check=False)
+        for suffix in ("socket", "service"):
+            Path(f"/run/systemd/system/{name}.{suffix}").unlink(missing_ok=True)
+        subprocess.run(["systemctl", "daemon-reload"], check=False)
+        stop_all_engine_units()
+
+
+def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
+                                             tiny_models: dict[str, Path]) -> None:
+    """systemctl restart of the socket-activated gateway, four times, while 16 clients send
+    requests in a loop: every request is answered 200 (the socket is systemd's; what the
+    old process accepted it serves, what it did not accept the new one does). Connections
+    arriving as a stop begins are the ones at risk: many clients make that moment busy."""
+    from tests.integration.conftest import write_config
+    from tests.integration.gateway_helpers import stop_all_engine_units
+    config, port = write_config(tmp_path, llama_server, tiny_models)
+    name = "llm-gateway-rs"
+    Path(f"/run/systemd/system/{name}.socket").write_text(
+        f"[Socket]\nListenStream=127.0.0.1:{port}\nBacklog=4096\n")
+    Path(f"/run/systemd/system/{name}.service").write_text(
+        f"[Unit]\nRequires={name}.socket\nAfter={name}.socket\n[Service]\nType=notify\n"
+        f"WorkingDirectory={os.getcwd()}\n"
+        f"ExecStart={__import__('sys').executable} -m gatewayd --config {config} serve\n")
+    gw = GatewayService(config, port, unit=f"{name}.service")
+    results: list[str] = []
+    stop = threading.Event()
+
+    def client_loop() -> None:
+        body = json.dumps({"model": "tiny-alpha", "prompt": "hi", "max_tokens": 2}).encode()
+        while not stop.is_set():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            lport = None
+            try:
+                conn.connect()
+                lport = conn.sock.getsockname()[1]
+                conn.request("POST", "/v1/completions", body=body,
+                             headers={"Content-Type": "application/json", "Connection": "close"})
+                resp = conn.getresponse()
+                resp.read()
+                results.append(str(resp.status))
+            except OSError as e:
+                results.append(f"no answer at {time.time():.3f} port {lport}: {e!r}")
+            finally:
+                conn.close()
+    try:
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        subprocess.run(["systemctl", "start", f"{name}.socket"], check=True)
+        start(gw, "tiny-alpha")
+        threads = [threading.Thread(target=client_loop) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for _ in range(4):
+            time.sleep(1.5)      # load between the restarts (this is the test's workload)
+            subprocess.run(["systemctl", "restart", f"{name}.service"], check=True, timeout=60)
+        time.sleep(1.5)
+        stop.set()
+        for t in threads:
+            t.join(timeout=90)
+        failures = [r for r in results if r != "200"]
+        assert len(results) > 100 and not failures, (len(results), failures[:5])
+        assert int(unit_property(f"{name}.service", "NRestarts") or 0) == 0
+    finally:
+        stop.set()
         subprocess.run(["systemctl", "stop", f"{name}.socket", f"{name}.service"], check=False)
         for suffix in ("socket", "service"):
             Path(f"/run/systemd/system/{name}.{suffix}").unlink(missing_ok=True)
