@@ -3,7 +3,8 @@ no model is left wedged, and the gateway serves the other models throughout.
 
 The engine binary is a wrapper around the real llama-server that misbehaves for some
 models: tiny-gamma exits at once (crash loop), tiny-beta never becomes ready, tiny-alpha
-is the real thing (slow to start while a flag file exists).
+is the real thing (slow to start while a flag file exists). Also: an engine killed while it
+loads, a crash loop that ends at systemd's start limit.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,31 @@ def test_engines_that_exit_at_once_or_never_load_end_in_clear_answers(
         assert status in (502, 503) and took < 15, body
     assert complete(gw, "tiny-alpha")[0] == 200
     assert all(e["state"] != "starting" for e in gw.engines().values()), gw.engines()
+    # the crash loop ends at systemd's start limit: failed for good, its unit gone; the
+    # next request starts it afresh (after the backoff) and is answered as fast
+    gamma = gw.wait_engine("tiny-gamma", lambda e: e["state"] == "failed" and not (
+        e["failure"] or {}).get("restarting"), timeout=30)
+    assert gamma["pid"] in (0, None)
+    status, body, took = complete(gw, "tiny-gamma")
+    assert status in (502, 503) and took < 15, body
+
+
+def test_an_engine_killed_while_it_loads_is_restarted_and_its_request_answered(
+        gateway_factory: GatewayFactory, wrapper: tuple[str, Path]) -> None:
+    gw = gateway_factory(llama_server_setting=wrapper[0])
+    wrapper[1].touch()                                         # alpha takes 3 s to start
+    answers: list[tuple[int, Any, float]] = []
+    client = threading.Thread(target=lambda: answers.append(complete(gw, "tiny-alpha")))
+    client.start()
+    loading = gw.wait_engine("tiny-alpha", lambda e: e["state"] in ("starting", "loading")
+                             and e["pid"])
+    os.kill(loading["pid"], signal.SIGKILL)                    # mid-load
+    client.join(60)
+    (status, body, took), = answers
+    assert status in (200, 502) and took < 30, body            # an answer, in bounded time
+    again = gw.wait_engine("tiny-alpha", lambda e: e["state"] == "ready", timeout=30)
+    assert again["pid"] != loading["pid"] and again["restarts"] >= 1
+    assert complete(gw, "tiny-alpha")[0] == 200
 
 
 def test_a_gateway_killed_during_an_engine_start_adopts_the_engine_when_back(
