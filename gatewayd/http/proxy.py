@@ -147,7 +147,7 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
     response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
     await response.prepare(request)
     sse = SseRelay(drop_usage_event=out.drop_usage_event)
-    delivered = False  # [DONE] written: a client closing now has everything
+    delivered = False  # the final event written: a client closing now has everything
     try:
         try:
             async for chunk in upstream.content.iter_any():
@@ -159,8 +159,8 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
             tail = sse.flush()
             if tail:
                 await _write(response, tail, record)
-            if not sse.saw_done:
-                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+            if not sse.ended:
+                raise aiohttp.ClientPayloadError("the stream ended without its final event")
             delivered = True
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The engine died mid-stream. The status is sent: end with an error event.

@@ -8,6 +8,10 @@ one event per token, so nothing waits), and on the way:
   on the client's behalf (stream_options.include_usage), so the client sees
   exactly the stream it asked for.
 Only events that mention "usage" are parsed as JSON: a few per stream.
+Whether a stream ended properly is read from its last events only (no cost per
+token): each format has its own end — `data: [DONE]` (OpenAI chat/completions),
+`event: response.completed` / `.failed` / `.incomplete` (the Responses API),
+`event: message_stop` (Anthropic messages).
 Events the gateway writes itself (the admin event feed, an error that ends a
 stream) are framed by `sse_event` and sent with `SSE_HEADERS`.
 """
@@ -19,6 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 DONE = b"data: [DONE]"
+END_MARKERS = (DONE, b"event: response.completed", b"event: response.failed",
+               b"event: response.incomplete", b"event: message_stop",
+               b'"type":"message_stop"', b'"type": "message_stop"')
 # headers of every event stream the gateway sends; X-Accel-Buffering: no keeps nginx
 # from holding events back
 SSE_HEADERS: Mapping[str, str] = {
@@ -32,6 +39,7 @@ class SseRelay:
         self.content_events = 0
         self.saw_done = False
         self._pending = b""
+        self._last = b""     # the last complete events passed on: where a stream's end is
 
     def feed(self, chunk: bytes) -> bytes:
         """Upstream bytes → the bytes to send the client now (complete events only)."""
@@ -42,6 +50,7 @@ class SseRelay:
             return b""
         self._pending = data[end + 2:]
         complete = data[:end + 2]
+        self._last = complete
         if b'"usage"' not in complete and not self.drop_usage_event:
             self._count(complete)
             return complete  # the common case: forward as is
@@ -51,9 +60,17 @@ class SseRelay:
     def flush(self) -> bytes:
         """Whatever is left when the upstream ends (an unterminated last event)."""
         rest, self._pending = self._pending, b""
-        if rest and self._keep(rest.rstrip(b"\n")):
-            return rest
+        if rest:
+            self._last += rest
+            if self._keep(rest.rstrip(b"\n")):
+                return rest
         return b""
+
+    @property
+    def ended(self) -> bool:
+        """The stream's own end event came (call after flush): anything else means the
+        engine stopped in the middle."""
+        return self.saw_done or any(marker in self._last for marker in END_MARKERS)
 
     def _count(self, events: bytes) -> None:
         n = events.count(b"data: {")

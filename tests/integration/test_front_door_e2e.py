@@ -326,3 +326,26 @@ def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
             Path(f"/run/systemd/system/{name}.{suffix}").unlink(missing_ok=True)
         subprocess.run(["systemctl", "daemon-reload"], check=False)
         stop_all_engine_units()
+
+
+def test_responses_and_anthropic_streams_pass_through_whole(gateway: GatewayService) -> None:
+    """Each stream format ends with its own event (not [DONE]): the gateway passes them
+    through whole and records them as complete, instead of ending them with an error."""
+    start(gateway, "tiny-alpha")
+    events = list(client(gateway).responses.create(
+        model="tiny-alpha", input="hi", max_output_tokens=4, stream=True))
+    assert events[-1].type == "response.completed", [e.type for e in events]
+    assert all(e.type != "error" for e in events)
+    req = urllib.request.Request(
+        gateway.url + "/v1/messages", method="POST", headers={
+            "Content-Type": "application/json", "anthropic-version": "2023-06-01"},
+        data=json.dumps({"model": "tiny-alpha", "max_tokens": 4, "stream": True,
+                         "messages": [{"role": "user", "content": "hi"}]}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        raw = resp.read().decode()
+    kinds = [line[len("event: "):] for line in raw.splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+    assert "engine_failed" not in raw
+    rows = records(gateway, 2, model="tiny-alpha")
+    streamed = [r for r in rows if r["endpoint"] in ("/v1/responses", "/v1/messages")]
+    assert len(streamed) == 2 and all(r["outcome"] == "ok" for r in streamed), streamed
