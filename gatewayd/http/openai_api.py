@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import MultipartReader, web
 from aiohttp.base_protocol import BaseProtocol
@@ -18,8 +19,9 @@ from aiohttp.streams import StreamReader
 
 from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.core.budget import model_need_mib
+from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import EngineState
+from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import BodyTooLarge, GatewayError, InvalidRequest
 from gatewayd.core.routing import choose_model
 from gatewayd.http.proxy import Outgoing, Upstreams, forward_headers, relay
@@ -48,6 +50,7 @@ FRONT = web.AppKey("front", FrontDoor)
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_route("*", "/admin/{tail:.*}", admin_not_found)
     app.router.add_route("*", "/{tail:.*}", proxy_request)
 
@@ -66,24 +69,34 @@ async def list_models(request: web.Request) -> web.Response:
     """Ready engines first, then the models that could be started."""
     front = request.app[FRONT]
     engines = {e.model_id: e for e in front.engines.engines()}
-    rows = []
-    for model in front.engines.catalog:
-        info = model.describe()
-        engine = engines.get(model.id)
-        rows.append({
-            "id": model.id, "object": "model", "created": int(model.path.stat().st_mtime)
-            if model.path.exists() else 0, "owned_by": "llm-gateway",
-            "backend": info["backend"],
-            "state": engine.state.value if engine else EngineState.STOPPED.value,
-            "loaded": engine is not None and engine.state is EngineState.READY,
-            "engine": engine.unit if engine else None,
-            "vram_estimate_mib": model_need_mib(model, front.config.vram_margin_mib),
-            "context_length": info["context_length"], "quantization": info["quantization"],
-            "parameter_count": info["parameter_count"], "architecture": info["architecture"],
-            "aliases": info["aliases"],
-        })
+    rows = [_model_object(front, model, engines.get(model.id))
+            for model in front.engines.catalog]
     rows.sort(key=lambda r: not r["loaded"])
     return web.json_response({"object": "list", "data": rows})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id} (the SDKs' models.retrieve): any of the model's names; 404
+    model_not_found otherwise."""
+    front = request.app[FRONT]
+    model = front.engines.catalog.resolve(request.match_info["model_id"])
+    return web.json_response(_model_object(front, model, front.engines.get(model.id)))
+
+
+def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict[str, Any]:
+    info = model.describe()
+    return {
+        "id": model.id, "object": "model", "created": int(model.path.stat().st_mtime)
+        if model.path.exists() else 0, "owned_by": "llm-gateway",
+        "backend": info["backend"],
+        "state": engine.state.value if engine else EngineState.STOPPED.value,
+        "loaded": engine is not None and engine.state is EngineState.READY,
+        "engine": engine.unit if engine else None,
+        "vram_estimate_mib": model_need_mib(model, front.config.vram_margin_mib),
+        "context_length": info["context_length"], "quantization": info["quantization"],
+        "parameter_count": info["parameter_count"], "architecture": info["architecture"],
+        "aliases": info["aliases"],
+    }
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:

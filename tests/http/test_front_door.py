@@ -457,3 +457,18 @@ async def test_busy_and_full_answers_carry_retry_after(tmp_path: Path) -> None:
         resp = await gw.client.post("/v1/chat/completions", json=chat("c"))
         assert resp.status == 503 and int(resp.headers["Retry-After"]) > 0
         assert (await resp.json())["error"]["code"] == "queue_full"
+
+
+async def test_a_model_is_retrieved_by_any_of_its_names(gw: Gateway) -> None:
+    """GET /v1/models/{id} (the SDKs' models.retrieve) is the gateway's answer, never
+    relayed to an engine; unknown: 404 model_not_found with the available models."""
+    listed = {m["id"]: m for m in (await (await gw.client.get("/v1/models")).json())["data"]}
+    resp = await gw.client.get("/v1/models/A")
+    assert resp.status == 200 and await resp.json() == listed["a"]
+    assert (await (await gw.client.get("/v1/models/c")).json())["state"] == "stopped"
+    resp = await gw.client.get("/v1/models/nope")
+    error = (await resp.json())["error"]
+    assert resp.status == 404 and error["code"] == "model_not_found"
+    assert error["available_models"] == ["a", "b", "c"]
+    assert all(not r.path.startswith("/v1/models") for f in gw.fakes.values()
+               for r in f.requests)

@@ -329,9 +329,13 @@ def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
 
 
 def test_responses_and_anthropic_streams_pass_through_whole(gateway: GatewayService) -> None:
-    """Each stream format ends with its own event (not [DONE]): the gateway passes them
+    """models.retrieve is answered by the gateway (404 for an unknown model). Each stream
+    format ends with its own event (not [DONE]): the gateway passes them
     through whole and records them as complete, instead of ending them with an error."""
     start(gateway, "tiny-alpha")
+    assert client(gateway).models.retrieve("tiny-alpha").id == "tiny-alpha"
+    with pytest.raises(openai.NotFoundError):
+        client(gateway).models.retrieve("no-such-model")
     events = list(client(gateway).responses.create(
         model="tiny-alpha", input="hi", max_output_tokens=4, stream=True))
     assert events[-1].type == "response.completed", [e.type for e in events]
