@@ -131,3 +131,37 @@ def test_daemon_reload_and_reexec_change_nothing(gateway: GatewayService) -> Non
     gateway.wait_engine("tiny-alpha", lambda e: e["state"] == "ready"
                         and e["pid"] != alpha["pid"])
     assert complete(gateway, "tiny-alpha")[0] == 200
+
+
+def test_a_full_or_read_only_state_directory_never_stops_serving(
+        gateway_factory: GatewayFactory, tmp_path: Path) -> None:
+    """The records database on a 128 KiB tmpfs that fills up, and a state directory that
+    turns read-only: requests are served throughout, the loss is counted and logged."""
+    records_dir = tmp_path / "records"
+    records_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(records_dir)],
+                   check=True)
+    try:
+        gw = gateway_factory(extra=f'[records]\npath = "{records_dir}/records.db"\n'
+                                   "store_text = true\ntext_max_bytes = 65536\n")
+        prompt = "x" * 1500                        # ~3 KB of text per record: full soon
+        for _ in range(120):
+            status, body = gw.api("POST", "/v1/completions",
+                                  {"model": "tiny-alpha", "prompt": prompt, "max_tokens": 1})
+            assert status == 200, body
+        deadline = time.monotonic() + 20
+        while gw.api("GET", "/admin/status")[1]["records_dropped"] == 0:
+            assert time.monotonic() < deadline, "no record was ever dropped: not full?"
+            time.sleep(0.2)
+        assert "dropped" in gw.journal() and "full" in gw.journal()
+        state = tmp_path / "state"                 # now the state directory turns read-only
+        subprocess.run(["mount", "--bind", "-o", "ro", str(state), str(state)], check=True)
+        try:
+            status, body = gw.api("POST", "/v1/completions",
+                                  {"model": "tiny-beta", "prompt": "hi", "max_tokens": 1})
+            assert status == 200, body             # started all the same
+            assert "could not update the desired engine list" in gw.journal()
+        finally:
+            subprocess.run(["umount", str(state)], check=False)
+    finally:
+        subprocess.run(["umount", "--lazy", str(records_dir)], check=False)
