@@ -47,6 +47,13 @@ class InvalidRequest(GatewayError):
 class ModelNotFound(GatewayError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
+    def body(self) -> dict[str, Any]:
+        """available_models also beside `error` (the shape clients of the seed read)."""
+        body = super().body()
+        if "available_models" in self.extra:
+            body["available_models"] = self.extra["available_models"]
+        return body
+
 
 class AlreadyRunning(GatewayError):
     status, type, code = 409, "invalid_request_error", "already_running"
