@@ -40,11 +40,19 @@ class Model:
     def backend(self) -> Backend:
         return self.config.backend
 
+    @property
+    def capability(self) -> str:
+        """What its engine serves: "transcription", "embeddings" or "completion"."""
+        if self.backend is Backend.WHISPER:
+            return "transcription"
+        return "embeddings" if self.config.embeddings else "completion"
+
     def describe(self) -> dict[str, object]:
         facts = self.facts
         return {
             "id": self.id,
             "backend": self.backend.value,
+            "capabilities": [self.capability],
             "path": str(self.path),
             "mmproj": str(self.config.mmproj) if self.config.mmproj else None,
             "size_bytes": self.size_bytes,

@@ -53,6 +53,7 @@ class ModelConfig:
     pin: bool = False                    # never evicted
     preload: bool = False                # started when the gateway starts
     idle_ttl_s: float | None = None      # stopped after this long without requests
+    embeddings: bool = False             # an embeddings engine (serves only embeddings)
     max_concurrency: int | None = None   # requests served at once; above: 429
     queue_limit: int | None = None       # requests waiting for it; above: 503
 
@@ -96,7 +97,7 @@ class GatewayConfig:
 
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
                "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
-               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit"}
+               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "embeddings"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
@@ -199,6 +200,9 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     for item in (*args, *aliases, *env.values()):
         _expect(item, str, where, f"{key} (args, aliases and env values)")
     ctx = _optional(table.get("ctx_size"), int, where, f"{key}.ctx_size")
+    embeddings = _expect(table.get("embeddings", False), bool, where, f"{key}.embeddings")
+    if embeddings and backend is not Backend.LLAMA:
+        raise ConfigError(f"{where}: {key}.embeddings is for llama models")
     margin = table.get("vram_margin_mib")
     return ModelConfig(
         name=name, path=path, backend=backend, args=tuple(args),
@@ -212,6 +216,7 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
                                                                   f"{key}.vram_margin_mib"),
         threads=_optional(table.get("threads"), int, where, f"{key}.threads"),
         pin=_expect(table.get("pin", False), bool, where, f"{key}.pin"),
+        embeddings=embeddings,
         preload=_expect(table.get("preload", False), bool, where, f"{key}.preload"),
         idle_ttl_s=None if table.get("idle_ttl_s") is None else float(
             _positive(table["idle_ttl_s"], where, f"{key}.idle_ttl_s")),

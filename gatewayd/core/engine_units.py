@@ -106,6 +106,8 @@ def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
             argv += ["--mmproj", str(mc.mmproj)]
         if mc.ctx_size:
             argv += ["-c", str(mc.ctx_size)]
+        if mc.embeddings:   # llama-server then serves embeddings only; OpenAI's need pooling
+            argv += ["--embeddings", *([] if "--pooling" in mc.args else ["--pooling", "mean"])]
         return argv + list(mc.args)
     return [binary, "-m", str(mc.path),
             "--host", "127.0.0.1", "--port", "{port}",

@@ -8,21 +8,28 @@
 - no `model` elsewhere (/props, /metrics, /slots, …): the default engine — the
   configured default_model if it is ready, else the first ready engine.
 Only engines that can answer the path count: audio paths are whisper's, every
-other path is llama-server's. A model named for a path its engine cannot serve
-is a 400 (never relayed to get the engine's 404/501).
+other path is llama-server's; embeddings are served only by models configured
+with `embeddings = true`, which serve nothing that generates. A model named for
+a path its engine cannot serve is a 400 (never relayed to get the engine's
+404/501).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gatewayd.core.catalog import Catalog
+from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import InvalidRequest, ModelNotFound, ModelRequired, NoEngineReady
 
 WHISPER_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations",
                            "/audio/transcriptions", "/audio/translations", "/inference"})
+EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/embeddings", "/embedding"})
+# what an embeddings engine (llama-server --embeddings) refuses
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
+                              "/completions", "/completion", "/infill", "/v1/responses",
+                              "/v1/messages"})
 
 
 def backend_for(path: str) -> Backend:
@@ -30,9 +37,23 @@ def backend_for(path: str) -> Backend:
     return Backend.WHISPER if path in WHISPER_PATHS else Backend.LLAMA
 
 
+def why_cannot_serve(model: Model, path: str) -> str | None:
+    """Why model's engine cannot answer path (None: it can)."""
+    needed = backend_for(path)
+    if model.backend is not needed:
+        return (f"model {model.id!r} is a {model.backend.value} model and cannot answer "
+                f"{path} (that needs a {needed.value} model)")
+    if path in EMBEDDING_PATHS and model.capability != "embeddings":
+        return (f"model {model.id!r} does not serve embeddings: set `embeddings = true` in "
+                f"its [models.{model.id}] table (its engine then serves embeddings only)")
+    if path in GENERATION_PATHS and model.capability == "embeddings":
+        return (f"model {model.id!r} is an embeddings model (embeddings = true) and cannot "
+                f"answer {path}")
+    return None
+
+
 def choose_model(path: str, model: str | None, *, catalog: Catalog,
                  engines: Sequence[Engine], default_model: str | None) -> str:
-    needed = backend_for(path)
     if model is not None:
         try:
             found = catalog.resolve(model)
@@ -40,15 +61,13 @@ def choose_model(path: str, model: str | None, *, catalog: Catalog,
             if any(e.model_id == model for e in engines):  # adopted, no longer configured
                 return model
             raise
-        if found.backend is not needed:
-            raise InvalidRequest(
-                f"model {found.id!r} is a {found.backend.value} model and cannot answer "
-                f"{path} (that needs a {needed.value} model)", param="model")
+        if (why := why_cannot_serve(found, path)) is not None:
+            raise InvalidRequest(why, param="model")
         return found.id
 
     def can_answer(engine: Engine) -> bool:
         known = catalog.get(engine.model_id)
-        return known is None or known.backend is needed
+        return known is None or why_cannot_serve(known, path) is None
     ready = [e for e in engines if e.state is EngineState.READY and can_answer(e)]
     if path.startswith("/v1/"):
         if len(ready) == 1:

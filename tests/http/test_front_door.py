@@ -314,12 +314,32 @@ async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
 
 
-async def test_engine_errors_pass_through(gw: Gateway) -> None:
-    resp = await gw.client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
-    assert resp.status == 501
-    assert "--embeddings" in (await resp.json())["error"]["message"]
-    (row,) = await gw.records(1)
-    assert row["outcome"] == "error" and row["error_code"] == "501"
+async def test_engine_errors_pass_through(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a",), models_config={"a": {"embeddings": True}}):
+        resp = await gw.client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
+        assert resp.status == 501                        # (the fake answers as if misstarted)
+        assert "--embeddings" in (await resp.json())["error"]["message"]
+        (row,) = await gw.records(1)
+        assert row["outcome"] == "error" and row["error_code"] == "501"
+
+
+async def test_embeddings_go_only_to_embeddings_models(tmp_path: Path) -> None:
+    """embeddings = true makes a model's engine an embeddings engine: /v1/embeddings goes
+    there (and nowhere else), generation never does; /v1/models says which is which."""
+    async for gw in _gateway(tmp_path, ("a", "b"), models_config={"b": {"embeddings": True}}):
+        resp = await gw.client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and "embeddings = true" in error["message"]
+        resp = await gw.client.post("/v1/chat/completions", json=chat("b"))
+        assert resp.status == 400 and "embeddings model" in (await resp.json())["error"][
+            "message"]
+        resp = await gw.client.post("/v1/embeddings", json={"input": "hi"})   # the one
+        assert resp.status == 501 and resp.headers["X-Fake-Engine"] == "b"
+        models = {m["id"]: m for m in (await (await gw.client.get("/v1/models")).json())[
+            "data"]}
+        assert models["a"]["capabilities"] == ["completion"]
+        assert models["b"]["capabilities"] == ["embeddings"]
+        assert not any(r.path == "/v1/embeddings" for r in gw.fakes["a"].requests)
 
 
 async def test_v1_models_lists_loaded_engines_first(gw: Gateway) -> None:

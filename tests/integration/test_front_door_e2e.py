@@ -96,16 +96,24 @@ def test_chat_plain_and_streamed_with_usage(gateway: GatewayService) -> None:
     assert plain_row["prompt_tokens"] == streamed_plain["prompt_tokens"]
 
 
-def test_completions_embeddings_and_switching_by_alias(gateway: GatewayService) -> None:
+def test_completions_embeddings_and_switching_by_alias(
+        gateway_factory: GatewayFactory, tiny_models: dict[str, Path]) -> None:
+    gateway = gateway_factory(extra=(f"[models.embed]\npath = "
+                                      f"{toml_str(str(tiny_models['gamma']))}\n"
+                                      "embeddings = true\nthreads = 1\n"))
     start(gateway, "tiny-alpha", "tiny-beta")
     oa = client(gateway)
     done = oa.completions.create(model="TINY-BETA.gguf", prompt="once upon", max_tokens=5)
     assert done.model == "tiny-beta" and done.usage and done.usage.completion_tokens == 5
     assert oa.completions.create(model="tiny-alpha", prompt="x", max_tokens=1).model == \
         "tiny-alpha"
-    with pytest.raises(openai.APIStatusError) as err:   # the engine's own error, passed on
+    with pytest.raises(openai.BadRequestError) as err:   # not an embeddings model
         oa.embeddings.create(model="tiny-alpha", input="hello")
-    assert err.value.status_code == 501 and "--embeddings" in str(err.value)
+    assert "embeddings = true" in str(err.value)
+    vectors = oa.embeddings.create(model="embed", input=["hello", "world"])   # autoloaded
+    assert len(vectors.data) == 2 and len(vectors.data[0].embedding) > 0
+    assert vectors.data[0].embedding != vectors.data[1].embedding
+    assert (oa.models.retrieve("embed").model_extra or {})["capabilities"] == ["embeddings"]
 
 
 def test_routing_rules(gateway: GatewayService) -> None:

@@ -121,3 +121,12 @@ def test_the_health_table(tmp_path: Path) -> None:
         config.write_text(f"[health]\n{bad}\n")
         with pytest.raises(ConfigError, match=match):
             load_config(config)
+
+
+def test_embeddings_are_for_llama_models(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text('[models.e]\npath = "e.gguf"\nembeddings = true\n')
+    assert load_config(config).models[0].embeddings
+    config.write_text('[models.w]\npath = "w.bin"\nbackend = "whisper"\nembeddings = true\n')
+    with pytest.raises(ConfigError, match="embeddings is for llama models"):
+        load_config(config)

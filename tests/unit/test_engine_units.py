@@ -16,6 +16,7 @@ from gatewayd.core.engine_units import (
     EngineLayout,
     engine_instance,
     escape_unit_component,
+    server_argv,
     transient_spec,
 )
 from gatewayd.core.unit_spec import exec_args
@@ -115,3 +116,16 @@ def test_pid1_without_cap_net_admin_cannot_configure_private_networks() -> None:
     assert manager_can_configure_networks(full)
     assert not manager_can_configure_networks(nspawn_shared_net)
     assert manager_can_configure_networks("Name:\tsystemd\n")   # unknown: assume it can
+
+
+def test_an_embeddings_model_starts_an_embeddings_engine_with_pooling(tmp_path: Path) -> None:
+    path = tmp_path / "e.gguf"
+    layout = EngineLayout.for_model("e")
+    plain = Model(id="e", config=ModelConfig(name="e", path=path, embeddings=True),
+                  names=frozenset({"e"}))
+    assert server_argv(plain, layout, "/bin/ls")[-3:] == ["--embeddings", "--pooling", "mean"]
+    chosen = Model(id="e", config=ModelConfig(name="e", path=path, embeddings=True,
+                                              args=("--pooling", "cls")),
+                   names=frozenset({"e"}))
+    argv = server_argv(chosen, layout, "/bin/ls")
+    assert "--embeddings" in argv and argv.count("--pooling") == 1 and argv[-1] == "cls"
