@@ -354,10 +354,17 @@ def test_responses_and_anthropic_streams_pass_through_whole(gateway: GatewayServ
         data=json.dumps({"model": "tiny-alpha", "max_tokens": 4, "stream": True,
                          "messages": [{"role": "user", "content": "hi"}]}).encode())
     with urllib.request.urlopen(req, timeout=60) as resp:
-        raw = resp.read().decode()
-    kinds = [line[len("event: "):] for line in raw.splitlines() if line.startswith("event: ")]
+        sse = resp.read().decode()
+    kinds = [line[len("event: "):] for line in sse.splitlines() if line.startswith("event: ")]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
-    assert "engine_failed" not in raw
+    assert "engine_failed" not in sse
     rows = records(gateway, 2, model="tiny-alpha")
     streamed = [r for r in rows if r["endpoint"] in ("/v1/responses", "/v1/messages")]
     assert len(streamed) == 2 and all(r["outcome"] == "ok" for r in streamed), streamed
+    # the token counting endpoints are routed by their model like the rest
+    status, body = raw(gateway, "POST", "/v1/messages/count_tokens", json.dumps({
+        "model": "tiny-alpha", "messages": [{"role": "user", "content": "hi there"}]}).encode())
+    assert status == 200 and body["input_tokens"] > 0, body
+    status, body = raw(gateway, "POST", "/v1/responses/input_tokens", json.dumps({
+        "model": "tiny-alpha", "input": "hi there"}).encode())
+    assert status == 200 and body["input_tokens"] > 0, body
