@@ -84,17 +84,15 @@ def unit_mode(config: GatewayConfig) -> tuple[UnitMode, str, str]:
 def check_binaries(catalog: Catalog, config: GatewayConfig) -> None:
     """Say at start which engine servers cannot run (their models fail with the same
     words when asked for; the others are served)."""
-    seen: set[tuple[str, str]] = set()
+    users: dict[tuple[str, str], list[str]] = {}
     for model in catalog:
-        binary = server_binary(model, config)
-        if binary in seen:
-            continue
-        seen.add(binary)
+        users.setdefault(server_binary(model, config), []).append(model.id)
+    for binary, model_ids in users.items():
         try:
             resolve_binary(*binary)
         except EngineBinaryMissing as e:
-            users = [m.id for m in catalog if server_binary(m, config) == binary]
-            log.error("%s; models that need it cannot start: %s", e.message, ", ".join(users))
+            log.error("%s; models that need it cannot start: %s", e.message,
+                      ", ".join(model_ids))
 
 
 async def engine_layer(app: web.Application) -> AsyncIterator[None]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -161,7 +162,7 @@ class Systemd:
             log.warning("lost the system bus (%s); reconnecting", reason)
             self._fail_waits(SystemdUnavailable(
                 "lost the D-Bus connection to systemd while waiting for it"))
-            for attempt in range(10**9):
+            for attempt in itertools.count():
                 await asyncio.sleep(RECONNECT_DELAYS_S[min(attempt,
                                                            len(RECONNECT_DELAYS_S) - 1)])
                 try:

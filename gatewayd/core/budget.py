@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gatewayd.core.catalog import Model
-from gatewayd.core.engines import Engine
+from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import AlreadyRunning, EngineLimitReached, InsufficientGpu
 
 MIB = 1024 * 1024
@@ -40,6 +40,16 @@ def model_need_mib(model: Model, default_margin_mib: int) -> int:
     (model + mmproj) plus its margin (the model's vram_margin_mib, else the default)."""
     margin = model.config.vram_margin_mib
     return required_mib(model.size_bytes, default_margin_mib if margin is None else margin)
+
+
+def still_to_load_mib(state: EngineState, holds_slot: bool, estimate_mib: int,
+                      measured_mib: int | None) -> int:
+    """GPU memory an engine may still take beyond what NVML shows it holding: one that
+    holds a slot and is not ready (starting, loading, restarting, stopping) counts its
+    estimate less what it holds (the ledger's "pending")."""
+    if not holds_slot or state is EngineState.READY:
+        return 0
+    return max(0, estimate_mib - (measured_mib or 0))
 
 
 def check_admission(model_id: str, engines: Iterable[Engine], *, max_engines: int,

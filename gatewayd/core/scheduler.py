@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from gatewayd.core.budget import still_to_load_mib
 from gatewayd.core.engines import EngineState, holds_slot
 
 
@@ -202,8 +203,7 @@ def memory_ledger(total_mib: int, free_mib: int, usages: Iterable[Usage]) -> Led
         if not u.holds_slot:
             continue
         held += u.measured_mib or 0
-        if u.state is not EngineState.READY:   # loading, restarting, or stopping
-            pending += max(0, u.estimate_mib - (u.measured_mib or 0))
+        pending += still_to_load_mib(u.state, True, u.estimate_mib, u.measured_mib)
     return Ledger(total_mib=total_mib, free_mib=free_mib, held_mib=held, pending_mib=pending,
                   external_mib=max(0, total_mib - free_mib - held))
 

@@ -27,14 +27,13 @@ from multidict import CIMultiDict
 
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.errors import EngineFailed, EngineUnavailable
+from gatewayd.core.routing import WHISPER_PATHS
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, sse_event
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
-TRANSCRIPTION_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations",
-                                 "/inference"})
 
 
 class Upstreams:
@@ -125,7 +124,7 @@ async def relay(request: web.Request, upstreams: Upstreams, out: Outgoing,
             data = await upstream.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise EngineUnavailable(f"the engine failed while answering: {e}") from e
-        if upstream.status == 200 and request.path in TRANSCRIPTION_PATHS:
+        if upstream.status == 200 and request.path in WHISPER_PATHS:
             data = normalise_transcription(data, content_type)
         record.status = upstream.status
         record.bytes_out = len(data)

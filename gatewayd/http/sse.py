@@ -37,7 +37,6 @@ class SseRelay:
         self.drop_usage_event = drop_usage_event
         self.usage: dict[str, Any] | None = None
         self.content_events = 0
-        self.saw_done = False
         self._pending = b""
         self._last = b""     # the last complete events passed on: where a stream's end is
 
@@ -70,17 +69,13 @@ class SseRelay:
     def ended(self) -> bool:
         """The stream's own end event came (call after flush): anything else means the
         engine stopped in the middle."""
-        return self.saw_done or any(marker in self._last for marker in END_MARKERS)
+        return any(marker in self._last for marker in END_MARKERS)
 
     def _count(self, events: bytes) -> None:
-        n = events.count(b"data: {")
-        self.content_events += n
-        if DONE in events:
-            self.saw_done = True
+        self.content_events += events.count(b"data: {")
 
     def _keep(self, event: bytes) -> bool:
         if event.startswith(DONE):
-            self.saw_done = True
             return True
         if b'"usage"' not in event:
             self._count(event)

@@ -328,15 +328,13 @@ class EngineManager:
     def _loading_mib(self) -> int:
         """GPU memory that engines holding a slot but not ready (loading, restarting,
         stopping) may still take beyond what they hold now."""
-        per_process = self.gpu.process_mib()
-        total = 0
-        for engine in self._engines.values():
-            model = self.catalog.get(engine.model_id)
-            if model is None or not engine.holds_slot or engine.state is EngineState.READY:
-                continue   # (as scheduler.memory_ledger counts "pending")
-            held = per_process.get(engine.main_pid, 0) if per_process else 0
-            total += max(0, budget.model_need_mib(model, self.config.vram_margin_mib) - held)
-        return total
+        per_process = self.gpu.process_mib() or {}
+        return sum(budget.still_to_load_mib(
+            engine.state, engine.holds_slot,
+            budget.model_need_mib(model, self.config.vram_margin_mib),
+            per_process.get(engine.main_pid))
+            for engine in self._engines.values()
+            if (model := self.catalog.get(engine.model_id)) is not None)
 
     @contextlib.asynccontextmanager
     async def _lifecycle(self, model_id: str) -> AsyncIterator[None]:
@@ -367,8 +365,6 @@ class EngineManager:
         self._fail_waiters(model_id, EngineNotRunning(
             f"the engine for {model_id!r} was stopped", model=model_id))
         stopped = self._engines.pop(model_id)
-        if stopped.holds_slot:
-            self.last_release = self._clock()
         self._by_unit.pop(stopped.unit, None)
         self._unit_props.pop(stopped.unit, None)
         return stopped

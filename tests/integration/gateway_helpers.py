@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,30 @@ def stop_all_engine_units() -> None:
         subprocess.run(["systemctl", "stop", *units], check=False)
         subprocess.run(["systemctl", "reset-failed", *units], check=False,
                        stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def socket_activated(name: str, config: Path, port: int, *, socket_extra: str = "",
+                     service_extra: str = "") -> Iterator[GatewayService]:
+    """The gateway as `name`.socket → `name`.service (Type=notify), socket started; on exit
+    both stopped and removed, and the engines they started stopped."""
+    units = Path("/run/systemd/system")
+    (units / f"{name}.socket").write_text(
+        f"[Socket]\nListenStream=127.0.0.1:{port}\n{socket_extra}")
+    (units / f"{name}.service").write_text(
+        f"[Unit]\nRequires={name}.socket\nAfter={name}.socket\n[Service]\nType=notify\n"
+        f"WorkingDirectory={os.getcwd()}\n{service_extra}"
+        f"ExecStart={sys.executable} -m gatewayd --config {config} serve\n")
+    try:
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        subprocess.run(["systemctl", "start", f"{name}.socket"], check=True)
+        yield GatewayService(config, port, unit=f"{name}.service")
+    finally:
+        subprocess.run(["systemctl", "stop", f"{name}.socket", f"{name}.service"], check=False)
+        for suffix in ("socket", "service"):
+            (units / f"{name}.{suffix}").unlink(missing_ok=True)
+        subprocess.run(["systemctl", "daemon-reload"], check=False)
+        stop_all_engine_units()
 
 
 def tcp_listeners() -> set[tuple[str, str]]:

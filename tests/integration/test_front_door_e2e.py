@@ -3,6 +3,7 @@ container's systemd) → real llama-server / whisper-server units → call recor
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,12 @@ import pytest
 
 from gatewayd.adapters.records import query
 from tests.integration.conftest import GatewayFactory
-from tests.integration.gateway_helpers import GatewayService, toml_str, unit_property
+from tests.integration.gateway_helpers import (
+    GatewayService,
+    socket_activated,
+    toml_str,
+    unit_property,
+)
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
 
@@ -217,20 +224,10 @@ def test_engine_killed_mid_stream_ends_with_an_error_event(
 def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_server: Path,
                                                        tiny_models: dict[str, Path]) -> None:
     from tests.integration.conftest import write_config
-    from tests.integration.gateway_helpers import stop_all_engine_units
     config, port = write_config(tmp_path, llama_server, tiny_models,
                                 extra=LONG.format(path=toml_str(str(tiny_models["alpha"]))))
     name = "llm-gateway-sa"
-    Path(f"/run/systemd/system/{name}.socket").write_text(
-        f"[Socket]\nListenStream=127.0.0.1:{port}\n")
-    Path(f"/run/systemd/system/{name}.service").write_text(
-        f"[Unit]\nRequires={name}.socket\nAfter={name}.socket\n[Service]\nType=notify\n"
-        f"WorkingDirectory={os.getcwd()}\nWatchdogSec=1\n"
-        f"ExecStart={__import__('sys').executable} -m gatewayd --config {config} serve\n")
-    gw = GatewayService(config, port, unit=f"{name}.service")
-    try:
-        subprocess.run(["systemctl", "daemon-reload"], check=True)
-        subprocess.run(["systemctl", "start", f"{name}.socket"], check=True)
+    with socket_activated(name, config, port, service_extra="WatchdogSec=1\n") as gw:
         assert unit_property(f"{name}.service", "ActiveState") == "inactive"
         status, body = raw(gw, "GET", "/health")               # the first request starts it
         assert status == 200 and body["status"] == "ok"
@@ -265,12 +262,6 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
         assert row["outcome"] == "ok" and row["completion_tokens"] > 1000
         status, _ = raw(gw, "GET", "/health")   # the socket stays: systemd starts it again
         assert status == 200
-    finally:
-        subprocess.run(["systemctl", "stop", f"{name}.socket", f"{name}.service"], check=False)
-        for suffix in ("socket", "service"):
-            Path(f"/run/systemd/system/{name}.{suffix}").unlink(missing_ok=True)
-        subprocess.run(["systemctl", "daemon-reload"], check=False)
-        stop_all_engine_units()
 
 
 def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
@@ -280,16 +271,8 @@ def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
     old process accepted it serves, what it did not accept the new one does). Connections
     arriving as a stop begins are the ones at risk: many clients make that moment busy."""
     from tests.integration.conftest import write_config
-    from tests.integration.gateway_helpers import stop_all_engine_units
     config, port = write_config(tmp_path, llama_server, tiny_models)
     name = "llm-gateway-rs"
-    Path(f"/run/systemd/system/{name}.socket").write_text(
-        f"[Socket]\nListenStream=127.0.0.1:{port}\nBacklog=4096\n")
-    Path(f"/run/systemd/system/{name}.service").write_text(
-        f"[Unit]\nRequires={name}.socket\nAfter={name}.socket\n[Service]\nType=notify\n"
-        f"WorkingDirectory={os.getcwd()}\n"
-        f"ExecStart={__import__('sys').executable} -m gatewayd --config {config} serve\n")
-    gw = GatewayService(config, port, unit=f"{name}.service")
     results: list[str] = []
     stop = threading.Event()
 
@@ -310,9 +293,8 @@ def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
                 results.append(f"no answer at {time.time():.3f} port {lport}: {e!r}")
             finally:
                 conn.close()
-    try:
-        subprocess.run(["systemctl", "daemon-reload"], check=True)
-        subprocess.run(["systemctl", "start", f"{name}.socket"], check=True)
+    with socket_activated(name, config, port, socket_extra="Backlog=4096\n") as gw, \
+            _stopping(stop):
         start(gw, "tiny-alpha")
         threads = [threading.Thread(target=client_loop) for _ in range(16)]
         for t in threads:
@@ -327,13 +309,15 @@ def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
         failures = [r for r in results if r != "200"]
         assert len(results) > 100 and not failures, (len(results), failures[:5])
         assert int(unit_property(f"{name}.service", "NRestarts") or 0) == 0
+
+
+@contextlib.contextmanager
+def _stopping(stop: threading.Event) -> Iterator[None]:
+    """Clients stop whatever happens (before the units are torn down)."""
+    try:
+        yield
     finally:
         stop.set()
-        subprocess.run(["systemctl", "stop", f"{name}.socket", f"{name}.service"], check=False)
-        for suffix in ("socket", "service"):
-            Path(f"/run/systemd/system/{name}.{suffix}").unlink(missing_ok=True)
-        subprocess.run(["systemctl", "daemon-reload"], check=False)
-        stop_all_engine_units()
 
 
 def test_responses_and_anthropic_streams_pass_through_whole(gateway: GatewayService) -> None:

@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,18 +191,12 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     @rule(model=st.sampled_from(MODELS))
     def crash(self, model: str) -> None:
-        async def crash() -> bool:
-            return self.systemd.crash(model)
-        self.loop.run_until_complete(crash())
-        self._advance(0.001)
+        self._fault(lambda: self.systemd.crash(model))
 
     @rule(model=st.sampled_from(MODELS))
     def stopped_behind_our_back(self, model: str) -> None:
         """`systemctl stop` by hand, its signals lost: only the reconciler can tell."""
-        async def stop() -> bool:
-            return self.systemd.stop_behind_our_back(model)
-        self.loop.run_until_complete(stop())
-        self._advance(0.001)
+        self._fault(lambda: self.systemd.stop_behind_our_back(model))
 
     @rule(model=st.sampled_from(MODELS), exit_s=st.sampled_from([0.05, 3.0]))
     def stopped_by_hand(self, model: str, exit_s: float = 0.05) -> None:
@@ -225,10 +220,7 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     def started_behind_our_back(self, model: str) -> None:
         """`systemctl start` of an engine unit by hand (where there is room)."""
-        async def start() -> bool:
-            return self.systemd.start_behind_our_back(model)
-        assert self.loop.run_until_complete(start())
-        self._advance(0.001)
+        assert self._fault(lambda: self.systemd.start_behind_our_back(model))
 
     def request_when_chosen_as_victim(self, model: str) -> None:
         """The next time the scheduler picks model's engine to evict, a request for it
@@ -339,6 +331,14 @@ class DispatcherMachine(RuleBasedStateMachine):
             task.add_done_callback(lambda t: setattr(record, "answered", record.answered
                                                      or self.loop.time()))
         return record
+
+    def _fault(self, inject: Callable[[], bool]) -> bool:
+        """Run a fault of the fake systemd inside the loop (it sets timers); True if it hit."""
+        async def run() -> bool:
+            return inject()
+        hit = self.loop.run_until_complete(run())
+        self._advance(0.001)
+        return hit
 
     def _settle(self) -> None:
         deadline = self.loop.time() + SETTLE_S
