@@ -73,6 +73,20 @@ def cgroup_exists(control_group: str) -> bool:
     return any(Path(root + control_group).exists() for root in CGROUP_ROOTS)
 
 
+def process_ended(pid: int) -> bool:
+    """Gone, or a zombie: dead and out of its cgroup, only not yet reaped.
+
+    A stop job is done once the cgroup is empty; a child the engine forked was
+    reparented to PID 1, which reaps it when it gets to its SIGCHLD, a moment
+    later. Asking for /proc/<pid> to be gone at once made CI flaky.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 async def wait_for(predicate: Any, timeout: float = 15, what: str = "condition") -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

@@ -30,6 +30,7 @@ from tests.integration.engine_helpers import (
     journal,
     journal_messages,
     llama_unit,
+    process_ended,
     request,
     sse_events,
     stop_quietly,
@@ -156,8 +157,8 @@ async def test_stop_kills_the_whole_cgroup(
 
     assert await systemd.stop_unit(spec.name) == "done"
 
-    assert not Path(f"/proc/{main_pid}").exists()
-    assert not Path(f"/proc/{others[0]}").exists()
+    assert process_ended(main_pid)
+    assert process_ended(others[0]), Path(f"/proc/{others[0]}/stat").read_text()
 
     async def cgroup_gone() -> bool:  # removed as the unit goes inactive; allow a moment
         return not cgroup_exists(control_group)

@@ -20,7 +20,7 @@ import pytest
 
 from gatewayd.core.engine_units import EngineLayout
 from tests.integration.conftest import GatewayFactory
-from tests.integration.engine_helpers import cgroup_exists
+from tests.integration.engine_helpers import cgroup_exists, process_ended
 from tests.integration.gateway_helpers import (
     GatewayService,
     journal_until,
@@ -127,7 +127,7 @@ def test_stop_kills_the_cgroup_and_removes_the_socket(gateway: GatewayService) -
     proc = gateway.cli("stop", "tiny-gamma")
     assert proc.returncode == 0 and "stopped" in proc.stdout
     assert not cgroup_exists(control_group)
-    assert not Path(f"/proc/{engine['pid']}").exists()
+    assert process_ended(engine["pid"])
     assert not os.path.exists(engine["socket"])
     assert unit_property(engine["unit"], "LoadState") == "not-found"
     assert gateway.engines() == {}
