@@ -2,7 +2,8 @@
 
 It imitates what the gateway must cope with: /health, chat and completions
 (plain and streamed, one event per token, usage as llama-server sends it, the
-connection closed after every stream), embeddings refused with llama-server's
+connection closed after every stream), the Responses API and Anthropic messages
+(plain and streamed, in their own event formats), embeddings refused with llama-server's
 501, a whisper-style transcription answer padded with whitespace. Behaviour is
 chosen by the prompt text: "die after N" drops the connection mid-stream,
 "slow N" waits N ms between tokens. It never replaces the real engine in the
@@ -48,6 +49,8 @@ class FakeEngine:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/audio/transcriptions", self.transcribe)
         app.on_response_prepare.append(self._mark)
@@ -103,6 +106,75 @@ class FakeEngine:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))
         return await self._answer(request, payload, str(payload.get("prompt", "")), chat=False)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        payload = json.loads(await self._seen(request))
+        prompt, n = str(payload.get("input", "")), int(payload.get("max_output_tokens", 4))
+        usage = {"input_tokens": len(prompt.split()) + 10, "output_tokens": n,
+                 "total_tokens": len(prompt.split()) + 10 + n}
+        done = {"id": "resp-1", "object": "response", "status": "completed",
+                "model": self.name, "usage": usage, "output": [{
+                    "type": "message", "role": "assistant", "content": [
+                        {"type": "output_text", "text": "".join(self._words(n))}]}]}
+        if not payload.get("stream"):
+            return web.json_response(done)
+        events = [("response.created", {"type": "response.created", "response": {
+            **done, "status": "in_progress", "usage": None}})]
+        events += [("response.output_text.delta",
+                    {"type": "response.output_text.delta", "delta": w})
+                   for w in self._words(n)]
+        events.append(("response.completed", {"type": "response.completed", "response": done}))
+        return await self._typed_stream(request, prompt, events)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        payload = json.loads(await self._seen(request))
+        prompt = " ".join(str(m.get("content")) for m in payload.get("messages", []))
+        n = int(payload.get("max_tokens", 4))
+        message = {"id": "msg-1", "type": "message", "role": "assistant", "model": self.name,
+                   "content": [{"type": "text", "text": "".join(self._words(n))}],
+                   "stop_reason": "max_tokens", "stop_sequence": None,
+                   "usage": {"input_tokens": len(prompt.split()) + 10, "output_tokens": n}}
+        if not payload.get("stream"):
+            return web.json_response(message)
+        start = {**message, "content": [], "stop_reason": None,
+                 "usage": {"input_tokens": len(prompt.split()) + 10, "output_tokens": 0}}
+        events: list[tuple[str, dict[str, Any]]] = [
+                  ("message_start", {"type": "message_start", "message": start}),
+                  ("content_block_start", {"type": "content_block_start", "index": 0,
+                                           "content_block": {"type": "text", "text": ""}}),
+                  ("ping", {"type": "ping"})]
+        events += [("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "text_delta", "text": w}})
+                   for w in self._words(n)]
+        events += [("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                   ("message_delta", {"type": "message_delta", "delta": {
+                       "stop_reason": "max_tokens", "stop_sequence": None},
+                       "usage": {"output_tokens": n}}),
+                   ("message_stop", {"type": "message_stop"})]
+        return await self._typed_stream(request, prompt, events)
+
+    @staticmethod
+    def _words(n: int) -> list[str]:
+        return [f" w{i}" for i in range(n)]
+
+    async def _typed_stream(self, request: web.Request, prompt: str,
+                            events: list[tuple[str, dict[str, Any]]]) -> web.StreamResponse:
+        """Named events (`event:` + `data:`), the Responses and Anthropic way; "die after N"
+        breaks off after N events."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        die = re.search(r"die after (\d+)", prompt)
+        for i, (name, data) in enumerate(events):
+            if die and i == int(die.group(1)):
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+            self.events_sent += 1
+        await response.write_eof()
+        if request.transport is not None:
+            request.transport.close()
+        return response
 
     async def _answer(self, request: web.Request, payload: dict[str, Any], prompt: str,
                       chat: bool) -> web.StreamResponse:

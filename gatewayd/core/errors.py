@@ -21,6 +21,27 @@ def error_body(message: str, *, type_: str, code: str | None, param: str | None 
     return {"error": error}
 
 
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); the
+# SDKs choose their exception class from the status, the type says the same in words
+ANTHROPIC_ERROR_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+    422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+    529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str, *, code: str | None = None,
+                         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The Anthropic error shape, {"type": "error", "error": {type, message}}, for the
+    /v1/messages paths; our own code rides along inside `error`, extra beside it."""
+    type_ = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500
+                                      else "api_error")
+    error: dict[str, Any] = {"type": type_, "message": message}
+    if code is not None:
+        error["code"] = code
+    return {"type": "error", "error": error, **(extra or {})}
+
+
 class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
@@ -35,9 +56,20 @@ class GatewayError(Exception):
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI-shaped error envelope, plus our extra fields."""
-        return error_body(self.message, type_=self.type, code=self.code, param=self.param,
+        """The OpenAI-shaped error envelope, plus our extra fields; a list of
+        available_models also beside `error` (the shape clients of the seed read)."""
+        body = error_body(self.message, type_=self.type, code=self.code, param=self.param,
                           extra=self.extra)
+        if "available_models" in self.extra:
+            body["available_models"] = self.extra["available_models"]
+        return body
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The same error in Anthropic's shape (for /v1/messages); available_models, where
+        there is such a list, beside `error`."""
+        extra = ({"available_models": self.extra["available_models"]}
+                 if "available_models" in self.extra else None)
+        return anthropic_error_body(self.status, self.message, code=self.code, extra=extra)
 
 
 class InvalidRequest(GatewayError):
@@ -46,13 +78,6 @@ class InvalidRequest(GatewayError):
 
 class ModelNotFound(GatewayError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
-
-    def body(self) -> dict[str, Any]:
-        """available_models also beside `error` (the shape clients of the seed read)."""
-        body = super().body()
-        if "available_models" in self.extra:
-            body["available_models"] = self.extra["available_models"]
-        return body
 
 
 class AlreadyRunning(GatewayError):

@@ -32,6 +32,12 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/
                               "/v1/messages"})
 
 
+def speaks_anthropic(path: str) -> bool:
+    """/v1/messages and /v1/messages/count_tokens: their clients are Anthropic SDKs,
+    which read Anthropic's error shape and stream events."""
+    return path.startswith("/v1/messages")
+
+
 def backend_for(path: str) -> Backend:
     """Which engine server answers this path."""
     return Backend.WHISPER if path in WHISPER_PATHS else Backend.LLAMA

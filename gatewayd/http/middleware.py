@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gatewayd.core.errors import GatewayError, error_body
+from gatewayd.core.errors import GatewayError, anthropic_error_body, error_body
+from gatewayd.core.routing import speaks_anthropic
 
 log = logging.getLogger("gatewayd")
 
@@ -16,20 +17,27 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as an OpenAI-shaped JSON body; never a traceback or HTML."""
+    """Every error leaves as a JSON body in the caller's dialect (OpenAI's envelope, or
+    Anthropic's on /v1/messages*) with the same status; never a traceback or HTML."""
     try:
         return await handler(request)
     except GatewayError as e:
         headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-        return web.json_response(e.body(), status=e.status, headers=headers)
+        body = e.anthropic_body() if speaks_anthropic(request.path) else e.body()
+        return web.json_response(body, status=e.status, headers=headers)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        body = error_body(e.reason or "error",
-                          type_="invalid_request_error" if e.status < 500 else "server_error",
-                          code=e.reason.lower().replace(" ", "_") if e.reason else None)
+        message = e.reason or "error"
+        code = e.reason.lower().replace(" ", "_") if e.reason else None
+        if speaks_anthropic(request.path):
+            return web.json_response(anthropic_error_body(e.status, message, code=code),
+                                     status=e.status)
+        body = error_body(message, code=code,
+                          type_="invalid_request_error" if e.status < 500 else "server_error")
         return web.json_response(body, status=e.status)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return web.json_response(GatewayError("internal error; see the gateway's journal")
-                                 .body(), status=500)
+        error = GatewayError("internal error; see the gateway's journal")
+        body = error.anthropic_body() if speaks_anthropic(request.path) else error.body()
+        return web.json_response(body, status=500)

@@ -26,9 +26,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gatewayd.adapters.records import CallRecord
-from gatewayd.core.errors import EngineFailed, EngineUnavailable
-from gatewayd.core.routing import WHISPER_PATHS
-from gatewayd.http.sse import SSE_HEADERS, SseRelay, sse_event
+from gatewayd.core.errors import EngineFailed, EngineUnavailable, anthropic_error_body
+from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
+from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -129,11 +129,14 @@ async def relay(request: web.Request, upstreams: Upstreams, out: Outgoing,
         record.status = upstream.status
         record.bytes_out = len(data)
         _usage_from_body(record, data, content_type)
+        headers = forward_headers(upstream.headers)
+        headers.pop("Content-Encoding", None)
         if upstream.status >= 400:
             record.outcome = "error"
             record.error_code = _error_code(data)
-        headers = forward_headers(upstream.headers)
-        headers.pop("Content-Encoding", None)
+            if speaks_anthropic(request.path):
+                data = _as_anthropic_error(data, upstream.status)
+                headers["Content-Type"] = "application/json"
         return web.Response(body=data, status=upstream.status, headers=headers)
     finally:
         upstream.release()
@@ -164,9 +167,9 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The engine died mid-stream. The status is sent: end with an error event.
             record.outcome, record.error_code = "engine_failed", "engine_failed"
-            await _write(response, sse_event(EngineFailed(
+            await _write(response, error_event(stream_format(request.path), EngineFailed(
                 f"the engine stopped in the middle of the answer: {e or type(e).__name__}"
-            ).body()), record)
+            )), record)
         await response.write_eof()
     except _ClientGone:
         if not delivered:
@@ -201,8 +204,7 @@ async def _write(response: web.StreamResponse, data: bytes, record: CallRecord) 
 def _stream_usage(record: CallRecord, sse: SseRelay) -> None:
     usage = sse.usage
     if usage is not None:
-        record.prompt_tokens = _int(usage.get("prompt_tokens"))
-        record.completion_tokens = _int(usage.get("completion_tokens"))
+        record.prompt_tokens, record.completion_tokens = token_counts(usage)
     elif record.completion_tokens is None:
         record.completion_tokens = sse.content_events  # cut short: an estimate
 
@@ -222,8 +224,22 @@ def _usage_from_body(record: CallRecord, data: bytes, content_type: str) -> None
     except ValueError:
         return
     if isinstance(usage, dict):
-        record.prompt_tokens = _int(usage.get("prompt_tokens"))
-        record.completion_tokens = _int(usage.get("completion_tokens"))
+        record.prompt_tokens, record.completion_tokens = token_counts(usage)
+
+
+def _as_anthropic_error(data: bytes, status: int) -> bytes:
+    """An engine's OpenAI-shaped error, retold in Anthropic's shape for /v1/messages."""
+    message = data.decode(errors="replace").strip() or f"HTTP {status}"
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("type") == "error":
+        return data     # already Anthropic's
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        message = error["message"]
+    return json.dumps(anthropic_error_body(status, message)).encode()
 
 
 def _error_code(data: bytes) -> str | None:
@@ -235,10 +251,6 @@ def _error_code(data: bytes) -> str | None:
         code = error.get("code") or error.get("type")
         return str(code) if code is not None else None
     return None
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def normalise_transcription(data: bytes, content_type: str) -> bytes:

@@ -2,7 +2,9 @@
 
 The relay forwards every complete event as soon as it has it (the engine writes
 one event per token, so nothing waits), and on the way:
-- reads `usage` from the event that carries it (the final one), for the record;
+- reads the usage from the events that carry it, for the record: `usage` of
+  the final chunk (OpenAI), `response.usage` of response.completed (Responses),
+  `message.usage` of message_start and `usage` of message_delta (Anthropic);
 - counts content events, so a stream cut short still has a token estimate;
 - drops the usage-only event (`"choices": []`) when the gateway asked for it
   on the client's behalf (stream_options.include_usage), so the client sees
@@ -13,14 +15,19 @@ token): each format has its own end — `data: [DONE]` (OpenAI chat/completions)
 `event: response.completed` / `.failed` / `.incomplete` (the Responses API),
 `event: message_stop` (Anthropic messages).
 Events the gateway writes itself (the admin event feed, an error that ends a
-stream) are framed by `sse_event` and sent with `SSE_HEADERS`.
+stream) are framed by `sse_event` and sent with `SSE_HEADERS`; an error that
+ends a relayed stream is written in that stream's own format (`error_event`).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from gatewayd.core.errors import GatewayError
+from gatewayd.core.routing import speaks_anthropic
 
 DONE = b"data: [DONE]"
 END_MARKERS = (DONE, b"event: response.completed", b"event: response.failed",
@@ -30,6 +37,44 @@ END_MARKERS = (DONE, b"event: response.completed", b"event: response.failed",
 # from holding events back
 SSE_HEADERS: Mapping[str, str] = {
     "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class StreamFormat(enum.Enum):
+    OPENAI = "openai"          # chat/completions: data-only events, `data: [DONE]` last
+    RESPONSES = "responses"    # typed events; response.completed / .failed / .incomplete
+    ANTHROPIC = "anthropic"    # message_start … message_stop, ping, error
+
+
+def stream_format(path: str) -> StreamFormat:
+    if speaks_anthropic(path):
+        return StreamFormat.ANTHROPIC
+    if path.startswith(("/v1/responses", "/responses")):
+        return StreamFormat.RESPONSES
+    return StreamFormat.OPENAI
+
+
+def error_event(fmt: StreamFormat, error: GatewayError) -> bytes:
+    """The event that ends a stream with error, in the stream's format. The SDKs raise on
+    each: openai on a data object with an `error` member, anthropic on `event: error`."""
+    if fmt is StreamFormat.ANTHROPIC:
+        return b"event: error\ndata: " + json.dumps(error.anthropic_body()).encode() + b"\n\n"
+    if fmt is StreamFormat.RESPONSES:   # the Responses API's own `error` event, plus the
+        body = {"type": "error", "code": error.code, "message": error.message,  # envelope
+                "param": error.param, "error": error.body()["error"]}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    return sse_event(error.body())
+
+
+def token_counts(usage: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt, completion) tokens of a usage object in any dialect: OpenAI's
+    prompt_/completion_tokens or the Responses and Anthropic input_/output_tokens."""
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    return _int(prompt), _int(completion)
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class SseRelay:
@@ -81,12 +126,25 @@ class SseRelay:
             self._count(event)
             return True
         payload = _data_json(event)
-        if payload is not None and isinstance(payload.get("usage"), dict):
-            self.usage = payload["usage"]
-            if not payload.get("choices"):           # a usage-only event
+        usage = _usage_in(payload) if payload is not None else None
+        if usage is not None:
+            # Anthropic splits it: input in message_start, output in message_delta
+            self.usage = {**self.usage, **usage} if self.usage else usage
+            if payload is not None and payload.get("choices") == []:  # usage-only chunk
                 return not self.drop_usage_event
         self._count(event)
         return True
+
+
+def _usage_in(payload: dict[str, Any]) -> dict[str, Any] | None:
+    usage = payload.get("usage")
+    if isinstance(usage, dict):             # OpenAI's final chunk, Anthropic message_delta
+        return usage
+    for outer in ("response", "message"):   # response.completed, Anthropic message_start
+        inner = payload.get(outer)
+        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+            return inner["usage"]  # type: ignore[no-any-return]
+    return None
 
 
 def _data_json(event: bytes) -> dict[str, Any] | None:

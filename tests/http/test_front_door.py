@@ -492,3 +492,87 @@ async def test_a_model_is_retrieved_by_any_of_its_names(gw: Gateway) -> None:
     assert body["error"]["available_models"] == body["available_models"] == ["a", "b", "c"]
     assert all(not r.path.startswith("/v1/models") for f in gw.fakes.values()
                for r in f.requests)
+
+
+def named_events(raw: bytes) -> list[tuple[str | None, dict[str, Any]]]:
+    out: list[tuple[str | None, dict[str, Any]]] = []
+    for block in raw.decode().split("\n\n"):
+        name, data = None, None
+        for line in block.split("\n"):
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: "):])
+        if data is not None:
+            out.append((name, data))
+    return out
+
+
+@pytest.mark.parametrize(("path", "body", "counts"), [
+    ("/v1/responses", {"input": "one two", "max_output_tokens": 3}, (12, 3)),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "one two"}], "max_tokens": 3},
+     (12, 3)),
+], ids=["responses", "anthropic"])
+async def test_usage_of_every_stream_format_is_recorded(
+        gw: Gateway, path: str, body: dict[str, Any], counts: tuple[int, int]) -> None:
+    """The usage of a Responses stream (response.completed) and of an Anthropic stream
+    (message_start + message_delta) reaches the record, and the plain answers' too."""
+    resp = await gw.client.post(path, json={"model": "a", "stream": True, **body})
+    got = named_events(await resp.read())
+    assert resp.status == 200 and got[-1][0] in ("response.completed", "message_stop")
+    resp = await gw.client.post(path, json={"model": "a", **body})
+    assert resp.status == 200
+    rows = await gw.records(2)
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [counts, counts]
+    assert sorted(r["stream"] for r in rows) == [0, 1]
+    assert all(r["outcome"] == "ok" for r in rows)
+
+
+@pytest.mark.parametrize(("path", "body", "error_name"), [
+    ("/v1/responses", {"input": "die after 3", "max_output_tokens": 6}, "error"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "die after 5"}],
+                      "max_tokens": 6}, "error"),
+], ids=["responses", "anthropic"])
+async def test_a_broken_stream_ends_with_its_own_formats_error_event(
+        gw: Gateway, path: str, body: dict[str, Any], error_name: str) -> None:
+    resp = await gw.client.post(path, json={"model": "a", "stream": True, **body})
+    assert resp.status == 200
+    got = named_events(await resp.read())
+    name, data = got[-1]
+    assert name == error_name and data["type"] == "error"
+    if path == "/v1/messages":   # Anthropic's shape, which its SDK raises on
+        assert data["error"]["type"] == "api_error"
+        assert data["error"]["code"] == "engine_failed"
+    else:                        # the Responses API's error event (+ the envelope)
+        assert data["code"] == "engine_failed" and data["error"]["code"] == "engine_failed"
+    (row,) = await gw.records(1)
+    assert row["outcome"] == "engine_failed" and row["status"] == 200
+
+
+async def test_anthropic_paths_answer_errors_in_anthropics_shape(gw: Gateway) -> None:
+    """/v1/messages* errors: {"type": "error", "error": {type, message}} with the same
+    statuses, so the anthropic SDK raises NotFoundError, BadRequestError, ..."""
+    msg = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    resp = await gw.client.post("/v1/messages", json={"model": "nope", **msg})
+    body = await resp.json()
+    assert resp.status == 404 and body["type"] == "error"
+    assert body["error"]["type"] == "not_found_error" and "nope" in body["error"]["message"]
+    assert body["available_models"] == ["a", "b", "c"]
+    resp = await gw.client.post("/v1/messages", json=msg)            # two are ready
+    body = await resp.json()
+    assert resp.status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert body["available_models"] == ["a", "b"]
+    resp = await gw.client.post("/v1/messages", data=b"{not json",
+                                headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and (await resp.json())["type"] == "error"
+    # an engine's own error (this one has no count_tokens): retold in Anthropic's shape
+    resp = await gw.client.post("/v1/messages/count_tokens", json={"model": "a", **msg})
+    body = await resp.json()
+    assert resp.status == 404 and body["type"] == "error"
+    assert body["error"]["type"] == "not_found_error"
+    assert resp.headers["X-Fake-Engine"] == "a"
+    # elsewhere the OpenAI envelope, as before
+    resp = await gw.client.post("/v1/chat/completions", json=chat("nope"))
+    body = await resp.json()
+    assert resp.status == 404 and body["error"]["type"] == "invalid_request_error"
+    assert body["available_models"] == ["a", "b", "c"] and "type" not in body

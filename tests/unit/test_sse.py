@@ -1,10 +1,20 @@
-"""The SSE relay: every format's stream ends with its own event."""
+"""The SSE relay: every format's stream ends with its own event, its usage is read
+for the record, and an error that ends it is written in its own format."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from gatewayd.http.sse import SseRelay
+from gatewayd.core.errors import EngineFailed
+from gatewayd.http.sse import (
+    SseRelay,
+    StreamFormat,
+    error_event,
+    stream_format,
+    token_counts,
+)
 
 OPENAI = [b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n"]
 RESPONSES = [
@@ -14,7 +24,8 @@ RESPONSES = [
     b'event: response.completed\ndata: {"type":"response.completed","response":'
     b'{"usage":{"input_tokens":3,"output_tokens":1}}}\n\n']
 ANTHROPIC = [
-    b'event: message_start\ndata: {"type":"message_start"}\n\n',
+    b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+    b'{"input_tokens":7,"output_tokens":0}}}\n\n',
     b'event: ping\ndata: {"type": "ping"}\n\n',
     b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":'
     b'{"type":"text_delta","text":"hi"}}\n\n',
@@ -40,3 +51,50 @@ def test_each_format_ends_with_its_own_event(stream: list[bytes]) -> None:
 def test_the_end_is_found_in_an_unterminated_last_event_too() -> None:
     _, sse = relay([*RESPONSES[:-1], RESPONSES[-1].rstrip(b"\n")])
     assert sse.ended
+
+
+@pytest.mark.parametrize(("stream", "counts"), [
+    ([b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
+      b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\n',
+      b"data: [DONE]\n\n"], (5, 2)),
+    (RESPONSES, (3, 1)),
+    (ANTHROPIC, (7, 1)),      # input from message_start, output from message_delta
+], ids=["openai", "responses", "anthropic"])
+def test_usage_is_read_in_every_format(stream: list[bytes],
+                                       counts: tuple[int, int]) -> None:
+    _, sse = relay(stream)
+    assert sse.usage is not None and token_counts(sse.usage) == counts
+
+
+def test_only_the_usage_only_chunk_is_dropped() -> None:
+    sse = SseRelay(drop_usage_event=True)
+    usage_only = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\n'
+    assert sse.feed(usage_only) == b""
+    # a Responses event carries usage but is no usage-only chunk: never dropped
+    assert sse.feed(RESPONSES[-1]) == RESPONSES[-1]
+
+
+def _payload(event: bytes) -> tuple[str | None, dict[str, object]]:
+    name, data = None, {}
+    for line in event.decode().strip().split("\n"):
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            data = json.loads(line[len("data: "):])
+    return name, data
+
+
+def test_an_error_ends_each_stream_in_its_own_format() -> None:
+    assert stream_format("/v1/chat/completions") is StreamFormat.OPENAI
+    assert stream_format("/v1/responses") is StreamFormat.RESPONSES
+    assert stream_format("/v1/messages") is StreamFormat.ANTHROPIC
+    error = EngineFailed("the engine stopped")
+    name, data = _payload(error_event(StreamFormat.OPENAI, error))
+    assert name is None and data["error"]["code"] == "engine_failed"  # type: ignore[index]
+    name, data = _payload(error_event(StreamFormat.RESPONSES, error))
+    assert name == "error" and data["type"] == "error" and data["code"] == "engine_failed"
+    assert data["message"] == "the engine stopped" and "error" in data  # the SDK raises on it
+    name, data = _payload(error_event(StreamFormat.ANTHROPIC, error))
+    assert name == "error" and data["type"] == "error"
+    assert data["error"] == {"type": "api_error", "message": "the engine stopped",
+                             "code": "engine_failed"}
