@@ -19,9 +19,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gatewayd.core.config import Backend, GatewayConfig, ModelConfig
+from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
 from gatewayd.core.errors import ConfigError, ModelNotFound
 from gatewayd.core.model_facts import GgufFacts
+
+RANK_POOLING = 4   # LLAMA_POOLING_TYPE_RANK
+CAPABILITIES: Mapping[ModelKind, tuple[str, ...]] = {
+    ModelKind.CHAT: ("completion",), ModelKind.EMBEDDING: ("embeddings",),
+    ModelKind.RERANK: ("rerank",), ModelKind.AUDIO: ("transcription", "translation")}
 
 
 @dataclass(frozen=True)
@@ -41,18 +46,32 @@ class Model:
         return self.config.backend
 
     @property
-    def capability(self) -> str:
-        """What its engine serves: "transcription", "embeddings" or "completion"."""
+    def kind(self) -> ModelKind:
+        """The configured kind, else what the header says: a pooling type is written only
+        into embedding models (rank: rerankers); whisper models are audio."""
+        if self.config.kind is not None:
+            return self.config.kind
         if self.backend is Backend.WHISPER:
-            return "transcription"
-        return "embeddings" if self.config.embeddings else "completion"
+            return ModelKind.AUDIO
+        pooling = self.facts.pooling_type if self.facts else None
+        if pooling == RANK_POOLING:
+            return ModelKind.RERANK
+        if pooling is not None and pooling > 0:
+            return ModelKind.EMBEDDING
+        return ModelKind.CHAT
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """What its engine answers (as /v1/models lists it)."""
+        return CAPABILITIES[self.kind]
 
     def describe(self) -> dict[str, object]:
         facts = self.facts
         return {
             "id": self.id,
             "backend": self.backend.value,
-            "capabilities": [self.capability],
+            "kind": self.kind.value,
+            "capabilities": list(self.capabilities),
             "path": str(self.path),
             "mmproj": str(self.config.mmproj) if self.config.mmproj else None,
             "size_bytes": self.size_bytes,

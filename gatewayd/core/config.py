@@ -25,6 +25,15 @@ class Backend(StrEnum):
     WHISPER = "whisper"
 
 
+class ModelKind(StrEnum):
+    """What a model is for, and so which requests its engine answers."""
+
+    CHAT = "chat"              # generation: chat, completions, responses, messages
+    EMBEDDING = "embedding"    # llama-server --embeddings: /v1/embeddings only
+    RERANK = "rerank"          # llama-server --rerank: /v1/rerank only
+    AUDIO = "audio"            # whisper-server: transcriptions and translations
+
+
 class UnitMode(StrEnum):
     """How engine units are created (see docs/design.md, "Privilege model")."""
 
@@ -53,7 +62,7 @@ class ModelConfig:
     pin: bool = False                    # never evicted
     preload: bool = False                # started when the gateway starts
     idle_ttl_s: float | None = None      # stopped after this long without requests
-    embeddings: bool = False             # an embeddings engine (serves only embeddings)
+    kind: ModelKind | None = None        # None: from the GGUF header (whisper: audio)
     max_concurrency: int | None = None   # requests served at once; above: 429
     queue_limit: int | None = None       # requests waiting for it; above: 503
 
@@ -97,7 +106,7 @@ class GatewayConfig:
 
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
                "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
-               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "embeddings"}
+               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
@@ -181,6 +190,21 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     )
 
 
+def _kind(value: Any, backend: Backend, where: str, key: str) -> ModelKind | None:
+    if value is None:
+        return None
+    try:
+        kind = ModelKind(value)
+    except ValueError:
+        raise ConfigError(f"{where}: {key} must be one of "
+                          f"{', '.join(repr(k.value) for k in ModelKind)}, not {value!r}") from None
+    if (kind is ModelKind.AUDIO) != (backend is Backend.WHISPER):
+        raise ConfigError(f"{where}: {key} = {kind.value!r} does not fit backend "
+                          f"{backend.value!r} (whisper models are 'audio'; llama models are "
+                          "'chat', 'embedding' or 'rerank')")
+    return kind
+
+
 def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     key = f"models.{name}"
     _expect(table, dict, where, key)
@@ -200,9 +224,7 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     for item in (*args, *aliases, *env.values()):
         _expect(item, str, where, f"{key} (args, aliases and env values)")
     ctx = _optional(table.get("ctx_size"), int, where, f"{key}.ctx_size")
-    embeddings = _expect(table.get("embeddings", False), bool, where, f"{key}.embeddings")
-    if embeddings and backend is not Backend.LLAMA:
-        raise ConfigError(f"{where}: {key}.embeddings is for llama models")
+    kind = _kind(table.get("kind"), backend, where, f"{key}.kind")
     margin = table.get("vram_margin_mib")
     return ModelConfig(
         name=name, path=path, backend=backend, args=tuple(args),
@@ -216,7 +238,7 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
                                                                   f"{key}.vram_margin_mib"),
         threads=_optional(table.get("threads"), int, where, f"{key}.threads"),
         pin=_expect(table.get("pin", False), bool, where, f"{key}.pin"),
-        embeddings=embeddings,
+        kind=kind,
         preload=_expect(table.get("preload", False), bool, where, f"{key}.preload"),
         idle_ttl_s=None if table.get("idle_ttl_s") is None else float(
             _positive(table["idle_ttl_s"], where, f"{key}.idle_ttl_s")),

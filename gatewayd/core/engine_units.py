@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from gatewayd.core.catalog import Model
-from gatewayd.core.config import Backend, GatewayConfig
+from gatewayd.core.config import Backend, GatewayConfig, ModelKind
 from gatewayd.core.unit_spec import UnitSpec, exec_args
 
 UNIT_PREFIX = "llm-engine"
@@ -106,8 +106,14 @@ def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
             argv += ["--mmproj", str(mc.mmproj)]
         if mc.ctx_size:
             argv += ["-c", str(mc.ctx_size)]
-        if mc.embeddings:   # llama-server then serves embeddings only; OpenAI's need pooling
-            argv += ["--embeddings", *([] if "--pooling" in mc.args else ["--pooling", "mean"])]
+        if model.kind is ModelKind.EMBEDDING:   # then it serves embeddings only
+            argv.append("--embeddings")
+            # OpenAI's embeddings need pooling: the header's, or else mean
+            if "--pooling" not in mc.args and (model.facts is None
+                                               or model.facts.pooling_type is None):
+                argv += ["--pooling", "mean"]
+        elif model.kind is ModelKind.RERANK and not {"--rerank", "--reranking"} & set(mc.args):
+            argv.append("--rerank")   # embeddings with rank pooling: /v1/rerank only
         return argv + list(mc.args)
     return [binary, "-m", str(mc.path),
             "--host", "127.0.0.1", "--port", "{port}",

@@ -48,6 +48,13 @@ class GgufFacts:
         return value if isinstance(value, int) else None
 
     @property
+    def pooling_type(self) -> int | None:
+        """llama.cpp's pooling for embeddings (1 mean, 2 cls, 3 last, 4 rank), written only
+        into embedding and reranker models."""
+        value = self.metadata.get(f"{self.architecture}.pooling_type")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
     def parameter_count(self) -> int | None:
         value = self.metadata.get("general.parameter_count")
         return value if isinstance(value, int) else None

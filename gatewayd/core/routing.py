@@ -7,10 +7,12 @@
 - no `model` on a /v1 path: the one ready engine, else 400 model_required.
 - no `model` elsewhere (/props, /metrics, /slots, …): the default engine — the
   configured default_model if it is ready, else the first ready engine.
-Only engines that can answer the path count: audio paths are whisper's, every
-other path is llama-server's; embeddings are served only by models configured
-with `embeddings = true`, which serve nothing that generates. A model named for
-a path its engine cannot serve is a 400 (never relayed to get the engine's
+Only engines that can answer the path count, by the model's kind
+(catalog.Model.kind): audio paths are whisper's (kind audio); embeddings go
+only to embedding models and rerank only to rerankers, which answer nothing
+that generates; generation goes to chat models. Other llama-server paths
+(/tokenize, /props, /metrics, ...) go to any llama model. A model named for a
+path its engine cannot serve is a 400 (never relayed to get the engine's
 404/501).
 """
 
@@ -19,17 +21,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gatewayd.core.catalog import Catalog, Model
-from gatewayd.core.config import Backend
+from gatewayd.core.config import Backend, ModelKind
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import InvalidRequest, ModelNotFound, ModelRequired, NoEngineReady
 
-WHISPER_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations",
-                           "/audio/transcriptions", "/audio/translations", "/inference"})
+TRANSLATION_PATHS = frozenset({"/v1/audio/translations", "/audio/translations"})
+WHISPER_PATHS = frozenset({"/v1/audio/transcriptions", "/audio/transcriptions", "/inference",
+                           *TRANSLATION_PATHS})
 EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/embeddings", "/embedding"})
-# what an embeddings engine (llama-server --embeddings) refuses
+RERANK_PATHS = frozenset({"/v1/rerank", "/v1/reranking", "/rerank", "/reranking"})
+# what only a chat model answers (llama-server with --embeddings or --rerank refuses them)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
                               "/completions", "/completion", "/infill", "/v1/responses",
                               "/v1/messages"})
+# the kind a path needs; other paths need only a llama model
+KIND_OF_PATH: dict[str, ModelKind] = {
+    **dict.fromkeys(WHISPER_PATHS, ModelKind.AUDIO),
+    **dict.fromkeys(EMBEDDING_PATHS, ModelKind.EMBEDDING),
+    **dict.fromkeys(RERANK_PATHS, ModelKind.RERANK),
+    **dict.fromkeys(GENERATION_PATHS, ModelKind.CHAT)}
+HOW_TO_MAKE = {ModelKind.EMBEDDING: "an embedding model (kind = \"embedding\")",
+               ModelKind.RERANK: "a reranker (kind = \"rerank\")",
+               ModelKind.CHAT: "a chat model (kind = \"chat\")",
+               ModelKind.AUDIO: "a whisper model (backend = \"whisper\")"}
 
 
 def speaks_anthropic(path: str) -> bool:
@@ -38,24 +52,21 @@ def speaks_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
-def backend_for(path: str) -> Backend:
-    """Which engine server answers this path."""
-    return Backend.WHISPER if path in WHISPER_PATHS else Backend.LLAMA
-
-
 def why_cannot_serve(model: Model, path: str) -> str | None:
     """Why model's engine cannot answer path (None: it can)."""
-    needed = backend_for(path)
-    if model.backend is not needed:
+    needed = KIND_OF_PATH.get(path)
+    if needed is None:
+        if model.backend is Backend.LLAMA:
+            return None
         return (f"model {model.id!r} is a {model.backend.value} model and cannot answer "
-                f"{path} (that needs a {needed.value} model)")
-    if path in EMBEDDING_PATHS and model.capability != "embeddings":
-        return (f"model {model.id!r} does not serve embeddings: set `embeddings = true` in "
-                f"its [models.{model.id}] table (its engine then serves embeddings only)")
-    if path in GENERATION_PATHS and model.capability == "embeddings":
-        return (f"model {model.id!r} is an embeddings model (embeddings = true) and cannot "
-                f"answer {path}")
-    return None
+                f"{path} (that needs a llama model)")
+    kind = model.kind
+    if kind is needed:
+        return None
+    article = "an" if kind.value[0] in "aeiou" else "a"
+    return (f"model {model.id!r} is {article} {kind.value} model ({model.backend.value}) and "
+            f"cannot answer {path}: that needs {HOW_TO_MAKE[needed]}; a model's kind is set "
+            f"by `kind` in its [models.{model.id}] table, or read from its GGUF header")
 
 
 def choose_model(path: str, model: str | None, *, catalog: Catalog,

@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gatewayd.adapters import records
 from gatewayd.app import DISPATCHER, build_app
-from gatewayd.core.config import Backend
+from gatewayd.core.config import Backend, ModelKind
 from gatewayd.http import admin_api, openai_api
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
@@ -252,9 +252,10 @@ async def test_requests_go_only_to_engines_that_can_answer_them(gw_audio: Gatewa
     form.add_field("file", b"RIFF....", filename="a.wav", content_type="audio/wav")
     resp = await gw_audio.client.post("/v1/audio/transcriptions", data=form)
     error = (await resp.json())["error"]
-    assert resp.status == 400 and "'a' is a llama model and cannot answer" in error["message"]
+    assert resp.status == 400 and "'a' is a chat model (llama) and cannot" in error["message"]
     resp = await gw_audio.client.post("/v1/chat/completions", json=chat("b"))
-    assert resp.status == 400 and "whisper model" in (await resp.json())["error"]["message"]
+    assert resp.status == 400 and "audio model (whisper)" in (await resp.json())["error"][
+        "message"]
     resp = await gw_audio.client.post("/v1/chat/completions", json=chat())   # the one llama
     assert resp.status == 200 and (await resp.json())["model"] == "a"
     assert [r.path for r in gw_audio.fakes["a"].requests] == ["/v1/chat/completions"]
@@ -315,7 +316,7 @@ async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
 
 
 async def test_engine_errors_pass_through(tmp_path: Path) -> None:
-    async for gw in _gateway(tmp_path, ("a",), models_config={"a": {"embeddings": True}}):
+    async for gw in _gateway(tmp_path, ("a",), models_config={"a": {"kind": ModelKind.EMBEDDING}}):
         resp = await gw.client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
         assert resp.status == 501                        # (the fake answers as if misstarted)
         assert "--embeddings" in (await resp.json())["error"]["message"]
@@ -323,22 +324,32 @@ async def test_engine_errors_pass_through(tmp_path: Path) -> None:
         assert row["outcome"] == "error" and row["error_code"] == "501"
 
 
-async def test_embeddings_go_only_to_embeddings_models(tmp_path: Path) -> None:
-    """embeddings = true makes a model's engine an embeddings engine: /v1/embeddings goes
-    there (and nowhere else), generation never does; /v1/models says which is which."""
-    async for gw in _gateway(tmp_path, ("a", "b"), models_config={"b": {"embeddings": True}}):
+async def test_each_kind_gets_only_its_own_requests(tmp_path: Path) -> None:
+    """kind = "embedding" makes a model's engine an embeddings engine, kind = "rerank" a
+    reranker: /v1/embeddings and /v1/rerank go there (and nowhere else), generation never
+    does; a mismatch is a 400 that says what is needed; /v1/models says which is which."""
+    async for gw in _gateway(tmp_path, ("a", "b", "c"), models_config={
+            "b": {"kind": ModelKind.EMBEDDING}, "c": {"kind": ModelKind.RERANK}}):
         resp = await gw.client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
         error = (await resp.json())["error"]
-        assert resp.status == 400 and "embeddings = true" in error["message"]
+        assert resp.status == 400 and 'kind = "embedding"' in error["message"]
+        assert error["code"] == "invalid_request" and error["param"] == "model"
         resp = await gw.client.post("/v1/chat/completions", json=chat("b"))
-        assert resp.status == 400 and "embeddings model" in (await resp.json())["error"][
-            "message"]
+        assert "'b' is an embedding model" in (await resp.json())["error"]["message"]
+        for path in ("/v1/rerank", "/v1/reranking", "/rerank"):
+            resp = await gw.client.post(path, json={"model": "b", "query": "q",
+                                                    "documents": ["d"]})
+            assert resp.status == 400
+            assert 'kind = "rerank"' in (await resp.json())["error"]["message"]
+        resp = await gw.client.post("/v1/rerank", json={"model": "c", "query": "q",
+                                                        "documents": ["d"]})
+        assert resp.headers["X-Fake-Engine"] == "c"                     # relayed there
         resp = await gw.client.post("/v1/embeddings", json={"input": "hi"})   # the one
         assert resp.status == 501 and resp.headers["X-Fake-Engine"] == "b"
         models = {m["id"]: m for m in (await (await gw.client.get("/v1/models")).json())[
             "data"]}
-        assert models["a"]["capabilities"] == ["completion"]
-        assert models["b"]["capabilities"] == ["embeddings"]
+        assert [(models[m]["kind"], models[m]["capabilities"]) for m in "abc"] == [
+            ("chat", ["completion"]), ("embedding", ["embeddings"]), ("rerank", ["rerank"])]
         assert not any(r.path == "/v1/embeddings" for r in gw.fakes["a"].requests)
 
 

@@ -107,7 +107,7 @@ def test_completions_embeddings_and_switching_by_alias(
         gateway_factory: GatewayFactory, tiny_models: dict[str, Path]) -> None:
     gateway = gateway_factory(extra=(f"[models.embed]\npath = "
                                       f"{toml_str(str(tiny_models['gamma']))}\n"
-                                      "embeddings = true\nthreads = 1\n"))
+                                      "kind = \"embedding\"\nthreads = 1\n"))
     start(gateway, "tiny-alpha", "tiny-beta")
     oa = client(gateway)
     done = oa.completions.create(model="TINY-BETA.gguf", prompt="once upon", max_tokens=5)
@@ -116,7 +116,7 @@ def test_completions_embeddings_and_switching_by_alias(
         "tiny-alpha"
     with pytest.raises(openai.BadRequestError) as err:   # not an embeddings model
         oa.embeddings.create(model="tiny-alpha", input="hello")
-    assert "embeddings = true" in str(err.value)
+    assert 'kind = "embedding"' in str(err.value)
     vectors = oa.embeddings.create(model="embed", input=["hello", "world"])   # autoloaded
     assert len(vectors.data) == 2 and len(vectors.data[0].embedding) > 0
     assert vectors.data[0].embedding != vectors.data[1].embedding

@@ -6,7 +6,7 @@ import pytest
 
 from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.unit_control import resolve_binary
-from gatewayd.core.config import Backend, GatewayConfig, UnitMode, parse_config
+from gatewayd.core.config import Backend, GatewayConfig, ModelKind, UnitMode, parse_config
 from gatewayd.core.errors import ConfigError, EngineBinaryMissing
 
 
@@ -123,10 +123,13 @@ def test_the_health_table(tmp_path: Path) -> None:
             load_config(config)
 
 
-def test_embeddings_are_for_llama_models(tmp_path: Path) -> None:
+def test_kind_is_checked_against_the_backend(tmp_path: Path) -> None:
     config = tmp_path / "gateway.toml"
-    config.write_text('[models.e]\npath = "e.gguf"\nembeddings = true\n')
-    assert load_config(config).models[0].embeddings
-    config.write_text('[models.w]\npath = "w.bin"\nbackend = "whisper"\nembeddings = true\n')
-    with pytest.raises(ConfigError, match="embeddings is for llama models"):
+    config.write_text('[models.e]\npath = "e.gguf"\nkind = "embedding"\n')
+    assert load_config(config).models[0].kind is ModelKind.EMBEDDING
+    config.write_text('[models.w]\npath = "w.bin"\nbackend = "whisper"\nkind = "rerank"\n')
+    with pytest.raises(ConfigError, match="does not fit backend 'whisper'"):
+        load_config(config)
+    config.write_text('[models.e]\npath = "e.gguf"\nkind = "embeddings"\n')
+    with pytest.raises(ConfigError, match="kind must be one of 'chat', 'embedding'"):
         load_config(config)

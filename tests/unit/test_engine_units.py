@@ -10,7 +10,7 @@ import pytest
 
 from gatewayd.adapters.unit_control import manager_can_configure_networks
 from gatewayd.core.catalog import Model
-from gatewayd.core.config import Backend, GatewayConfig, ModelConfig
+from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
 from gatewayd.core.engine_units import (
     MAX_INSTANCE,
     EngineLayout,
@@ -19,6 +19,7 @@ from gatewayd.core.engine_units import (
     server_argv,
     transient_spec,
 )
+from gatewayd.core.model_facts import GgufFacts
 from gatewayd.core.unit_spec import exec_args
 
 HOSTILE = [
@@ -121,11 +122,35 @@ def test_pid1_without_cap_net_admin_cannot_configure_private_networks() -> None:
 def test_an_embeddings_model_starts_an_embeddings_engine_with_pooling(tmp_path: Path) -> None:
     path = tmp_path / "e.gguf"
     layout = EngineLayout.for_model("e")
-    plain = Model(id="e", config=ModelConfig(name="e", path=path, embeddings=True),
+    plain = Model(id="e", config=ModelConfig(name="e", path=path, kind=ModelKind.EMBEDDING),
                   names=frozenset({"e"}))
     assert server_argv(plain, layout, "/bin/ls")[-3:] == ["--embeddings", "--pooling", "mean"]
-    chosen = Model(id="e", config=ModelConfig(name="e", path=path, embeddings=True,
+    chosen = Model(id="e", config=ModelConfig(name="e", path=path, kind=ModelKind.EMBEDDING,
                                               args=("--pooling", "cls")),
                    names=frozenset({"e"}))
     argv = server_argv(chosen, layout, "/bin/ls")
     assert "--embeddings" in argv and argv.count("--pooling") == 1 and argv[-1] == "cls"
+    # the header's own pooling (an embedding model's GGUF has one) is left to llama-server
+    facts = GgufFacts(path=str(path), file_size=0, metadata={
+        "general.architecture": "bert", "bert.pooling_type": 2})
+    from_header = Model(id="e", config=ModelConfig(name="e", path=path), facts=facts,
+                        names=frozenset({"e"}))
+    assert from_header.kind is ModelKind.EMBEDDING
+    argv = server_argv(from_header, layout, "/bin/ls")
+    assert "--embeddings" in argv and "--pooling" not in argv
+
+
+def test_a_reranker_is_known_by_its_header_and_started_with_rerank(tmp_path: Path) -> None:
+    path = tmp_path / "r.gguf"
+    layout = EngineLayout.for_model("r")
+    facts = GgufFacts(path=str(path), file_size=0, metadata={
+        "general.architecture": "qwen3", "qwen3.pooling_type": 4})
+    reranker = Model(id="r", config=ModelConfig(name="r", path=path), facts=facts,
+                     names=frozenset({"r"}))
+    assert reranker.kind is ModelKind.RERANK and reranker.capabilities == ("rerank",)
+    argv = server_argv(reranker, layout, "/bin/ls")
+    assert "--rerank" in argv and "--embeddings" not in argv
+    # configured as chat, the header notwithstanding: a plain engine
+    chat = Model(id="r", config=ModelConfig(name="r", path=path, kind=ModelKind.CHAT),
+                 facts=facts, names=frozenset({"r"}))
+    assert not {"--rerank", "--embeddings"} & set(server_argv(chat, layout, "/bin/ls"))
