@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("events", help="follow engine state changes and queue depths (Ctrl-C ends)")
     p = sub.add_parser("records", help="call records, newest first")
     p.add_argument("--model")
+    p.add_argument("--endpoint", help="e.g. /v1/messages")
     p.add_argument("--since", help="e.g. 30m, 2h, 1d, or epoch seconds")
     p.add_argument("--status", type=int)
     p.add_argument("--outcome", choices=["ok", "error", "disconnected", "engine_failed"])
@@ -102,7 +103,7 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         follow_events(url, as_json=args.json)
     elif args.command == "records":
         params: dict[str, Any] = {"limit": args.limit}
-        for key in ("model", "status", "outcome"):
+        for key in ("model", "endpoint", "status", "outcome"):
             if getattr(args, key) is not None:
                 params[key] = getattr(args, key)
         if args.since:

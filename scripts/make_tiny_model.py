@@ -2,6 +2,7 @@
 """Write a tiny deterministic llama-arch GGUF (~0.65 MB) that llama-server loads
 and chats with (garbage text). Needs the gguf package (and numpy, which it pulls in).
   make_tiny_model.py OUT.gguf [--name N] [--seed S] [--f16] [--mmproj MMPROJ.gguf]
+                    [--reranker]
 Self-made SPM vocab (specials, 256 byte-fallback tokens, ASCII, word pieces),
 ChatML template. Embedding dim 0 is a constant 1 and output rows of
 control/byte tokens get -20 there, so EOS/bytes are never sampled: every
@@ -80,7 +81,10 @@ def write_model(
     n_head_kv: int = 2,
     n_ff: int = 128,
     n_ctx: int = 2048,
+    reranker: bool = False,
 ) -> None:
+    """reranker: a Qwen3-style reranker instead (qwen3 arch, rank pooling, a two-label
+    classifier head), which llama-server --rerank serves on /v1/rerank."""
     rng = np.random.default_rng(seed)
     toks, scores, types = vocab()
     nv, hd, dt = len(toks), n_embd // n_head, (np.float16 if f16 else np.float32)
@@ -91,8 +95,11 @@ def write_model(
     def ones() -> Array:
         return np.ones(n_embd, dtype=np.float32)
 
-    w = gguf.GGUFWriter(path, arch="llama")
+    w = gguf.GGUFWriter(path, arch="qwen3" if reranker else "llama")
     w.add_name(name)
+    if reranker:
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["no", "yes"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
@@ -125,6 +132,9 @@ def write_model(
         w.add_tensor(b + "attn_k.weight", rnd(n_head_kv * hd, n_embd))
         w.add_tensor(b + "attn_v.weight", rnd(n_head_kv * hd, n_embd))
         w.add_tensor(b + "attn_output.weight", rnd(n_embd, n_head * hd))
+        if reranker:   # qwen3 normalises q and k per head
+            w.add_tensor(b + "attn_q_norm.weight", np.ones(hd, dtype=np.float32))
+            w.add_tensor(b + "attn_k_norm.weight", np.ones(hd, dtype=np.float32))
         w.add_tensor(b + "ffn_norm.weight", ones())
         w.add_tensor(b + "ffn_gate.weight", rnd(n_ff, n_embd))
         w.add_tensor(b + "ffn_up.weight", rnd(n_ff, n_embd))
@@ -133,6 +143,9 @@ def write_model(
     out = rng.standard_normal((nv, n_embd), dtype=np.float32)
     out[:, 0] = [0.0 if ty == T.NORMAL else -20.0 for ty in types]
     w.add_tensor("output.weight", out.astype(dt))
+    if reranker:   # the classifier head: hidden state -> (no, yes); softmax gives the score
+        w.add_tensor("cls.output.weight", (rng.standard_normal((2, n_embd),
+                                                                dtype=np.float32)).astype(dt))
     finish(w)
 
 
@@ -204,8 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--f16", action="store_true")
     ap.add_argument("--mmproj", metavar="PATH")
+    ap.add_argument("--reranker", action="store_true",
+                    help="a qwen3 reranker (rank pooling, classifier head)")
     a = ap.parse_args(argv)
-    write_model(a.out, a.name, a.seed, a.f16)
+    write_model(a.out, a.name, a.seed, a.f16, reranker=a.reranker)
     if a.mmproj:
         write_mmproj(a.mmproj, a.name, a.seed)
 

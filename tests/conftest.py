@@ -53,6 +53,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real qwen3-architecture reranker (rank pooling in its header, a classifier
+    head): llama-server --rerank scores documents with it."""
+    path = tmp_path_factory.mktemp("reranker") / "tiny-rerank.gguf"
+    make_tiny_model.write_model(str(path), name="tiny-rerank", seed=7, reranker=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wider, deeper tiny llama (~35 MB): ~450 tokens/s on one thread, so a 2000-token
     stream lasts seconds. For tests that need an engine busy while other things happen."""

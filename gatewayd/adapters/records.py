@@ -172,11 +172,12 @@ class RecordWriter:
 
 def query(path: Path, *, model: str | None = None, since: float | None = None,
           until: float | None = None, status: int | None = None, outcome: str | None = None,
-          limit: int = 100) -> list[dict[str, Any]]:
+          endpoint: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
     """Newest first. Blocking: call via asyncio.to_thread on the loop."""
     where, args = [], []
     for column, op, value in (("model", "=", model), ("ts", ">=", since), ("ts", "<", until),
-                              ("status", "=", status), ("outcome", "=", outcome)):
+                              ("status", "=", status), ("outcome", "=", outcome),
+                              ("endpoint", "=", endpoint)):
         if value is not None:
             where.append(f"{column} {op} ?")
             args.append(value)

@@ -104,7 +104,8 @@ async def engine_logs(request: web.Request) -> web.Response:
 
 
 async def call_records(request: web.Request) -> web.Response:
-    """Newest first; filters: model, since/until (epoch seconds), status, outcome, limit."""
+    """Newest first; filters: model, endpoint, since/until (epoch seconds), status, outcome,
+    limit."""
     mgr = request.app[ENGINES]
     q = request.query
     try:
@@ -119,7 +120,8 @@ async def call_records(request: web.Request) -> web.Response:
         raise InvalidRequest("limit must be 1..10000", param="limit")
     rows = await asyncio.to_thread(
         records.query, mgr.config.records_file, model=q.get("model"), since=since,
-        until=until, status=status, outcome=q.get("outcome"), limit=limit)
+        until=until, status=status, outcome=q.get("outcome"), endpoint=q.get("endpoint"),
+        limit=limit)
     return web.json_response({"records": rows})
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import MultipartReader, web
 from aiohttp.base_protocol import BaseProtocol
+from aiohttp.helpers import parse_mimetype
 from aiohttp.streams import StreamReader
 
 from gatewayd.adapters.records import CallRecord, RecordWriter
@@ -23,8 +24,15 @@ from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import BodyTooLarge, GatewayError, InvalidRequest
-from gatewayd.core.routing import choose_model
-from gatewayd.http.proxy import Outgoing, Upstreams, forward_headers, relay
+from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
+from gatewayd.http.proxy import (
+    WHISPER_INFERENCE_PATH,
+    Outgoing,
+    Upstreams,
+    as_whisper_translation,
+    forward_headers,
+    relay,
+)
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 
@@ -129,13 +137,21 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                                              "include_usage": True}
                 body = json.dumps(payload).encode()
                 drop_usage = True
+        path_qs = request.path_qs
+        if request.path in TRANSLATION_PATHS:
+            if not multipart:
+                raise InvalidRequest("a translation is a multipart/form-data upload with a "
+                                     "`file` and a `model` field")
+            body = as_whisper_translation(body, _boundary(request))
+            path_qs = WHISPER_INFERENCE_PATH + (f"?{request.query_string}"
+                                                if request.query_string else "")
         if front.config.records_store_text and not multipart:
             record.request_text = _capped(body, front.config.records_text_max_bytes)
         async with front.dispatcher.serve(model_id, autoload=autoload,
                                           counts_as_use=inference) as engine:
             record.engine = engine.unit
             response = await relay(request, front.upstreams, Outgoing(
-                socket=engine.socket, method=request.method, path_qs=request.path_qs,
+                socket=engine.socket, method=request.method, path_qs=path_qs,
                 body=body, headers=forward_headers(request.headers), stream=stream,
                 drop_usage_event=drop_usage), record, t0)
         if front.config.records_store_text and isinstance(response, web.Response) \
@@ -209,6 +225,11 @@ async def multipart_model(request: web.Request, body: bytes) -> str | None:
     except Exception as e:   # the client's bytes: whatever the parser trips on is a 400
         raise InvalidRequest(f"the multipart body cannot be parsed: {e}") from None
     return None
+
+
+def _boundary(request: web.Request) -> str:
+    """The multipart boundary (already proven good: the model field was found with it)."""
+    return str(parse_mimetype(request.headers.get("Content-Type", "")).parameters["boundary"])
 
 
 def _capped(data: bytes, limit: int) -> str:

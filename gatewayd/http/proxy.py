@@ -253,6 +253,18 @@ def _error_code(data: bytes) -> str | None:
     return None
 
 
+WHISPER_INFERENCE_PATH = "/v1/audio/transcriptions"   # the engine's --inference-path
+
+
+def as_whisper_translation(body: bytes, boundary: str) -> bytes:
+    """A /v1/audio/translations request for whisper-server, which has one inference path:
+    the same form with `translate=true` put first (whisper-server reads the first value
+    of a field, so a client's own `translate` cannot turn it off)."""
+    part = (f'--{boundary}\r\nContent-Disposition: form-data; name="translate"\r\n\r\n'
+            "true\r\n").encode()
+    return part + body
+
+
 def normalise_transcription(data: bytes, content_type: str) -> bytes:
     """whisper-server pads `text` (" hello\\n"); OpenAI's has no such whitespace."""
     if content_type.startswith("application/json"):

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -378,6 +379,11 @@ async def test_health_and_admin_records(gw: Gateway) -> None:
     assert [r["model"] for r in rows["records"]] == [None]
     rows = (await (await gw.client.get("/admin/records", params={"model": "a"})).json())
     assert len(rows["records"]) == 1 and rows["records"][0]["status"] == 200
+    await gw.client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+    await gw.records(3)
+    rows = (await (await gw.client.get("/admin/records", params={
+        "endpoint": "/v1/completions"})).json())
+    assert [(r["endpoint"], r["model"]) for r in rows["records"]] == [("/v1/completions", "a")]
     resp = await gw.client.get("/admin/does-not-exist")
     assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
     status = await (await gw.client.get("/admin/status")).json()
@@ -587,3 +593,34 @@ async def test_anthropic_paths_answer_errors_in_anthropics_shape(gw: Gateway) ->
     body = await resp.json()
     assert resp.status == 404 and body["error"]["type"] == "invalid_request_error"
     assert body["available_models"] == ["a", "b", "c"] and "type" not in body
+
+
+async def test_a_translation_is_whispers_transcription_with_translate_set(
+        gw_audio: Gateway) -> None:
+    """whisper-server has one inference path: /v1/audio/translations reaches it as a
+    transcription whose form says translate=true (first, so it cannot be overridden)."""
+    form = aiohttp.FormData()
+    form.add_field("model", "b")
+    form.add_field("translate", "false")
+    form.add_field("file", b"RIFF....", filename="a.wav", content_type="audio/wav")
+    resp = await gw_audio.client.post("/v1/audio/translations?x=1", data=form)
+    assert resp.status == 200 and (await resp.json())["text"] == "hello from b"
+    (seen,) = gw_audio.fakes["b"].requests
+    assert seen.path == "/v1/audio/transcriptions?x=1"
+    fields = re.findall(rb'name="(\w+)"(?:; filename="[^"]*")?\r\n(?:[^\r\n]+\r\n)*\r\n'
+                        rb'([^\r]*)\r\n', seen.body)
+    assert fields[:2] == [(b"translate", b"true"), (b"model", b"b")]
+    assert (b"file", b"RIFF....") in fields
+    (row,) = await gw_audio.records(1)
+    assert row["endpoint"] == "/v1/audio/translations" and row["model"] == "b"
+    resp = await gw_audio.client.post("/v1/audio/translations", json={"model": "b"})
+    assert resp.status == 400 and "multipart" in (await resp.json())["error"]["message"]
+    resp = await gw_audio.client.post("/v1/audio/translations", data=_form("a"))
+    assert resp.status == 400 and "chat model" in (await resp.json())["error"]["message"]
+
+
+def _form(model: str) -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    form.add_field("model", model)
+    form.add_field("file", b"RIFF....", filename="a.wav", content_type="audio/wav")
+    return form

@@ -1,0 +1,140 @@
+"""The official SDKs against the real gateway and real engines: every endpoint they
+reach, plain and streamed, and the errors they raise (unknown model, no model, a model
+of the wrong kind). The exceptions the SDKs raise are the assertions; the call records
+are read back for the usage of every stream format."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.integration.conftest import GatewayFactory
+from tests.integration.gateway_helpers import GatewayService, toml_str
+from tests.integration.test_front_door_e2e import client, records, start
+
+pytestmark = [pytest.mark.systemd, pytest.mark.engine]
+
+
+def claude(gw: GatewayService) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def usage_of(rows: list[dict[str, Any]], endpoint: str, stream: int) -> tuple[Any, Any]:
+    (row,) = [r for r in rows if r["endpoint"] == endpoint and r["stream"] == stream
+              and r["status"] == 200]
+    assert row["outcome"] == "ok", row
+    return row["prompt_tokens"], row["completion_tokens"]
+
+
+def test_anthropic_sdk_messages_plain_streamed_counted_and_its_errors(
+        gateway: GatewayService) -> None:
+    start(gateway, "tiny-alpha", "tiny-beta")
+    sdk = claude(gateway)
+    message = sdk.messages.create(model="tiny-alpha", max_tokens=5,
+                                  messages=[{"role": "user", "content": "hello there"}])
+    assert message.type == "message" and message.content[0].type == "text"
+    assert message.usage.output_tokens == 5 and message.usage.input_tokens > 0
+    with sdk.messages.stream(model="tiny-beta", max_tokens=4,
+                             messages=[{"role": "user", "content": "hi"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.usage.output_tokens == 4 and final.stop_reason == "max_tokens"
+    counted = sdk.messages.count_tokens(model="tiny-alpha",
+                                        messages=[{"role": "user", "content": "hello there"}])
+    assert counted.input_tokens > 0
+
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        sdk.messages.create(model="no-such-model", max_tokens=2,
+                            messages=[{"role": "user", "content": "x"}])
+    assert nf.value.status_code == 404
+    assert nf.value.body["error"]["type"] == "not_found_error"            # type: ignore[index]
+    assert "tiny-alpha" in nf.value.body["available_models"]              # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError) as br:   # two engines ready: which one?
+        sdk.messages.create(model="", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert br.value.body["error"]["type"] == "invalid_request_error"     # type: ignore[index]
+
+    rows = records(gateway, 4, endpoint="/v1/messages")   # 2 answered, 2 refused
+    assert usage_of(rows, "/v1/messages", 0) == (message.usage.input_tokens, 5)
+    assert usage_of(rows, "/v1/messages", 1) == (final.usage.input_tokens, 4)
+
+
+def test_openai_sdk_responses_usage_recorded_and_its_errors(gateway: GatewayService) -> None:
+    start(gateway, "tiny-alpha", "tiny-beta")
+    oa = client(gateway)
+    plain = oa.responses.create(model="tiny-alpha", input="hello there", max_output_tokens=4)
+    assert plain.status == "completed" and plain.usage and plain.usage.output_tokens == 4
+    events = list(oa.responses.create(model="tiny-alpha", input="hello there",
+                                      max_output_tokens=3, stream=True))
+    completed = events[-1]
+    assert completed.type == "response.completed", [e.type for e in events]
+    assert completed.response.usage and completed.response.usage.output_tokens == 3
+    with pytest.raises(openai.NotFoundError) as nf:
+        oa.responses.create(model="no-such-model", input="x")
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as br:
+        oa.chat.completions.create(model="", messages=[{"role": "user", "content": "x"}])
+    assert br.value.code == "model_required"
+    rows = records(gateway, 3, endpoint="/v1/responses")   # 2 answered, 1 refused
+    assert usage_of(rows, "/v1/responses", 0) == (plain.usage.input_tokens, 4)
+    assert usage_of(rows, "/v1/responses", 1) == (completed.response.usage.input_tokens, 3)
+
+
+def test_rerank_by_the_header_and_kinds_kept_apart(
+        gateway_factory: GatewayFactory, tiny_reranker: Path) -> None:
+    """A reranker is known by its GGUF header (rank pooling): no `kind` in the config.
+    /v1/rerank and /v1/reranking reach its llama-server --rerank; a chat model asked to
+    rerank, or the reranker asked to chat, is a 400 that says why."""
+    gw = gateway_factory(extra=(f"[models.rerank]\npath = {toml_str(str(tiny_reranker))}\n"
+                                "threads = 1\n"))
+    oa = client(gw)
+    assert (oa.models.retrieve("rerank").model_extra or {})["kind"] == "rerank"
+    docs = ["hello world", "tiny model", "garbage"]
+    for path in ("/rerank", "/reranking"):   # the SDK's base URL ends in /v1
+        ranked: Any = oa.post(path, cast_to=object, body={
+            "model": "rerank", "query": "hello", "documents": docs})
+        assert sorted(r["index"] for r in ranked["results"]) == [0, 1, 2], ranked
+        assert all(isinstance(r["relevance_score"], float) for r in ranked["results"])
+    with pytest.raises(openai.BadRequestError) as br:
+        oa.chat.completions.create(model="rerank",
+                                   messages=[{"role": "user", "content": "x"}])
+    assert "is a rerank model" in str(br.value)
+    with pytest.raises(openai.BadRequestError) as br:
+        oa.post("/rerank", cast_to=object, body={"model": "tiny-alpha", "query": "q",
+                                                 "documents": ["d"]})
+    assert 'kind = "rerank"' in str(br.value)
+    with pytest.raises(anthropic.BadRequestError):      # in Anthropic's dialect too
+        claude(gw).messages.create(model="rerank", max_tokens=2,
+                                   messages=[{"role": "user", "content": "x"}])
+    rows = records(gw, 2, endpoint="/v1/rerank")     # one answered, one refused
+    assert sorted((r["status"], r["model"] or "") for r in rows) == [(200, "rerank"),
+                                                                     (400, "")]
+
+
+def test_translation_reaches_whisper_as_a_translation(
+        gateway_factory: GatewayFactory, whisper_server: Path, tiny_whisper: Path,
+        tmp_path: Path) -> None:
+    gw = gateway_factory(extra=(
+        f"whisper_server = {toml_str(str(whisper_server))}\n"
+        f"[models.whisper-tiny]\npath = {toml_str(str(tiny_whisper))}\n"
+        'backend = "whisper"\nthreads = 1\n'))
+    wav = tmp_path / "speech.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), "hello world"], check=True)
+    oa = client(gw)
+    with wav.open("rb") as f:
+        translated = oa.audio.translations.create(
+            model="whisper-tiny", file=("speech.wav", f, "audio/wav"),
+            response_format="verbose_json", extra_body={"temperature_inc": 0})
+    assert (translated.model_extra or {})["task"] == "translate"   # whisper's own word
+    with wav.open("rb") as f:
+        transcribed = oa.audio.transcriptions.create(
+            model="whisper-tiny", file=("speech.wav", f, "audio/wav"),
+            response_format="verbose_json", extra_body={"temperature_inc": 0})
+    assert (transcribed.model_extra or {})["task"] == "transcribe"
+    with pytest.raises(openai.BadRequestError) as br, wav.open("rb") as f:
+        oa.audio.translations.create(model="tiny-alpha", file=("speech.wav", f, "audio/wav"))
+    assert "is a chat model" in str(br.value)
