@@ -28,15 +28,20 @@ def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_gguf_fact
 
 
 def inspect(model: ModelConfig, read_facts: FactsReader = read_gguf_facts) -> ModelFile:
-    """Sizes of everything the engine loads, and a llama model's GGUF header facts."""
+    """Sizes of everything the engine loads, and a llama model's GGUF header facts (its
+    projector's too)."""
     size = sum(_size(p) for p in (model.path, model.mmproj) if p)
-    facts = None
-    if model.backend is Backend.LLAMA:
-        try:
-            facts = read_facts(model.path)
-        except OSError:
-            facts = None  # a missing file is reported when the engine is started
-    return ModelFile(size_bytes=size, facts=facts)
+    if model.backend is not Backend.LLAMA:
+        return ModelFile(size_bytes=size)
+    return ModelFile(size_bytes=size, facts=_facts(model.path, read_facts),
+                     mmproj_facts=_facts(model.mmproj, read_facts) if model.mmproj else None)
+
+
+def _facts(path: Path, read_facts: FactsReader) -> GgufFacts | None:
+    try:
+        return read_facts(path)
+    except OSError:
+        return None  # a missing file is reported when the engine is started
 
 
 def _size(path: Path) -> int:

@@ -36,6 +36,7 @@ class Model:
     names: frozenset[str]           # casefolded names that resolve to this model
     facts: GgufFacts | None = None
     size_bytes: int = 0             # bytes on disk of everything it loads (model + mmproj)
+    mmproj_facts: GgufFacts | None = None   # the projector's header: which media it encodes
 
     @property
     def path(self) -> Path:
@@ -62,8 +63,15 @@ class Model:
 
     @property
     def capabilities(self) -> tuple[str, ...]:
-        """What its engine answers (as /v1/models lists it)."""
-        return CAPABILITIES[self.kind]
+        """What its engine answers (as /v1/models lists it). A chat model's projector adds
+        what it encodes: images ("vision"), sound ("transcription": llama-server answers
+        /v1/audio/transcriptions with such a model)."""
+        own = CAPABILITIES[self.kind]
+        projector = self.mmproj_facts
+        if self.kind is not ModelKind.CHAT or projector is None:
+            return own
+        return (*own, *(["vision"] if projector.has_vision_encoder else []),
+                *(["transcription"] if projector.has_audio_encoder else []))
 
     def describe(self) -> dict[str, object]:
         facts = self.facts
@@ -128,6 +136,7 @@ class ModelFile:
 
     size_bytes: int
     facts: GgufFacts | None = None
+    mmproj_facts: GgufFacts | None = None
 
 
 def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
@@ -175,7 +184,8 @@ def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
         names |= {n for n, owners in weak_claims.items() if owners == [model_id]}
         found = files.get(m.path)
         models.append(Model(id=model_id, config=m, names=frozenset(names),
-                            facts=facts[model_id], size_bytes=found.size_bytes if found else 0))
+                            facts=facts[model_id], size_bytes=found.size_bytes if found else 0,
+                            mmproj_facts=found.mmproj_facts if found else None))
     return Catalog(models, ambiguous)
 
 

@@ -55,6 +55,16 @@ class GgufFacts:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property
+    def has_vision_encoder(self) -> bool:
+        """A projector (mmproj) that encodes images."""
+        return self.metadata.get("clip.has_vision_encoder") is True
+
+    @property
+    def has_audio_encoder(self) -> bool:
+        """A projector (mmproj) that encodes sound."""
+        return self.metadata.get("clip.has_audio_encoder") is True
+
+    @property
     def parameter_count(self) -> int | None:
         value = self.metadata.get("general.parameter_count")
         return value if isinstance(value, int) else None

@@ -7,11 +7,13 @@
 - no `model` on a /v1 path: the one ready engine, else 400 model_required.
 - no `model` elsewhere (/props, /metrics, /slots, …): the default engine — the
   configured default_model if it is ready, else the first ready engine.
-Only engines that can answer the path count, by the model's kind
-(catalog.Model.kind): audio paths are whisper's (kind audio); embeddings go
-only to embedding models and rerank only to rerankers, which answer nothing
-that generates; generation goes to chat models. Other llama-server paths
-(/tokenize, /props, /metrics, ...) go to any llama model. A model named for a
+Only engines that can answer the path count, by the model's capabilities
+(catalog.Model.capabilities, which follow its kind): transcriptions go to
+whisper models and to chat models whose mmproj encodes audio, translations to
+whisper models; embeddings go only to embedding models and rerank only to
+rerankers, which answer nothing that generates; generation goes to chat
+models. Other llama-server paths (/tokenize, /props, /metrics, ...) go to any
+llama model, whisper-server's /inference to a whisper model. A model named for a
 path its engine cannot serve is a 400 (never relayed to get the engine's
 404/501).
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gatewayd.core.catalog import Catalog, Model
-from gatewayd.core.config import Backend, ModelKind
+from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import InvalidRequest, ModelNotFound, ModelRequired, NoEngineReady
 
@@ -34,16 +36,20 @@ RERANK_PATHS = frozenset({"/v1/rerank", "/v1/reranking", "/rerank", "/reranking"
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
                               "/completions", "/completion", "/infill", "/v1/responses",
                               "/v1/messages"})
-# the kind a path needs; other paths need only a llama model
-KIND_OF_PATH: dict[str, ModelKind] = {
-    **dict.fromkeys(WHISPER_PATHS, ModelKind.AUDIO),
-    **dict.fromkeys(EMBEDDING_PATHS, ModelKind.EMBEDDING),
-    **dict.fromkeys(RERANK_PATHS, ModelKind.RERANK),
-    **dict.fromkeys(GENERATION_PATHS, ModelKind.CHAT)}
-HOW_TO_MAKE = {ModelKind.EMBEDDING: "an embedding model (kind = \"embedding\")",
-               ModelKind.RERANK: "a reranker (kind = \"rerank\")",
-               ModelKind.CHAT: "a chat model (kind = \"chat\")",
-               ModelKind.AUDIO: "a whisper model (backend = \"whisper\")"}
+# the capability (catalog.Model.capabilities) a path needs; whisper-server's own
+# /inference needs a whisper model; any other path needs a llama model
+CAPABILITY_OF_PATH: dict[str, str] = {
+    "/v1/audio/transcriptions": "transcription", "/audio/transcriptions": "transcription",
+    **dict.fromkeys(TRANSLATION_PATHS, "translation"),
+    **dict.fromkeys(EMBEDDING_PATHS, "embeddings"),
+    **dict.fromkeys(RERANK_PATHS, "rerank"),
+    **dict.fromkeys(GENERATION_PATHS, "completion")}
+HOW_TO_MAKE = {"embeddings": "an embedding model (kind = \"embedding\")",
+               "rerank": "a reranker (kind = \"rerank\")",
+               "completion": "a chat model (kind = \"chat\")",
+               "transcription": "a whisper model (backend = \"whisper\") or a chat model "
+                                "whose mmproj encodes audio",
+               "translation": "a whisper model (backend = \"whisper\")"}
 
 
 def speaks_anthropic(path: str) -> bool:
@@ -54,15 +60,16 @@ def speaks_anthropic(path: str) -> bool:
 
 def why_cannot_serve(model: Model, path: str) -> str | None:
     """Why model's engine cannot answer path (None: it can)."""
-    needed = KIND_OF_PATH.get(path)
+    needed = CAPABILITY_OF_PATH.get(path)
     if needed is None:
-        if model.backend is Backend.LLAMA:
+        engine = Backend.WHISPER if path in WHISPER_PATHS else Backend.LLAMA
+        if model.backend is engine:
             return None
         return (f"model {model.id!r} is a {model.backend.value} model and cannot answer "
-                f"{path} (that needs a llama model)")
-    kind = model.kind
-    if kind is needed:
+                f"{path} (that needs a {engine.value} model)")
+    if needed in model.capabilities:
         return None
+    kind = model.kind
     article = "an" if kind.value[0] in "aeiou" else "a"
     return (f"model {model.id!r} is {article} {kind.value} model ({model.backend.value}) and "
             f"cannot answer {path}: that needs {HOW_TO_MAKE[needed]}; a model's kind is set "
