@@ -52,11 +52,11 @@ def test_anthropic_sdk_messages_plain_streamed_counted_and_its_errors(
         sdk.messages.create(model="no-such-model", max_tokens=2,
                             messages=[{"role": "user", "content": "x"}])
     assert nf.value.status_code == 404
-    assert nf.value.body["error"]["type"] == "not_found_error"            # type: ignore[index]
-    assert "tiny-alpha" in nf.value.body["available_models"]              # type: ignore[index]
+    assert nf.value.body["error"]["type"] == "not_found_error"
+    assert "tiny-alpha" in nf.value.body["available_models"]
     with pytest.raises(anthropic.BadRequestError) as br:   # two engines ready: which one?
         sdk.messages.create(model="", max_tokens=2, messages=[{"role": "user", "content": "x"}])
-    assert br.value.body["error"]["type"] == "invalid_request_error"     # type: ignore[index]
+    assert br.value.body["error"]["type"] == "invalid_request_error"
 
     rows = records(gateway, 4, endpoint="/v1/messages")   # 2 answered, 2 refused
     assert usage_of(rows, "/v1/messages", 0) == (message.usage.input_tokens, 5)
