@@ -5,6 +5,8 @@ are read back for the usage of every stream format."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import pytest
 
 from tests.integration.conftest import GatewayFactory
 from tests.integration.gateway_helpers import GatewayService, toml_str
-from tests.integration.test_front_door_e2e import client, records, start
+from tests.integration.test_front_door_e2e import LONG, client, records, start
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
 
@@ -138,3 +140,31 @@ def test_translation_reaches_whisper_as_a_translation(
     with pytest.raises(openai.BadRequestError) as br, wav.open("rb") as f:
         oa.audio.translations.create(model="tiny-alpha", file=("speech.wav", f, "audio/wav"))
     assert "is a chat model" in str(br.value)
+
+
+def test_engine_killed_mid_stream_makes_each_sdk_raise(
+        gateway_factory: GatewayFactory, tiny_models: dict[str, Path]) -> None:
+    """A Responses stream and an Anthropic stream that the engine breaks off end with their
+    own format's error event, which the SDKs raise on (the status was 200 already)."""
+    gw = gateway_factory(extra=LONG.format(path=toml_str(str(tiny_models["alpha"]))))
+    start(gw, "long")
+
+    def kill_after_3(events: Any) -> None:
+        pid = gw.engines()["long"]["pid"]
+        for n, _ in enumerate(events):
+            if n == 3:
+                os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(openai.APIError) as oa_err:
+        kill_after_3(client(gw).responses.create(model="long", input="go", stream=True,
+                                                 max_output_tokens=60000))
+    assert "engine stopped in the middle" in str(oa_err.value)
+    gw.wait_engine("long", lambda e: e["state"] == "ready" and e["restarts"] == 1)
+    with pytest.raises(anthropic.APIStatusError) as an_err, claude(gw).messages.stream(
+            model="long", max_tokens=60000,
+            messages=[{"role": "user", "content": "go"}]) as stream:
+        kill_after_3(stream)
+    assert "engine stopped in the middle" in str(an_err.value)
+    rows = records(gw, 2, model="long")
+    assert sorted(r["endpoint"] for r in rows) == ["/v1/messages", "/v1/responses"]
+    assert all(r["outcome"] == "engine_failed" and r["status"] == 200 for r in rows), rows
