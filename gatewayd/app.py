@@ -18,6 +18,7 @@ from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.journal import Journalctl
+from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_socket
 from gatewayd.adapters.records import RecordWriter
@@ -158,8 +159,11 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     upstreams = Upstreams(config.read_timeout_s)
     engines.subscribe(lambda old, new: upstreams.forget(new.socket)
                       if old.holds_slot and not new.holds_slot else None)
+    metrics = GatewayMetrics()
+    engines.subscribe(lambda old, new: metrics.on_engine_change(
+        old, new, engines.stop_reasons.get(new.model_id)))
     app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES],
-                                                 app[DISPATCHER], upstreams, records)
+                                                 app[DISPATCHER], upstreams, records, metrics)
     try:
         yield
     finally:

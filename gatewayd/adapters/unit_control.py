@@ -187,6 +187,7 @@ def info_from_properties(unit: str, unit_props: dict[str, Any],
                          service: dict[str, Any]) -> EngineUnitInfo:
     env = dict(item.split("=", 1) for item in service.get("Environment", []) if "=" in item)
     memory = service.get("MemoryCurrent")
+    cpu = service.get("CPUUsageNSec")
     return EngineUnitInfo(
         unit=unit,
         model_id=env.get(MODEL_ENV),
@@ -196,6 +197,7 @@ def info_from_properties(unit: str, unit_props: dict[str, Any],
         main_pid=int(service.get("MainPID", 0)),
         n_restarts=int(service.get("NRestarts", 0)),
         memory_bytes=None if memory in (None, _UNSET) else int(memory),
+        cpu_ns=None if cpu in (None, _UNSET) else int(cpu),
         started_at_us=int(service.get("ExecMainStartTimestamp", 0)),
     )
 

@@ -101,7 +101,8 @@ def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
     threads = ["-t", str(mc.threads)] if mc.threads else []
     if model.backend is Backend.LLAMA:
         argv = [binary, "--host", layout.socket,
-                "-m", str(mc.path), "--alias", model.id, *threads]
+                "-m", str(mc.path), "--alias", model.id, *threads,
+                *([] if "--metrics" in mc.args else ["--metrics"])]   # /admin/metrics?engines=1
         if mc.mmproj:
             argv += ["--mmproj", str(mc.mmproj)]
         if mc.ctx_size:

@@ -28,6 +28,7 @@ class EngineUnitInfo:
     n_restarts: int
     memory_bytes: int | None    # systemd's MemoryCurrent (cgroup accounting)
     started_at_us: int          # ExecMainStartTimestamp (µs since the epoch), 0 if never
+    cpu_ns: int | None = None   # systemd's CPUUsageNSec (cgroup accounting)
 
 
 UnitWatcher = Callable[[str, Mapping[str, Any]], None]

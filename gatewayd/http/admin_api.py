@@ -11,14 +11,20 @@ import json
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from gatewayd.adapters import records
 from gatewayd.adapters.events import EventHub
+from gatewayd.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gatewayd.adapters.metrics import EngineFigures, Snapshot
+from gatewayd.core.budget import MIB
+from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
+from gatewayd.http.proxy import Upstreams
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -27,6 +33,7 @@ ENGINES = web.AppKey("engines", EngineManager)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 EVENTS = web.AppKey("events", EventHub)
 HEARTBEAT_S = 15.0
+ENGINE_METRICS_TIMEOUT_S = 2.0
 MAX_LOG_LINES = 10_000
 
 
@@ -39,6 +46,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/engines/logs", engine_logs)
     app.router.add_get("/admin/records", call_records)
     app.router.add_get("/admin/events", follow_events)
+    app.router.add_get("/admin/metrics", metrics)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -123,6 +131,57 @@ async def call_records(request: web.Request) -> web.Response:
         until=until, status=status, outcome=q.get("outcome"), endpoint=q.get("endpoint"),
         limit=limit)
     return web.json_response({"records": rows})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus exposition: the gateway's counters plus the current figures (engine
+    states, queues, systemd's memory and CPU per engine unit, GPU memory); with
+    ?engines=1 also every ready llama engine's own /metrics, labelled by model."""
+    mgr, front = request.app[ENGINES], request.app[openai_api.FRONT]
+    if front.metrics is None:
+        raise web.HTTPNotFound()
+    dispatcher = request.app.get(DISPATCHER)
+    uses = {u.model_id: u for u in dispatcher.usages()} if dispatcher is not None else {}
+    snapshot = Snapshot(max_engines=mgr.config.max_engines,
+                        records_dropped=front.records.dropped if front.records else 0)
+    engines = mgr.engines()
+    infos = await asyncio.gather(*(mgr.info(e) for e in engines))
+    for engine, info in zip(engines, infos, strict=True):
+        use = uses.get(engine.model_id)
+        snapshot.engines.append(EngineFigures(
+            model=engine.model_id, state=engine.state.value, restarts=engine.restarts,
+            in_flight=use.in_flight if use else 0, queued=use.queued if use else 0,
+            memory_bytes=info.memory_bytes if info else None,
+            cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None))
+    whole = mgr.gpu.memory()
+    for device in whole.devices if whole else ():
+        one = mgr.gpu.memory(device)
+        if one is not None:
+            snapshot.gpus.append((device, (one.total_mib - one.free_mib) * MIB,
+                                  one.total_mib * MIB))
+    own = None
+    if request.query.get("engines") in ("1", "true"):
+        own = await _engine_metrics(front.upstreams, [
+            e for e in engines if e.state is EngineState.READY
+            and (model := mgr.catalog.get(e.model_id)) is not None
+            and model.backend is Backend.LLAMA])
+    return web.Response(body=front.metrics.render(snapshot, own),
+                        headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def _engine_metrics(upstreams: Upstreams, engines: list[Engine]) -> dict[str, str]:
+    """Each engine's own /metrics text (llama-server --metrics); one that does not answer
+    in time is left out, never the whole scrape."""
+    async def one(engine: Engine) -> tuple[str, str | None]:
+        try:
+            session = upstreams.session(engine.socket, stream=False)
+            async with asyncio.timeout(ENGINE_METRICS_TIMEOUT_S), \
+                    session.get("http://engine/metrics") as resp:
+                return engine.model_id, (await resp.text()) if resp.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return engine.model_id, None
+    found = await asyncio.gather(*(one(e) for e in engines))
+    return {model: text for model, text in found if text is not None}
 
 
 def _ledger(request: web.Request) -> dict[str, int] | None:

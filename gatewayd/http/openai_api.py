@@ -18,6 +18,7 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import parse_mimetype
 from aiohttp.streams import StreamReader
 
+from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.core.budget import model_need_mib
 from gatewayd.core.catalog import Model
@@ -50,6 +51,7 @@ class FrontDoor:
     dispatcher: Dispatcher
     upstreams: Upstreams
     records: RecordWriter | None
+    metrics: GatewayMetrics | None = None
 
 
 FRONT = web.AppKey("front", FrontDoor)
@@ -172,6 +174,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         record.latency_ms = (time.monotonic() - t0) * 1000
         if front.records is not None:
             front.records.add(record)
+        if front.metrics is not None:
+            front.metrics.observe_call(record)
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

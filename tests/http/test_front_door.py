@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.adapters import records
 from gatewayd.app import DISPATCHER, build_app
@@ -624,3 +625,75 @@ def _form(model: str) -> aiohttp.FormData:
     form.add_field("model", model)
     form.add_field("file", b"RIFF....", filename="a.wav", content_type="audio/wav")
     return form
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+           **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
+    """/admin/metrics after known traffic: requests and tokens per model, a start (with its
+    load time), an eviction, a 429, engine states and queues; ?engines=1 adds each
+    engine's own metrics with a model label."""
+    async for gw in _gateway(tmp_path, ("a", "b"), max_engines=2,
+                             models_config={"a": {"max_concurrency": 1}}):
+        for _ in range(3):
+            assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+        held = await gw.client.post("/v1/chat/completions",
+                                    json=chat("a", prompt="slow 200", stream=True))
+        assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 429
+        await held.read()
+        assert (await gw.client.post("/v1/chat/completions", json=chat("b"))).status == 200
+        # c is stopped and both slots are taken: starting it evicts the idle one (a)
+        assert (await gw.client.post("/v1/completions", json={
+            "model": "c", "prompt": "x", "max_tokens": 2})).status == 200
+        assert (await gw.client.post("/v1/chat/completions", json=chat("nope"))).status == 404
+        await gw.records(7)
+        resp = await gw.client.get("/admin/metrics")
+        assert resp.status == 200 and resp.content_type == "text/plain"
+        m = _samples(await resp.text())
+        req = "llm_gateway_requests_total"
+        assert _value(m, req, model="a", endpoint="/v1/chat/completions", status="200") == 4
+        assert _value(m, req, model="a", endpoint="/v1/chat/completions", status="429") == 1
+        assert _value(m, req, model="c", endpoint="/v1/completions", status="200") == 1
+        assert _value(m, req, model="", endpoint="/v1/chat/completions", status="404") == 1
+        assert _value(m, "llm_gateway_rejected_total", model="a",
+                      reason="concurrency_limit") == 1
+        # the fake engine's usage: completion = max_tokens, prompt = words + 10
+        assert _value(m, "llm_gateway_tokens_total", model="a", kind="completion") == 16
+        assert _value(m, "llm_gateway_tokens_total", model="c", kind="completion") == 2
+        assert _value(m, "llm_gateway_tokens_total", model="c", kind="prompt") == 11
+        assert _value(m, "llm_gateway_engine_starts_total", model="c", result="ok") == 1
+        assert _value(m, "llm_gateway_engine_load_seconds_count", model="c") == 1
+        assert _value(m, "llm_gateway_evictions_total", reason="evicted") == 1
+        assert _value(m, "llm_gateway_request_duration_seconds_count", model="a",
+                      endpoint="/v1/chat/completions") == 5
+        assert _value(m, "llm_gateway_time_to_first_token_seconds_count", model="a") == 1
+        assert _value(m, "llm_gateway_engine_state", model="c", state="ready") == 1
+        assert _value(m, "llm_gateway_engine_state", model="c", state="stopped") == 0
+        assert _value(m, "llm_gateway_engine_state", model="b", state="ready") == 1
+        assert _value(m, "llm_gateway_engine_state", model="a", state="ready") is None  # gone
+        assert _value(m, "llm_gateway_queue_depth", model="b") == 0
+        assert _value(m, "llm_gateway_records_dropped_total") == 0
+        assert _value(m, "llm_gateway_max_engines") == 2
+        resp = await gw.client.get("/admin/metrics", params={"engines": "1"})
+        m = _samples(await resp.text())
+        assert _value(m, "llamacpp_requests_processing", fake="b", model="b") == 0
+        assert _value(m, "llamacpp_requests_processing", fake="c", model="c") == 0
+
+
+async def test_metrics_endpoint_label_is_bounded(gw: Gateway) -> None:
+    """Paths a client invents are counted as "other": the series cannot grow without end."""
+    for i in range(5):
+        await gw.client.post(f"/made-up-{i}?model=a", json={})
+    await gw.records(5)
+    m = _samples(await (await gw.client.get("/admin/metrics")).text())
+    endpoints = {dict(labels).get("endpoint") for name, labels in m
+                 if name == "llm_gateway_requests_total"}
+    assert endpoints == {"other"}

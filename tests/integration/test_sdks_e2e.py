@@ -8,15 +8,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import GatewayFactory
-from tests.integration.gateway_helpers import GatewayService, toml_str
+from tests.integration.gateway_helpers import GatewayService, toml_str, unit_property
 from tests.integration.test_front_door_e2e import LONG, client, records, start
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
@@ -168,3 +170,32 @@ def test_engine_killed_mid_stream_makes_each_sdk_raise(
     rows = records(gw, 2, model="long")
     assert sorted(r["endpoint"] for r in rows) == ["/v1/messages", "/v1/responses"]
     assert all(r["outcome"] == "engine_failed" and r["status"] == 200 for r in rows), rows
+
+
+def test_metrics_from_systemd_and_the_engines_own(gateway: GatewayService) -> None:
+    """A scrape after real traffic: the call counted, the engine's memory and CPU read from
+    systemd's accounting of its unit, and llama-server's own metrics labelled by model."""
+    start(gateway, "tiny-alpha")
+    client(gateway).chat.completions.create(
+        model="tiny-alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    records(gateway, 1, model="tiny-alpha")
+    with urllib.request.urlopen(gateway.url + "/admin/metrics?engines=1", timeout=30) as resp:
+        text = resp.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    model = (("model", "tiny-alpha"),)
+    assert samples[("llm_gateway_requests_total", (
+        ("endpoint", "/v1/chat/completions"), ("model", "tiny-alpha"), ("status", "200")))] == 1
+    assert samples[("llm_gateway_tokens_total", (("kind", "completion"), *model))] == 3
+    # systemd's own figures for the unit; where its cgroup accounting has none (a cgroup
+    # v1 host gives the container no memory controller), the metric is absent, never 0
+    unit = gateway.engines()["tiny-alpha"]["unit"]
+    for metric, prop, scale in (("llm_gateway_engine_memory_bytes", "MemoryCurrent", 1),
+                                ("llm_gateway_engine_cpu_seconds_total", "CPUUsageNSec", 1e9)):
+        told = unit_property(unit, prop)
+        if told.isdigit():
+            assert 0 < samples[(metric, model)] <= 2 * int(told) / scale, (metric, told)
+        else:
+            assert (metric, model) not in samples, (metric, told)
+    assert samples[("llm_gateway_engine_state", (*model, ("state", "ready")))] == 1
+    assert samples[("llamacpp_prompt_tokens_total", model)] > 0     # llama-server's own

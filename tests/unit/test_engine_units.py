@@ -78,8 +78,8 @@ def test_llama_spec(tmp_path: Path) -> None:
     spec = transient_spec(model, layout, config.llama_server)
     assert spec.name == "llm-engine-my\\x20model.service"
     assert spec.argv == ["/opt/llama-server", "--host", layout.socket, "-m", str(model.path),
-                         "--alias", "my model", "-t", "2", "--mmproj", str(tmp_path / "p.gguf"),
-                         "-c", "4096", "--flash-attn", "on"]
+                         "--alias", "my model", "-t", "2", "--metrics",
+                         "--mmproj", str(tmp_path / "p.gguf"), "-c", "4096", "--flash-attn", "on"]
     props = {name: (sig, value) for name, sig, value in spec.properties()}
     assert props["ExecStartPre"][1][0][1] == ["/bin/rm", "-f", "--", layout.socket]
     assert props["MemoryMax"] == ("t", 8 << 30)

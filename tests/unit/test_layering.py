@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "http": {"core", "service", "adapters", "http"},
 }
 THIRD_PARTY_ALLOWED = {"core": False, "service": False, "adapters": True, "http": True}
-ADAPTER_LIBRARIES = ["aiohttp", "dbus_fast", "sdnotify", "pynvml", "sqlite3", "gguf", "numpy"]
+ADAPTER_LIBRARIES = ["aiohttp", "dbus_fast", "sdnotify", "pynvml", "sqlite3", "gguf", "numpy",
+                     "prometheus_client"]
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:

@@ -1,0 +1,228 @@
+"""Prometheus metrics (prometheus_client): what the gateway counts as it goes, and what
+it reads at scrape time.
+
+On the request path there is only `observe_call`, once per finished call (the
+same moment its record is queued): a few counter increments and two histogram
+observations on label children cached by key, so a call costs a dictionary
+lookup per figure. Engine starts, loads and evictions are counted from the
+engine manager's state changes. Everything that is a current value (engine
+states, queues, in-flight requests, systemd's memory and CPU per unit, GPU
+memory, restarts) is read only when someone scrapes (`Snapshot`), so it costs
+nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from gatewayd.adapters.records import CallRecord
+from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.routing import CAPABILITY_OF_PATH, WHISPER_PATHS
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# endpoint label values: the paths the gateway knows; anything else is "other", so a
+# client inventing paths cannot grow the number of series without bound
+KNOWN_ENDPOINTS = frozenset({
+    *CAPABILITY_OF_PATH, *WHISPER_PATHS, "/v1/responses/input_tokens",
+    "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/apply-template", "/props",
+    "/metrics", "/slots", "/v1/models"})
+# why a request was turned away (429/503), by the error code it got
+REJECTIONS = frozenset({"concurrency_limit", "queue_full", "engine_limit_reached",
+                        "insufficient_gpu", "model_not_loaded", "no_engine_ready"})
+EVICTION_REASONS = frozenset({"evicted", "idle_ttl"})
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+LOAD_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    """The counters and histograms; `render` adds the scrape-time figures."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("llm_gateway_requests", "Requests answered, by status",
+                                ["model", "endpoint", "status"], registry=r)
+        self.duration = Histogram("llm_gateway_request_duration_seconds",
+                                  "Time from request to the end of the answer",
+                                  ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("llm_gateway_time_to_first_token_seconds",
+                              "Time from request to the first streamed event", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("llm_gateway_tokens", "Tokens, as the engines counted them",
+                              ["model", "kind"], registry=r)
+        self.rejected = Counter("llm_gateway_rejected",
+                                "Requests turned away (429/503), by reason",
+                                ["model", "reason"], registry=r)
+        self.starts = Counter("llm_gateway_engine_starts", "Engine starts, by result",
+                              ["model", "result"], registry=r)
+        self.load = Histogram("llm_gateway_engine_load_seconds",
+                              "Time from an engine's start to ready", ["model"],
+                              buckets=LOAD_BUCKETS, registry=r)
+        self.evictions = Counter("llm_gateway_evictions",
+                                 "Engines stopped by the gateway to make room or when idle",
+                                 ["reason"], registry=r)
+        self._clock = clock
+        self._children: dict[tuple[Any, ...], Any] = {}
+        self._started: dict[str, float] = {}
+
+    # -- the request path ------------------------------------------------------------
+
+    def observe_call(self, record: CallRecord) -> None:
+        model = record.model or ""
+        endpoint = record.endpoint if record.endpoint in KNOWN_ENDPOINTS else "other"
+        status = record.status
+        self._child(self.requests, model, endpoint, str(status)).inc()
+        self._child(self.duration, model, endpoint).observe(record.latency_ms / 1000)
+        if record.ttft_ms is not None:
+            self._child(self.ttft, model).observe(record.ttft_ms / 1000)
+        if record.prompt_tokens:
+            self._child(self.tokens, model, "prompt").inc(record.prompt_tokens)
+        if record.completion_tokens:
+            self._child(self.tokens, model, "completion").inc(record.completion_tokens)
+        if status in (429, 503) and record.error_code in REJECTIONS:
+            self._child(self.rejected, model, record.error_code).inc()
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    # -- engine state changes ----------------------------------------------------------
+
+    def on_engine_change(self, old: Engine, new: Engine, stop_reason: str | None) -> None:
+        if old.state is new.state:
+            return
+        model = new.model_id
+        if new.state is EngineState.STARTING:
+            self._started[model] = self._clock()
+        elif new.state is EngineState.READY and old.state in (EngineState.STARTING,
+                                                              EngineState.LOADING):
+            self._child(self.starts, model, "ok").inc()
+            started = self._started.pop(model, None)
+            if started is not None:
+                self._child(self.load, model).observe(self._clock() - started)
+        elif new.state is EngineState.FAILED and old.state in (EngineState.STARTING,
+                                                               EngineState.LOADING):
+            self._child(self.starts, model, "failed").inc()
+            self._started.pop(model, None)
+        elif new.state is EngineState.STOPPING and stop_reason in EVICTION_REASONS:
+            self.evictions.labels(stop_reason).inc()
+
+    # -- a scrape ------------------------------------------------------------------------
+
+    def render(self, snapshot: Snapshot, engine_metrics: Mapping[str, str] | None = None
+               ) -> bytes:
+        """The exposition: the counters, the snapshot's figures, and (if given) each
+        engine's own metrics with a `model` label."""
+        out = generate_latest(self.registry) + generate_latest(_Once(snapshot.families()))
+        if engine_metrics:
+            out += generate_latest(_Once(relabel(engine_metrics)))
+        return out
+
+
+@dataclass
+class EngineFigures:
+    model: str
+    state: str
+    restarts: int
+    in_flight: int = 0
+    queued: int = 0
+    memory_bytes: int | None = None     # systemd's MemoryCurrent
+    cpu_seconds: float | None = None    # systemd's CPUUsageNSec
+
+
+@dataclass
+class Snapshot:
+    """Current values, read when the scrape comes."""
+
+    engines: list[EngineFigures] = field(default_factory=list)
+    gpus: list[tuple[str, int, int]] = field(default_factory=list)  # (device, used, total) B
+    records_dropped: int = 0
+    max_engines: int = 0
+
+    def families(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily("llm_gateway_engine_state",
+                                  "1 for the engine's current state", labels=["model", "state"])
+        restarts = CounterMetricFamily("llm_gateway_engine_restarts",
+                                       "systemd's NRestarts of the engine's unit", labels=["model"])
+        in_flight = GaugeMetricFamily("llm_gateway_requests_in_flight",
+                                      "Requests an engine is serving", labels=["model"])
+        queued = GaugeMetricFamily("llm_gateway_queue_depth",
+                                   "Requests waiting for an engine", labels=["model"])
+        memory = GaugeMetricFamily("llm_gateway_engine_memory_bytes",
+                                   "Memory of the engine's cgroup (systemd's MemoryCurrent)",
+                                   labels=["model"])
+        cpu = CounterMetricFamily("llm_gateway_engine_cpu_seconds",
+                                  "CPU time of the engine's cgroup (systemd's CPUUsageNSec)",
+                                  labels=["model"])
+        for e in self.engines:
+            for s in EngineState:
+                state.add_metric([e.model, s.value], 1.0 if s.value == e.state else 0.0)
+            restarts.add_metric([e.model], e.restarts)
+            in_flight.add_metric([e.model], e.in_flight)
+            queued.add_metric([e.model], e.queued)
+            if e.memory_bytes is not None:
+                memory.add_metric([e.model], e.memory_bytes)
+            if e.cpu_seconds is not None:
+                cpu.add_metric([e.model], e.cpu_seconds)
+        yield from (state, restarts, in_flight, queued, memory, cpu)
+        used = GaugeMetricFamily("llm_gateway_gpu_memory_used_bytes", "GPU memory in use (NVML)",
+                                 labels=["device"])
+        total = GaugeMetricFamily("llm_gateway_gpu_memory_total_bytes", "GPU memory (NVML)",
+                                  labels=["device"])
+        for device, used_b, total_b in self.gpus:
+            used.add_metric([device], used_b)
+            total.add_metric([device], total_b)
+        yield from (used, total)
+        yield CounterMetricFamily("llm_gateway_records_dropped",
+                                  "Call records that could not be written",
+                                  value=self.records_dropped)
+        yield GaugeMetricFamily("llm_gateway_engines_running",
+                                "Engines holding a slot (starting, loading, ready, stopping)",
+                                value=sum(1 for e in self.engines if e.state in
+                                          ("starting", "loading", "ready", "stopping")))
+        yield GaugeMetricFamily("llm_gateway_max_engines", "The configured max_engines",
+                                value=self.max_engines)
+
+
+def relabel(engine_metrics: Mapping[str, str]) -> list[Metric]:
+    """Each engine's own exposition (llama-server's /metrics), merged family by family
+    with a `model` label, so one scrape covers every engine."""
+    merged: dict[str, Metric] = {}
+    for model, text in engine_metrics.items():
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue   # an engine that answered something else: skip it, not the scrape
+        for family in families:
+            name = _safe_name(family.name)
+            into = merged.setdefault(name, Metric(name, family.documentation, family.type))
+            for sample in family.samples:
+                into.add_sample(_safe_name(sample.name), {**sample.labels, "model": model},
+                                sample.value, sample.timestamp)
+    return list(merged.values())
+
+
+def _safe_name(name: str) -> str:
+    """llama-server names its metrics `llamacpp:...`; a colon is legal but reserved for
+    recording rules, so it becomes an underscore."""
+    return name.replace(":", "_")
+
+
+class _Once:
+    """A collector over families already made (for generate_latest)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
