@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from importlib import resources
 from typing import Any
 
 import aiohttp
@@ -38,6 +39,8 @@ MAX_LOG_LINES = 10_000
 
 
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin", status_page)
+    app.router.add_get("/admin/", status_page)
     app.router.add_get("/admin/status", status)
     app.router.add_get("/admin/models", models)
     app.router.add_get("/admin/engines", list_engines)
@@ -47,6 +50,16 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/records", call_records)
     app.router.add_get("/admin/events", follow_events)
     app.router.add_get("/admin/metrics", metrics)
+
+
+STATUS_PAGE = (resources.files("gatewayd.http") / "status_page.html").read_bytes()
+
+
+async def status_page(request: web.Request) -> web.Response:
+    """The status page: one self-contained file (no build step, no CDN) that reads this
+    API and follows /admin/events."""
+    return web.Response(body=STATUS_PAGE, content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-cache"})
 
 
 async def status(request: web.Request) -> web.Response:
@@ -75,9 +88,14 @@ async def models(request: web.Request) -> web.Response:
 
 async def list_engines(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
+    dispatcher = request.app.get(DISPATCHER)
+    uses = {u.model_id: u for u in dispatcher.usages()} if dispatcher is not None else {}
     rows = []
     for engine in mgr.engines():
-        rows.append(engine_json(engine, await mgr.info(engine)))
+        row = engine_json(engine, await mgr.info(engine))
+        use = uses.get(engine.model_id)
+        row["in_flight"], row["queued"] = (use.in_flight, use.queued) if use else (0, 0)
+        rows.append(row)
     return web.json_response({"engines": rows})
 
 

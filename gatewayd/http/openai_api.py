@@ -59,6 +59,7 @@ FRONT = web.AppKey("front", FrontDoor)
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
+    app.router.add_get("/favicon.ico", no_icon)   # browsers ask; no engine should be woken
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_route("*", "/admin/{tail:.*}", admin_not_found)
@@ -69,6 +70,10 @@ async def health(request: web.Request) -> web.Response:
     engines = request.app[FRONT].engines.engines()
     ready = sum(1 for e in engines if e.state is EngineState.READY)
     return web.json_response({"status": "ok", "engines_ready": ready})
+
+
+async def no_icon(request: web.Request) -> web.Response:
+    return web.Response(status=204)
 
 
 async def admin_not_found(request: web.Request) -> web.Response:

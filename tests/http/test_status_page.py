@@ -1,0 +1,74 @@
+"""The status page at /admin/, in a real headless Chromium (Debian's package), against
+the gateway's real HTTP stack with fake engines: the page loads, its script runs
+without errors, the engines appear with their states, a start from the page's own
+button and a stop from outside both arrive live (no reload), the journal shows on
+demand, it fits a phone's width, and its screenshot is a real image."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.browser import browser_page, png_size
+from tests.http.test_front_door import _gateway, chat
+
+pytestmark = pytest.mark.slow
+
+DOCS_SHOT = Path(__file__).resolve().parents[2] / "docs" / "status-page.png"
+
+
+def state_of(model: str) -> str:
+    return (f"(document.querySelector('#engines tr[data-model={json.dumps(model)}] .state') "
+            "|| {}).textContent")
+
+
+async def test_status_page_shows_engines_and_follows_them_live(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a", "b")):
+        assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+        await gw.records(1)
+        url = str(gw.client.make_url("/admin/"))
+        async with browser_page() as page:
+            await page.goto(url)
+            assert await page.evaluate("document.title") == "llm-gateway"
+            await page.wait_for(f"{state_of('a')} === 'ready' && {state_of('b')} === 'ready' "
+                                f"&& {state_of('c')} === 'stopped'", what="the engines")
+            await page.wait_for("document.getElementById('live').textContent === 'live'",
+                                what="the event feed")
+            await page.wait_for("document.querySelectorAll('#calls tbody tr').length === 1 && "
+                                "document.querySelector('#calls tbody tr').textContent"
+                                ".includes('/v1/chat/completions')", what="the last call")
+            await page.evaluate("window.sameDocument = true")
+            # the page's own start button, through the admin API
+            await page.evaluate("document.querySelector('#engines tr[data-model=\"c\"] "
+                                "button').click()")
+            await page.wait_for(f"{state_of('c')} === 'ready'", what="c started from the page")
+            assert gw.engines.get("c") is not None
+            # a change made elsewhere arrives over the event feed
+            await gw.client.post("/admin/engines/stop", json={"model": "b"})
+            await page.wait_for(f"{state_of('b')} === 'stopped'", what="b's stop, live")
+            assert await page.evaluate("window.sameDocument") is True     # never reloaded
+            # the journal, on demand
+            await page.evaluate("[...document.querySelectorAll('#engines tr[data-model=\"a\"] "
+                                "button')].find(b => b.textContent === 'logs').click()")
+            await page.wait_for("!document.getElementById('logs').hidden", what="the journal")
+            shot = await page.screenshot(tmp_path / "status.png")
+            width, height = png_size(shot)
+            assert width == 1100 and height >= 400 and shot.stat().st_size > 10_000
+            assert page.errors == []
+        rows = await gw.records(1)
+        assert {r["endpoint"] for r in rows} == {"/v1/chat/completions"}  # the page calls no engine
+        if DOCS_SHOT.parent.is_dir() and not DOCS_SHOT.exists():
+            shutil.copy(shot, DOCS_SHOT)   # the picture in the docs (refresh: delete it)
+
+
+async def test_status_page_fits_a_phone(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a",)):
+        async with browser_page(width=390, height=844) as page:
+            await page.goto(str(gw.client.make_url("/admin")))
+            await page.wait_for(f"{state_of('a')} === 'ready'", what="the engines")
+            # wide tables scroll inside their box; the page itself never scrolls sideways
+            assert await page.evaluate("document.documentElement.scrollWidth") <= 390
+            assert page.errors == []
