@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="how the gateway runs engines, GPU, counts")
     sub.add_parser("models", help="the models the gateway knows")
     sub.add_parser("engines", help="engines: state, unit, PID, memory, restarts, uptime")
+    p = sub.add_parser("top", help="engines, queues and traffic, refreshed (Ctrl-C ends)")
+    p.add_argument("-d", "--delay", type=float, default=2.0, help="seconds between frames")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
     for verb in ("start", "stop"):
         p = sub.add_parser(verb, help=f"{verb} a model's engine")
         p.add_argument("model")
@@ -87,14 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(args: argparse.Namespace, url: str) -> int:
     if args.command == "status":
         out = call(url, "GET", "/admin/status")
-        show(args, out, lambda: [f"{k}: {v}" for k, v in out.items()])
+        show(args, out, lambda: status_lines(out))
     elif args.command == "models":
         out = call(url, "GET", "/admin/models")
         show(args, out, lambda: model_lines(out["models"]))
     elif args.command == "engines":
         out = call(url, "GET", "/admin/engines")
-        show(args, out, lambda: table(out["engines"], ["model", "state", "unit", "pid",
-                                                       "restarts", "uptime_s", "memory_bytes"]))
+        show(args, out, lambda: engine_lines(out["engines"]))
+    elif args.command == "top":
+        top(url, delay=args.delay, once=args.once, as_json=args.json)
     elif args.command in ("start", "stop"):
         out = call(url, "POST", f"/admin/engines/{args.command}", {"model": args.model})
         engine = out["engine"]
@@ -124,10 +128,125 @@ def run_command(args: argparse.Namespace, url: str) -> int:
     return 0
 
 
+def status_lines(out: dict[str, Any]) -> list[str]:
+    engines = ", ".join(f"{n} {state}" for state, n in out["engines"].items()) or "none"
+    gpu = out.get("gpu_memory_mib")
+    memory = "-" if gpu is None else (
+        f"{size(gpu['free'] * MIB)} free of {size(gpu['total'] * MIB)} (engines "
+        f"{size(gpu['held_by_engines'] * MIB)}, loading {size(gpu['pending_loads'] * MIB)}, "
+        f"other processes {size(gpu['external'] * MIB)})")
+    return [f"engines: {engines} (at most {out['max_engines']})",
+            f"models: {out['models']}",
+            f"systemd: {out['systemd_manager']} manager, {out['unit_mode']} units",
+            f"GPU: {out['gpu']}",
+            f"GPU memory: {memory}",
+            f"restored after a reboot: {', '.join(out['desired']) or 'none'}",
+            f"config: {out['config'] or '-'}",
+            f"records dropped: {out['records_dropped']}"]
+
+
+def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
+    rows = [{**e, "pid": e["pid"], "uptime": duration(e["uptime_s"]),
+             "memory": size(e["memory_bytes"]),
+             "reason": (e.get("failure") or {}).get("reason")} for e in engines]
+    return table(rows, ["model", "state", "unit", "pid", "restarts", "uptime", "memory",
+                        "in_flight", "queued", "reason"])
+
+
+MIB = 1024 * 1024
+
+
+def size(value: int | None) -> str | None:
+    """Bytes as people read them: 631 KiB, 1.2 GiB (None stays None: shown as '-')."""
+    if value is None:
+        return None
+    if value < 1024:
+        return f"{value} B"
+    amount = float(value)
+    for unit in ("KiB", "MiB", "GiB"):
+        amount /= 1024
+        if amount < 1024:
+            return f"{amount:.1f} {unit}"
+    return f"{amount / 1024:.1f} TiB"
+
+
+def duration(seconds: float | None) -> str | None:
+    """3m12s, 2h05m, 41s (None stays None)."""
+    if seconds is None:
+        return None
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def top(url: str, *, delay: float, once: bool, as_json: bool) -> None:
+    """Frames of engines, queues and traffic until Ctrl-C; --once prints one."""
+    try:
+        while True:
+            frame = top_frame(url)
+            if as_json:
+                print(json.dumps(frame), flush=True)
+            else:
+                if not once:
+                    print("\x1b[H\x1b[2J", end="")    # home, clear: a refreshed screen
+                print("\n".join(top_lines(frame)), flush=True)
+            if once:
+                return
+            time.sleep(delay)
+    except KeyboardInterrupt:
+        pass
+
+
+def top_frame(url: str) -> dict[str, Any]:
+    return {"status": call(url, "GET", "/admin/status"),
+            "engines": call(url, "GET", "/admin/engines")["engines"],
+            "records": call(url, "GET", "/admin/records?limit=8")["records"],
+            "traffic": traffic(call_text(url, "/admin/metrics"))}
+
+
+def traffic(metrics_text: str) -> dict[str, dict[str, float]]:
+    """Per model: requests, errors (4xx/5xx), tokens in and out, from /admin/metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    per: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            model = s.labels.get("model")
+            if not model:
+                continue
+            row = per.setdefault(model, dict.fromkeys(
+                ("requests", "errors", "tokens_in", "tokens_out"), 0.0))
+            if s.name == "llm_gateway_requests_total":
+                row["requests"] += s.value
+                if int(s.labels.get("status", "0")) >= 400:
+                    row["errors"] += s.value
+            elif s.name == "llm_gateway_tokens_total":
+                row["tokens_in" if s.labels.get("kind") == "prompt" else "tokens_out"] += s.value
+    return per
+
+
+def top_lines(frame: dict[str, Any]) -> list[str]:
+    status, traffic_ = frame["status"], frame["traffic"]
+    lines = [f"llm-gateway  {time.strftime('%H:%M:%S')}  " + status_lines(status)[0], ""]
+    lines += engine_lines(frame["engines"])
+    rows = [{"model": m, **{k: int(v) for k, v in t.items()}} for m, t in sorted(
+        traffic_.items())]
+    lines += ["", *table(rows, ["model", "requests", "errors", "tokens_in", "tokens_out"])]
+    calls = [{**r, "time": time.strftime("%H:%M:%S", time.localtime(r["ts"])),
+              "latency": f"{r['latency_ms']:.0f} ms", "tokens": (
+                  f"{r['prompt_tokens'] or 0}/{r['completion_tokens'] or 0}")}
+             for r in frame["records"]]
+    lines += ["", *table(calls, ["time", "model", "endpoint", "status", "latency", "tokens"])]
+    return lines
+
+
 def model_lines(models: list[dict[str, Any]]) -> list[str]:
     """The models table, then a line for each model whose GGUF header could not be read."""
-    return [*table(models, ["id", "backend", "quantization", "context_length", "size_bytes",
-                            "path"]),
+    rows = [{**m, "size": size(m["size_bytes"])} for m in models]
+    return [*table(rows, ["id", "kind", "backend", "quantization", "context_length", "size",
+                          "path"]),
             *(f"{m['id']}: cannot read the GGUF header: {m['header_error']}"
               for m in models if m.get("header_error"))]
 
@@ -168,6 +287,14 @@ def since_epoch(text: str) -> float:
         return float(text)
     except ValueError:
         raise CliError(f"--since {text!r}: use e.g. 30m, 2h, 1d or epoch seconds") from None
+
+
+def call_text(url: str, path: str) -> str:
+    try:
+        with urllib.request.urlopen(url + path, timeout=60) as resp:
+            return str(resp.read().decode())
+    except urllib.error.URLError as e:
+        raise CliError(f"cannot reach the gateway at {url}: {e.reason}") from None
 
 
 def call(url: str, method: str, path: str, body: Any = None) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -9,9 +10,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from gatewayd import cli
 from gatewayd.http import admin_api
 from gatewayd.http.middleware import error_middleware
 from tests.fakes import engine_manager_on_fakes
+from tests.http.test_front_door import _gateway, chat
 
 Client = TestClient[web.Request, web.Application]
 
@@ -73,3 +76,29 @@ async def test_already_running_and_engine_limit(client: Client) -> None:
     error = (await resp.json())["error"]
     assert resp.status == 503 and error["code"] == "engine_limit_reached"
     assert error["running"] == ["a", "b"]
+
+
+async def test_top_shows_engines_traffic_and_calls(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`llm-gateway top --once` against a real gateway: the engines with human figures, the
+    traffic per model from /admin/metrics, the last calls."""
+    monkeypatch.setenv("LLM_GATEWAY_CONFIG", str(tmp_path / "absent.toml"))
+    async for gw in _gateway(tmp_path, ("a", "b")):
+        for model in ("a", "a", "b"):
+            assert (await gw.client.post("/v1/chat/completions", json=chat(model))).status \
+                == 200
+        assert (await gw.client.post("/v1/chat/completions", json=chat("nope"))).status == 404
+        await gw.records(4)
+        url = str(gw.client.make_url("")).rstrip("/")
+        assert await asyncio.to_thread(cli.main, ["--url", url, "top", "--once"]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b[" not in out                      # one frame: no screen control
+        lines = out.splitlines()
+        assert "engines: 2 ready (at most 4)" in lines[0]
+        engines = lines[lines.index(next(x for x in lines if x.startswith("MODEL  STATE"))):]
+        assert engines[1].split()[:3] == ["a", "ready", "llm-engine-a.service"]
+        traffic = {x.split()[0]: x.split()[1:] for x in lines
+                   if x.split()[:1] in (["a"], ["b"]) and len(x.split()) == 5}
+        assert traffic == {"a": ["2", "0", "22", "8"], "b": ["1", "0", "11", "4"]}
+        assert sum("/v1/chat/completions" in x for x in lines) == 4   # the last calls

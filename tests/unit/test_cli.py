@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from gatewayd import cli
 def test_models_names_each_model_whose_header_could_not_be_read(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
-    row = {"backend": "llama", "quantization": None, "context_length": None,
+    row = {"backend": "llama", "kind": "chat", "quantization": None, "context_length": None,
            "size_bytes": 64}
     models = [{**row, "id": "good", "path": "/m/good.gguf", "header_error": None},
               {**row, "id": "broken", "path": "/m/broken.gguf",
@@ -25,7 +26,39 @@ def test_models_names_each_model_whose_header_could_not_be_read(
     monkeypatch.setenv("LLM_GATEWAY_CONFIG", str(tmp_path / "absent.toml"))
     assert cli.main(["--url", "http://gateway", "models"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["ID", "BACKEND", "QUANTIZATION", "CONTEXT_LENGTH",
-                                "SIZE_BYTES", "PATH"]
+    assert lines[0].split() == ["ID", "KIND", "BACKEND", "QUANTIZATION", "CONTEXT_LENGTH",
+                                "SIZE", "PATH"]
+    assert lines[1].split()[:6] == ["good", "chat", "llama", "-", "-", "64"]
     assert [line.split()[0] for line in lines[1:3]] == ["good", "broken"]
     assert lines[3:] == ["broken: cannot read the GGUF header: not a GGUF file (bad magic)"]
+
+
+def test_sizes_and_durations_read_as_people_write_them() -> None:
+    assert [cli.size(v) for v in (None, 0, 1023, 1024, 631 * 1024, 5 << 30, 3 << 40)] == [
+        None, "0 B", "1023 B", "1.0 KiB", "631.0 KiB", "5.0 GiB", "3.0 TiB"]
+    assert [cli.duration(v) for v in (None, 0.4, 59, 192, 3600, 7500)] == [
+        None, "0s", "59s", "3m12s", "1h00m", "2h05m"]
+
+
+def test_status_is_human_and_json_stays_exact(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    status = {"unit_mode": "transient", "systemd_manager": "system", "gpu": "NVML, 1 device",
+              "max_engines": 4, "engines": {"loading": 1, "ready": 2}, "models": 3,
+              "desired": ["a", "b"], "config": None, "records_dropped": 0,
+              "gpu_memory_mib": {"total": 81920, "free": 40960, "held_by_engines": 30720,
+                                 "pending_loads": 2048, "external": 8192,
+                                 "free_for_planning": 38912}}
+    monkeypatch.setattr(cli, "call", lambda *a, **k: status)
+    monkeypatch.setenv("LLM_GATEWAY_CONFIG", str(tmp_path / "absent.toml"))
+    assert cli.main(["--url", "http://gateway", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "engines: 1 loading, 2 ready (at most 4)" in out
+    assert ("GPU memory: 40.0 GiB free of 80.0 GiB (engines 30.0 GiB, loading 2.0 GiB, "
+            "other processes 8.0 GiB)") in out
+    assert "{" not in out and "None" not in out          # no Python reprs
+    assert cli.main(["--url", "http://gateway", "--json", "status"]) == 0
+    assert json.loads(capsys.readouterr().out) == status
+    status["gpu_memory_mib"] = None
+    assert cli.main(["--url", "http://gateway", "status"]) == 0
+    assert "GPU memory: -" in capsys.readouterr().out
