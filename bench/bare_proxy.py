@@ -1,4 +1,9 @@
-"""The floor: a bare aiohttp reverse proxy to one engine socket, no features (~40 lines).
+"""The floor: a bare aiohttp reverse proxy to one engine socket, no features (~50 lines).
+
+Like the gateway, it sends a request once more on a new connection when the pooled
+keep-alive connection it took had just been closed by llama-server (it ends them after
+its keep-alive limit): without that, the floor failed runs with HTTP 500 now and then.
+The retries are counted (GET /bare/retries), so the benchmark can report them.
 
     python -m bench.bare_proxy --socket /run/llm-engine-x/engine.sock --port 18602
 """
@@ -13,22 +18,43 @@ from aiohttp import web
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
 
+POOLED = web.AppKey("pooled", aiohttp.ClientSession)
+ONESHOT = web.AppKey("oneshot", aiohttp.ClientSession)
+
+
 def build(socket: str) -> web.Application:
+    counts = {"retries": 0}
+
     async def start(app: web.Application) -> None:
-        app["pooled"] = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket))
-        app["oneshot"] = aiohttp.ClientSession(
+        app[POOLED] = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket))
+        app[ONESHOT] = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=socket, force_close=True))
 
     async def stop(app: web.Application) -> None:
-        await app["pooled"].close()
-        await app["oneshot"].close()
+        await app[POOLED].close()
+        await app[ONESHOT].close()
+
+    async def retries(request: web.Request) -> web.Response:
+        return web.json_response(counts)
+
+    async def send(session: aiohttp.ClientSession, request: web.Request,
+                   body: bytes) -> aiohttp.ClientResponse:
+        for attempt in (1, 2):
+            try:
+                return await session.request(request.method, "http://engine" + request.path_qs,
+                                             data=body,
+                                             headers={"Content-Type": "application/json"})
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                if attempt == 2:
+                    raise
+                counts["retries"] += 1
+        raise AssertionError("unreachable")
 
     async def proxy(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        session = app["oneshot"] if b'"stream": true' in body or b'"stream":true' in body \
-            else app["pooled"]
-        async with session.request(request.method, "http://engine" + request.path_qs,
-                                   data=body, headers={"Content-Type": "application/json"}) as up:
+        session = app[ONESHOT] if b'"stream": true' in body or b'"stream":true' in body \
+            else app[POOLED]
+        async with await send(session, request, body) as up:
             if up.headers.get("Content-Type", "").startswith("text/event-stream"):
                 resp = web.StreamResponse(status=up.status,
                                           headers={"Content-Type": "text/event-stream"})
@@ -43,6 +69,7 @@ def build(socket: str) -> web.Application:
     app = web.Application(client_max_size=1024**3)
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
+    app.router.add_get("/bare/retries", retries)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
 

@@ -102,7 +102,7 @@ async def load(target: Target, body: dict[str, Any], n: int, concurrency: int,
                     try:
                         async with session.post(target.base + CHAT, data=payload,
                                                 headers=headers) as resp:
-                            await resp.read()
+                            answer = await resp.read()
                         break
                     except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
                         # llama-server closes a keep-alive connection after 100 requests:
@@ -110,8 +110,9 @@ async def load(target: Target, body: dict[str, Any], n: int, concurrency: int,
                         samples.retries += 1
                         if attempt == 2:
                             raise
-                if resp.status != 200:
-                    raise RuntimeError(f"{target.name}: HTTP {resp.status}")
+                if resp.status != 200:   # which path, and what it said
+                    raise RuntimeError(f"{target.name}: HTTP {resp.status}: "
+                                       f"{answer[:300].decode(errors='replace')}")
                 samples.latencies_ms.append((time.perf_counter() - t0) * 1000)
         cpu0 = cpu_seconds(cpu_pid)
         t0 = time.perf_counter()
