@@ -3,6 +3,7 @@ systemd has them, and engines' own metrics are merged by family with a model lab
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.adapters.metrics import EngineFigures, GatewayMetrics, Snapshot
@@ -61,3 +62,21 @@ def test_engines_own_metrics_merge_by_family_with_a_model_label() -> None:
     assert m[("llamacpp_requests_processing", (("model", "b"),))] == 1
     assert text.count(b"# TYPE llamacpp_prompt_tokens_total counter") == 1   # one family
     assert b"broken" not in text
+
+
+def test_histograms_are_cumulative_with_le_bounds() -> None:
+    from gatewayd.adapters.records import CallRecord
+    metrics = GatewayMetrics()
+    for latency_ms in (3.0, 5.0, 20.0, 500_000.0):     # 5 ms lands in le=0.005 (<=)
+        record = CallRecord(ts=0, method="POST", endpoint="/v1/completions")
+        record.model, record.status, record.latency_ms = "a", 200, latency_ms
+        metrics.observe_call(record)
+    m = _samples(metrics.render(Snapshot()))
+    key = (("endpoint", "/v1/completions"), ("model", "a"))
+
+    def bucket(le: str) -> float:
+        return m[("llm_gateway_request_duration_seconds_bucket", tuple(sorted(
+            (*key, ("le", le)))))]
+    assert [bucket(le) for le in ("0.005", "0.01", "0.025", "300.0", "+Inf")] == [2, 2, 3, 3, 4]
+    assert m[("llm_gateway_request_duration_seconds_count", key)] == 4
+    assert m[("llm_gateway_request_duration_seconds_sum", key)] == pytest.approx(500.028)
