@@ -24,7 +24,9 @@ from tests.http.test_front_door import Gateway, _gateway, chat
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
          "/v1/audio/transcriptions", "/v1/messages", "/v1/responses", "/health", "/props",
          "/metrics", "/slots", "/load", "/admin/engines", "/admin/status", "/admin/records",
-         "/admin/engines/a/start", "/admin/engines/zz/stop", "/", "/v1", "/v1/models/a"]
+         "/admin/engines/a/start", "/admin/engines/zz/stop", "/", "/v1", "/v1/models/a",
+         "/admin/metrics", "/admin/", "/v1/rerank", "/v1/audio/translations",
+         "/v1/messages/count_tokens", "/favicon.ico"]
 MODELS = ["a", "b", "A", "zz", "", " a", "a/../b", "%00", "ä" * 3]
 
 json_values = st.recursive(
