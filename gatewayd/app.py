@@ -169,6 +169,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     finally:
         await upstreams.close()
         if records is not None:
+            records.flush()
             await asyncio.to_thread(records.close)  # drains every queued record
 
 

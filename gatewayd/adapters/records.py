@@ -1,8 +1,9 @@
 """Call records in SQLite, written off the event loop, never lost once the call completed.
 
-The request path only appends a CallRecord to a thread-safe queue (a few
-microseconds). A writer thread with its own connection drains the queue in
-batches (one transaction per batch), so a burst of calls costs one fsync, and
+The request path only appends a CallRecord to a list on the event loop; the
+list goes to a writer thread once per batch (BATCH records, or LINGER_S after
+the first). The thread, with its own connection, writes each batch in one
+transaction, so a burst of calls costs one fsync and one thread wake-up, and
 the event loop never waits on the disk. close() drains everything before it
 returns. WAL mode lets `llm-gateway records` read while the gateway writes.
 Schema changes are numbered migrations tracked in PRAGMA user_version.
@@ -10,13 +11,15 @@ Schema changes are numbered migrations tracked in PRAGMA user_version.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import queue
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,7 @@ class CallRecord:
 
 
 COLUMNS = [f.name for f in fields(CallRecord)]
+_ROW = attrgetter(*COLUMNS)   # a record as its row, in column order (asdict: ~10x slower)
 _INSERT = f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 
@@ -93,7 +97,12 @@ def migrate(db: sqlite3.Connection) -> None:
 
 
 class RecordWriter:
-    """Queue on the loop, SQLite in a thread."""
+    """Batches on the loop, SQLite in a thread.
+
+    `add` only appends to a list on the event loop; the list goes to the writer thread
+    when it holds BATCH records or LINGER_S after its first one, so the thread wakes
+    once per batch, not once per call (a wake per record cost the request path GIL
+    hand-overs under load). Outside a running loop a record is handed over at once."""
 
     BATCH = 500
     LINGER_S = 0.2
@@ -102,7 +111,9 @@ class RecordWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.dropped = 0          # records lost to failed writes (logged; /admin/status)
-        self._queue: queue.SimpleQueue[CallRecord | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[CallRecord] | None] = queue.SimpleQueue()
+        self._pending: list[CallRecord] = []
+        self._flush_timer: asyncio.TimerHandle | None = None
         try:
             self._db = connect(path)
         except sqlite3.DatabaseError as e:   # corrupted: keep it for a look, start anew
@@ -117,10 +128,32 @@ class RecordWriter:
         self._thread.start()
 
     def add(self, record: CallRecord) -> None:
-        self._queue.put(record)
+        self._pending.append(record)
+        if len(self._pending) >= self.BATCH:
+            self.flush()
+        elif self._flush_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._flush_timer = loop.call_later(self.LINGER_S, self.flush)
+
+    def flush(self) -> None:
+        """Hand what is pending to the writer thread now."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        batch, self._pending = self._pending, []
+        if batch:
+            self._queue.put(batch)
 
     def close(self, timeout: float = 30) -> None:
-        """Drain and stop; blocking (call it via asyncio.to_thread)."""
+        """Drain and stop; blocking (flush on the loop first, then call this via
+        asyncio.to_thread; what is still pending is handed over here)."""
+        batch, self._pending = self._pending, []
+        if batch:
+            self._queue.put(batch)
         self._queue.put(None)
         self._thread.join(timeout)
         self._db.close()
@@ -128,34 +161,24 @@ class RecordWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            batch: list[CallRecord] = []
             stopping = item is None
-            if item is not None:
-                batch.append(item)
-            deadline = time.monotonic() + self.LINGER_S
-            while not stopping and len(batch) < self.BATCH:
+            batch = list(item or [])
+            while stopping or len(batch) < self.BATCH:   # whatever else is there already
                 try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    more = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
+                if more is None:
                     stopping = True
                 else:
-                    batch.append(item)
-            while stopping:  # take everything still queued
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    batch.append(item)
+                    batch += more
             if batch:
                 self._write(batch)
             if stopping:
                 return
 
     def _write(self, batch: list[CallRecord]) -> None:
-        rows = [tuple(asdict(r).values()) for r in batch]
+        rows = [_ROW(r) for r in batch]
         for attempt in range(3):
             try:
                 with self._db:

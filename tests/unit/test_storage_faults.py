@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import queue
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,3 +71,29 @@ def test_records_that_cannot_be_written_are_counted_and_serving_goes_on(
     writer.add(CallRecord(ts=time.time(), method="POST", endpoint="/v1/completions"))
     writer.close()
     assert len(records.query(tmp_path / "records.db")) == 1   # writing resumes
+
+
+async def test_records_reach_the_writer_thread_once_per_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the loop a record is only appended to a list: the writer thread gets one
+    hand-over per batch (when full, or LINGER_S after its first record), not one per call."""
+    writer = RecordWriter(tmp_path / "records.db")
+    handed: list[int] = []
+
+    class Counting(queue.SimpleQueue):  # type: ignore[type-arg]
+        def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+            handed.append(len(item) if item else 0)
+            super().put(item, block, timeout)
+    counting: Counting = Counting()
+    real, writer._queue = writer._queue, counting   # the thread is waiting on the real one
+    real.put([])                                    # wake it: it goes on with the counting one
+    monkeypatch.setattr(RecordWriter, "BATCH", 50)
+    for _ in range(120):
+        writer.add(CallRecord(ts=time.time(), method="POST", endpoint="/v1/completions"))
+    assert handed == [50, 50]                  # two full batches at once, 20 still lingering
+    deadline = time.monotonic() + 5
+    while len(records.query(tmp_path / "records.db", limit=1000)) < 120:
+        assert time.monotonic() < deadline, "the lingering 20 were never written"
+        await asyncio.sleep(0.02)
+    assert handed == [50, 50, 20]
+    writer.close()
