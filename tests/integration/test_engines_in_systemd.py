@@ -163,7 +163,10 @@ async def test_stop_kills_the_whole_cgroup(
     async def cgroup_gone() -> bool:  # removed as the unit goes inactive; allow a moment
         return not cgroup_exists(control_group)
     await wait_for(cgroup_gone, timeout=5, what=f"{control_group} to be removed")
-    assert not os.path.exists(os.path.dirname(sock))  # the RuntimeDirectory went with it
+
+    async def runtime_directory_gone() -> bool:   # systemd removes it as the unit ends;
+        return not os.path.exists(os.path.dirname(sock))   # CI once saw it a moment later
+    await wait_for(runtime_directory_gone, timeout=5, what="the RuntimeDirectory to go")
     assert [u.name for u in await systemd.list_units([spec.name])] == []
 
 
