@@ -146,7 +146,7 @@ def status_lines(out: dict[str, Any]) -> list[str]:
 
 
 def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
-    rows = [{**e, "pid": e["pid"], "uptime": duration(e["uptime_s"]),
+    rows = [{**e, "uptime": duration(e["uptime_s"]),
              "memory": size(e["memory_bytes"]),
              "reason": (e.get("failure") or {}).get("reason")} for e in engines]
     return table(rows, ["model", "state", "unit", "pid", "restarts", "uptime", "memory",
@@ -204,7 +204,7 @@ def top_frame(url: str) -> dict[str, Any]:
     return {"status": call(url, "GET", "/admin/status"),
             "engines": call(url, "GET", "/admin/engines")["engines"],
             "records": call(url, "GET", "/admin/records?limit=8")["records"],
-            "traffic": traffic(call_text(url, "/admin/metrics"))}
+            "traffic": traffic(call(url, "GET", "/admin/metrics", text=True))}
 
 
 def traffic(metrics_text: str) -> dict[str, dict[str, float]]:
@@ -289,21 +289,15 @@ def since_epoch(text: str) -> float:
         raise CliError(f"--since {text!r}: use e.g. 30m, 2h, 1d or epoch seconds") from None
 
 
-def call_text(url: str, path: str) -> str:
-    try:
-        with urllib.request.urlopen(url + path, timeout=60) as resp:
-            return str(resp.read().decode())
-    except urllib.error.URLError as e:
-        raise CliError(f"cannot reach the gateway at {url}: {e.reason}") from None
-
-
-def call(url: str, method: str, path: str, body: Any = None) -> Any:
+def call(url: str, method: str, path: str, body: Any = None, *, text: bool = False) -> Any:
+    """The admin API's JSON answer (text=True: the answer as text, e.g. /admin/metrics)."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url + path, data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=600) as resp:
-            return json.loads(resp.read())
+            answer = resp.read()
+            return answer.decode() if text else json.loads(answer)
     except urllib.error.HTTPError as e:
         try:
             error = json.loads(e.read())["error"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
@@ -46,7 +47,7 @@ class Model:
     def backend(self) -> Backend:
         return self.config.backend
 
-    @property
+    @cached_property   # asked on every request's routing; config and header never change
     def kind(self) -> ModelKind:
         """The configured kind, else what the header says: a pooling type is written only
         into embedding models (rank: rerankers); whisper models are audio."""
@@ -61,7 +62,7 @@ class Model:
             return ModelKind.EMBEDDING
         return ModelKind.CHAT
 
-    @property
+    @cached_property
     def capabilities(self) -> tuple[str, ...]:
         """What its engine answers (as /v1/models lists it). A chat model's projector adds
         what it encodes: images ("vision"), sound ("transcription": llama-server answers

@@ -19,6 +19,7 @@ from gatewayd.adapters import records
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.adapters.metrics import EngineFigures, Snapshot
+from gatewayd.core import scheduler
 from gatewayd.core.budget import MIB
 from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
@@ -88,8 +89,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def list_engines(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
-    dispatcher = request.app.get(DISPATCHER)
-    uses = {u.model_id: u for u in dispatcher.usages()} if dispatcher is not None else {}
+    uses = _uses(request)
     rows = []
     for engine in mgr.engines():
         row = engine_json(engine, await mgr.info(engine))
@@ -158,8 +158,7 @@ async def metrics(request: web.Request) -> web.Response:
     mgr, front = request.app[ENGINES], request.app[openai_api.FRONT]
     if front.metrics is None:
         raise web.HTTPNotFound()
-    dispatcher = request.app.get(DISPATCHER)
-    uses = {u.model_id: u for u in dispatcher.usages()} if dispatcher is not None else {}
+    uses = _uses(request)
     snapshot = Snapshot(max_engines=mgr.config.max_engines,
                         records_dropped=front.records.dropped if front.records else 0)
     engines = mgr.engines()
@@ -200,6 +199,12 @@ async def _engine_metrics(upstreams: Upstreams, engines: list[Engine]) -> dict[s
             return engine.model_id, None
     found = await asyncio.gather(*(one(e) for e in engines))
     return {model: text for model, text in found if text is not None}
+
+
+def _uses(request: web.Request) -> dict[str, scheduler.Usage]:
+    """Per model, its requests in flight and queued (the dispatcher's view)."""
+    dispatcher = request.app.get(DISPATCHER)
+    return {u.model_id: u for u in dispatcher.usages()} if dispatcher is not None else {}
 
 
 def _ledger(request: web.Request) -> dict[str, int] | None:

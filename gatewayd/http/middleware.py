@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -23,8 +24,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except GatewayError as e:
         headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-        body = e.anthropic_body() if speaks_anthropic(request.path) else e.body()
-        return web.json_response(body, status=e.status, headers=headers)
+        return web.json_response(_in_dialect(e, request.path), status=e.status,
+                                 headers=headers)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -39,5 +40,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = GatewayError("internal error; see the gateway's journal")
-        body = error.anthropic_body() if speaks_anthropic(request.path) else error.body()
-        return web.json_response(body, status=500)
+        return web.json_response(_in_dialect(error, request.path), status=500)
+
+
+def _in_dialect(error: GatewayError, path: str) -> dict[str, Any]:
+    return error.anthropic_body() if speaks_anthropic(path) else error.body()

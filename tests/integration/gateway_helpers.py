@@ -152,3 +152,16 @@ def tcp_listeners() -> set[tuple[str, str]]:
 def unit_property(unit: str, prop: str) -> str:
     return subprocess.run(["systemctl", "show", "-p", prop, "--value", unit],
                           capture_output=True, text=True, check=True).stdout.strip()
+
+
+def whisper_model_config(whisper_server: Path, model: Path) -> str:
+    """Config lines (a gateway_factory `extra`) for a whisper model called whisper-tiny."""
+    return (f"whisper_server = {toml_str(str(whisper_server))}\n"
+            f"[models.whisper-tiny]\npath = {toml_str(str(model))}\n"
+            'backend = "whisper"\nthreads = 1\n')
+
+
+def speech_wav(path: Path, text: str = "hello world") -> Path:
+    """Real speech to transcribe: espeak-ng's voice saying text, as a WAV file."""
+    subprocess.run(["espeak-ng", "-w", str(path), text], check=True)
+    return path

@@ -25,8 +25,10 @@ from tests.integration.conftest import GatewayFactory
 from tests.integration.gateway_helpers import (
     GatewayService,
     socket_activated,
+    speech_wav,
     toml_str,
     unit_property,
+    whisper_model_config,
 )
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
@@ -162,13 +164,9 @@ def test_body_limit_is_413_and_nothing_breaks(gateway_factory: GatewayFactory) -
 def test_transcription_multipart_with_a_trap_filename(
         gateway_factory: GatewayFactory, whisper_server: Path, tiny_whisper: Path,
         tmp_path: Path) -> None:
-    gw = gateway_factory(extra=(
-        f"whisper_server = {toml_str(str(whisper_server))}\n"
-        f"[models.whisper-tiny]\npath = {toml_str(str(tiny_whisper))}\n"
-        'backend = "whisper"\nthreads = 1\n'))
+    gw = gateway_factory(extra=whisper_model_config(whisper_server, tiny_whisper))
     start(gw, "whisper-tiny", "tiny-alpha")
-    wav = tmp_path / "speech.wav"
-    subprocess.run(["espeak-ng", "-w", str(wav), "hello world"], check=True)
+    wav = speech_wav(tmp_path / "speech.wav")
     with wav.open("rb") as f:
         text = client(gw).audio.transcriptions.create(
             model="whisper-tiny", file=("model-trap.wav", f, "audio/wav"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import GatewayFactory
-from tests.integration.gateway_helpers import GatewayService, toml_str, unit_property
+from tests.integration.gateway_helpers import (
+    GatewayService,
+    speech_wav,
+    toml_str,
+    unit_property,
+    whisper_model_config,
+)
 from tests.integration.test_front_door_e2e import LONG, client, records, start
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
@@ -122,12 +127,8 @@ def test_rerank_by_the_header_and_kinds_kept_apart(
 def test_translation_reaches_whisper_as_a_translation(
         gateway_factory: GatewayFactory, whisper_server: Path, tiny_whisper: Path,
         tmp_path: Path) -> None:
-    gw = gateway_factory(extra=(
-        f"whisper_server = {toml_str(str(whisper_server))}\n"
-        f"[models.whisper-tiny]\npath = {toml_str(str(tiny_whisper))}\n"
-        'backend = "whisper"\nthreads = 1\n'))
-    wav = tmp_path / "speech.wav"
-    subprocess.run(["espeak-ng", "-w", str(wav), "hello world"], check=True)
+    gw = gateway_factory(extra=whisper_model_config(whisper_server, tiny_whisper))
+    wav = speech_wav(tmp_path / "speech.wav")
     oa = client(gw)
     with wav.open("rb") as f:
         translated = oa.audio.translations.create(
