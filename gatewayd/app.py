@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -35,7 +36,7 @@ from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, EngineBinaryMissing
 from gatewayd.http import admin_api, openai_api
-from gatewayd.http.middleware import error_middleware
+from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
 from gatewayd.http.proxy import Upstreams
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -46,6 +47,9 @@ log = logging.getLogger("gatewayd")
 # how long a stop waits for the first request of connections accepted just before it
 FRESH_CONNECTION_GRACE_S = 1.0
 ACCEPTED_SETTLE_S = 0.05
+DRAIN_POLL_S = 0.05
+# after the drain: how long the answers still open get to write their shutting_down error
+ABANDON_GRACE_S = 2.0
 CONFIG = web.AppKey("config", GatewayConfig)
 NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
@@ -182,6 +186,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
+    app[SHUTDOWN] = Shutdown()
     app[NOTIFIER] = notifier or Notifier()
     app[admin_api.EVENTS] = EventHub()
     app.cleanup_ctx.append(engines_ctx)
@@ -207,9 +212,10 @@ async def _serve(config: GatewayConfig) -> None:
     _raise_fd_limit()
     notifier = Notifier()
     app = build_app(config, notifier)
+    # The drain (up to shutdown_timeout_s) is ours (_open_requests_end); aiohttp's own
+    # wait only gives the answers cut at its end the moment to say so.
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout_s)
+                           handler_cancellation=True, shutdown_timeout=ABANDON_GRACE_S)
     await runner.setup()
     sock = inherited_socket()
     site: web.BaseSite
@@ -231,9 +237,16 @@ async def _serve(config: GatewayConfig) -> None:
     await stop.wait()
     log.info("stopping: letting open requests finish (up to %gs)", config.shutdown_timeout_s)
     notifier.stopping()
-    notifier.stop_watchdog()
+    notifier.stop_watchdog()   # systemd does not watch a stopping service
+    app[admin_api.EVENTS].close()   # event followers are not answers to wait for
     await _stop_accepting(site)   # the socket stays systemd's: the next process accepts
     await _let_fresh_connections_speak(runner)
+    open_requests = await _open_requests_end(runner, config.shutdown_timeout_s)
+    if open_requests:
+        log.warning("shutdown_timeout_s (%gs) ran out: ending %d open request(s) with a "
+                    "shutting_down error", config.shutdown_timeout_s, open_requests)
+        _cancel_open_requests(app, runner)
+        await _open_requests_end(runner, ABANDON_GRACE_S)
     await runner.cleanup()
 
 
@@ -264,6 +277,36 @@ async def _let_fresh_connections_speak(runner: web.AppRunner) -> None:
     while loop.time() < deadline and any(
             getattr(conn, "_request_count", 1) == 0 for conn in server.connections):
         await asyncio.sleep(0.01)
+
+
+def _open(runner: web.AppRunner) -> list[Any]:
+    """The connections whose request is being handled (aiohttp keeps that private)."""
+    server = runner.server
+    return [conn for conn in (server.connections if server is not None else ())
+            if getattr(conn, "_request_in_progress", False)]
+
+
+def _cancel_open_requests(app: web.Application, runner: web.AppRunner) -> None:
+    """Cancel each open request's handler ourselves, with the connection still open, so
+    that it can answer shutting_down (a stream: an error event) before the connection
+    closes; aiohttp's own shutdown cancels only after closing the transport."""
+    app[SHUTDOWN].expired = True
+    for conn in _open(runner):
+        task = getattr(conn, "_task_handler", None)
+        if task is not None:
+            task.cancel()
+
+
+async def _open_requests_end(runner: web.AppRunner, timeout_s: float) -> int:
+    """Wait up to timeout_s for every request being handled to be answered; the number
+    still open then (0: all ended)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        busy = len(_open(runner))
+        if not busy or loop.time() >= deadline:
+            return busy
+        await asyncio.sleep(DRAIN_POLL_S)
 
 
 def _sockname(sock: object) -> str:

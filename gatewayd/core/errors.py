@@ -126,6 +126,11 @@ class ModelNotLoaded(GatewayError):
     status, type, code = 503, "server_error", "model_not_loaded"
 
 
+class ShuttingDown(GatewayError):
+    """The gateway is stopping and its drain time (shutdown_timeout_s) ran out."""
+    status, type, code = 503, "server_error", "shutting_down"
+
+
 class ConcurrencyLimit(GatewayError):
     status, type, code = 429, "rate_limit_error", "concurrency_limit"
 

@@ -248,6 +248,9 @@ async def follow_events(request: web.Request) -> web.StreamResponse:
             except TimeoutError:
                 await response.write(b": keep-alive\n\n")
                 continue
+            if event is None:
+                await response.write(sse_event({"type": "shutdown", "ts": time.time()}))
+                break
             await response.write(sse_event(event))
     except (ConnectionResetError, asyncio.CancelledError):
         pass

@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from gatewayd.core.errors import GatewayError, anthropic_error_body, error_body
+from gatewayd.core.errors import GatewayError, ShuttingDown, anthropic_error_body, error_body
 from gatewayd.core.routing import speaks_anthropic
 
 log = logging.getLogger("gatewayd")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Shutdown:
+    """Set when the gateway's drain time (shutdown_timeout_s) has run out: the requests
+    still open are cancelled then, and each answers shutting_down instead of vanishing."""
+
+    expired: bool = False
+
+
+SHUTDOWN = web.AppKey("shutdown", Shutdown)
+
+
+def shutdown_error() -> ShuttingDown:
+    return ShuttingDown("the gateway is shutting down and its drain time "
+                        "(shutdown_timeout_s) ran out before this answer was complete")
 
 
 @web.middleware
@@ -37,6 +55,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body = error_body(message, code=code,
                           type_="invalid_request_error" if e.status < 500 else "server_error")
         return web.json_response(body, status=e.status)
+    except asyncio.CancelledError:
+        if not request.app[SHUTDOWN].expired:
+            raise   # the client went away: nobody to answer
+        return web.json_response(_in_dialect(shutdown_error(), request.path),
+                                 status=ShuttingDown.status)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = GatewayError("internal error; see the gateway's journal")

@@ -26,6 +26,7 @@ from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import BodyTooLarge, GatewayError, InvalidRequest
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
+from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
     Outgoing,
@@ -172,8 +173,13 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         record.status, record.outcome = e.status, "error"
         raise
     except asyncio.CancelledError:
-        if not record.stream:  # a stream's relay knows whether it was all delivered
-            record.disconnected, record.outcome = True, "disconnected"
+        if record.stream:   # a stream's relay knows whether it was all delivered
+            raise
+        if request.app[SHUTDOWN].expired:   # cancelled at the drain deadline: the client is there
+            error = shutdown_error()
+            record.status, record.outcome, record.error_code = error.status, "error", error.code
+            raise error from None
+        record.disconnected, record.outcome = True, "disconnected"
         raise
     finally:
         record.latency_ms = (time.monotonic() - t0) * 1000

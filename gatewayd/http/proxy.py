@@ -16,6 +16,7 @@ The hot path. What it costs is paid per request, so:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -28,12 +29,14 @@ from multidict import CIMultiDict
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.errors import EngineFailed, EngineUnavailable, anthropic_error_body
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
+from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
+
 
 
 class Upstreams:
@@ -174,10 +177,20 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
     except _ClientGone:
         if not delivered:
             _client_left(record, upstream)
-    except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes
-        if not delivered:
+    except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes,
+        if delivered:               # or when the gateway's drain time has run out
+            raise
+        if not request.app[SHUTDOWN].expired:
             _client_left(record, upstream)
-        raise
+            raise
+        # the gateway cancelled us at its drain deadline: the client is still there and
+        # is told why its answer ends here (the stream is done, so it is not re-raised)
+        upstream.close()
+        error = shutdown_error()
+        record.outcome, record.error_code = "error", error.code
+        with contextlib.suppress(_ClientGone, ConnectionError):
+            await _write(response, error_event(stream_format(request.path), error), record)
+            await response.write_eof()
     finally:
         _stream_usage(record, sse)
     return response

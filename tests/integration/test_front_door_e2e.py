@@ -225,6 +225,8 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
     config, port = write_config(tmp_path, llama_server, tiny_models,
                                 extra=LONG.format(path=toml_str(str(tiny_models["alpha"]))))
     name = "llm-gateway-sa"
+    # drain time well past the ~7 s the answer takes here: a slow CI machine must not cut it
+    config.write_text("shutdown_timeout_s = 80\n" + config.read_text())
     with socket_activated(name, config, port, service_extra="WatchdogSec=1\n") as gw:
         assert unit_property(f"{name}.service", "ActiveState") == "inactive"
         status, body = raw(gw, "GET", "/health")               # the first request starts it
@@ -242,11 +244,16 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
             model="long", messages=[{"role": "user", "content": "go"}], max_tokens=20000,
             stream=True, stream_options={"include_usage": True})
         chunks = []
-        for n, chunk in enumerate(stream):
-            chunks.append(chunk)
-            if n == 2:   # stop the gateway while the stream runs: it must finish
-                subprocess.run(["systemctl", "stop", "--no-block", f"{name}.service"],
-                               check=True)
+        try:
+            for n, chunk in enumerate(stream):
+                chunks.append(chunk)
+                if n == 2:   # stop the gateway while the stream runs: it must finish
+                    subprocess.run(["systemctl", "stop", "--no-block", f"{name}.service"],
+                                   check=True)
+        except openai.APIError as e:
+            raise AssertionError(f"the stream broke after {len(chunks)} chunks: {e}\n"
+                                 f"{unit_property(f'{name}.service', 'Result')}\n"
+                                 f"{gw.journal()[-3000:]}") from e
         # the whole answer arrived (llama-server stops at the model's 2048-token context)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 1000
         deadline = time.monotonic() + 30
@@ -260,6 +267,41 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
         assert row["outcome"] == "ok" and row["completion_tokens"] > 1000
         status, _ = raw(gw, "GET", "/health")   # the socket stays: systemd starts it again
         assert status == 200
+
+
+def test_a_drain_that_runs_out_ends_open_answers_with_an_error_and_lets_followers_go(
+        tmp_path: Path, gateway_factory: GatewayFactory, tiny_models: dict[str, Path]) -> None:
+    """shutdown_timeout_s bounds a stop: a stream still running then ends with a
+    shutting_down error event, not a cut connection, and its record says so; the status
+    page's event stream ends at once with a `shutdown` event instead of holding the stop."""
+    gw = gateway_factory(extra="shutdown_timeout_s = 1\n"
+                         + LONG.format(path=toml_str(str(tiny_models["alpha"]))))
+    start(gw, "long")
+    events = urllib.request.urlopen(gw.url + "/admin/events", timeout=30)
+    assert b'"snapshot"' in events.readline()
+    stream = client(gw).chat.completions.create(
+        model="long", messages=[{"role": "user", "content": "go"}], max_tokens=20000,
+        stream=True)
+    stopped_at = 0.0
+    with pytest.raises(openai.APIError) as err:
+        for n, _ in enumerate(stream):
+            if n == 2:
+                stopped_at = time.monotonic()
+                subprocess.run(["systemctl", "stop", "--no-block", gw.unit], check=True)
+                time.sleep(1.5)   # a slow reader: the answer cannot be done by the deadline
+    assert "shutting down" in str(err.value), str(err.value)
+    assert b'"type": "shutdown"' in events.read()   # and the event stream ended
+    deadline = time.monotonic() + 30
+    while subprocess.run(["systemctl", "is-active", "--quiet", gw.unit]).returncode == 0:
+        assert time.monotonic() < deadline, "the gateway did not stop"
+        time.sleep(0.05)
+    # drain (1 s) + the grace for the error event (2 s) + margin, not the answer's 7 s
+    assert time.monotonic() - stopped_at < 6
+    assert "ending 1 open request(s)" in gw.journal()
+    (row,) = [r for r in query(tmp_path / "state" / "records.db") if r["model"] == "long"
+              and r["stream"]]
+    assert (row["outcome"], row["error_code"], row["status"]) == ("error", "shutting_down",
+                                                                  200)
 
 
 def test_restarts_under_load_lose_no_request(tmp_path: Path, llama_server: Path,
