@@ -166,7 +166,10 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
             print(f"engine_launch: no private network namespace; using 127.0.0.1:{port}",
                   flush=True)
         argv = [a.replace("{port}", str(port)) for a in server_argv]
-        server = subprocess.Popen(argv)
+        # restore_signals=False: SIGPIPE stays ignored, as systemd starts services; with
+        # Python's default the children got it back, and systemd-socket-proxyd died of it
+        # when a client closed early, taking the engine down (seen in CI)
+        server = subprocess.Popen(argv, restore_signals=False)
         children.append(server)
         if not private:
             wait_exclusive_listener(server, port)
@@ -178,7 +181,7 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
     fd = listener.fileno()
     proxy = subprocess.Popen(
         ["/bin/sh", "-c", f'export LISTEN_FDS=1 LISTEN_PID=$$; exec "$0" "$@" 3<&{fd}',
-         proxyd(), f"127.0.0.1:{port}"], pass_fds=(fd,))
+         proxyd(), f"127.0.0.1:{port}"], pass_fds=(fd,), restore_signals=False)
     listener.close()
     children.append(proxy)
     pid, status = os.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,14 @@ def cgroup_procs(control_group: str) -> list[int]:
         if procs.exists():
             return [int(p) for p in procs.read_text().split()]
     return []
+
+
+def ignores_sigpipe(pid: int) -> bool:
+    """SIGPIPE (13) is in the process's ignored set (/proc/PID/status SigIgn)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGPIPE - 1)))
+    return False
 
 
 def cgroup_exists(control_group: str) -> bool:

@@ -22,6 +22,7 @@ import pytest
 
 from gatewayd.adapters.records import query
 from tests.integration.conftest import GatewayFactory
+from tests.integration.engine_helpers import cgroup_procs, ignores_sigpipe
 from tests.integration.gateway_helpers import (
     GatewayService,
     socket_activated,
@@ -175,6 +176,12 @@ def test_transcription_multipart_with_a_trap_filename(
     (row,) = records(gw, 1, model="whisper-tiny")
     assert row["endpoint"] == "/v1/audio/transcriptions" and row["status"] == 200
     assert row["bytes_in"] > wav.stat().st_size and row["request_text"] is None
+    # systemd starts services with SIGPIPE ignored; the launcher must keep it so for
+    # whisper-server and systemd-socket-proxyd (a proxy killed by a client's early close
+    # took the engine down with it)
+    group = unit_property(gw.engines()["whisper-tiny"]["unit"], "ControlGroup")
+    procs = cgroup_procs(group)
+    assert len(procs) == 3 and all(ignores_sigpipe(pid) for pid in procs), procs
 
 
 def test_client_disconnect_mid_stream_is_recorded(gateway_factory: GatewayFactory,
