@@ -10,10 +10,12 @@ import os
 import resource
 import signal
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
@@ -25,6 +27,7 @@ from gatewayd.adapters.notify import Notifier, inherited_socket
 from gatewayd.adapters.records import RecordWriter
 from gatewayd.adapters.systemd import Systemd
 from gatewayd.adapters.unit_control import (
+    EngineUnitsBase,
     TemplateEngineUnits,
     TransientEngineUnits,
     resolve_binary,
@@ -34,13 +37,14 @@ from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
-from gatewayd.core.errors import ConfigError, EngineBinaryMissing
+from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.http import admin_api, openai_api
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
 from gatewayd.http.proxy import Upstreams
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.liveness import Liveness
+from gatewayd.service.reload import Reloader
 from gatewayd.service.restore import Reconciler, adopt, restore
 
 log = logging.getLogger("gatewayd")
@@ -53,6 +57,7 @@ ABANDON_GRACE_S = 2.0
 CONFIG = web.AppKey("config", GatewayConfig)
 NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
+UNITS = web.AppKey("units", EngineUnitsBase)
 DISPATCHER = admin_api.DISPATCHER
 
 TEMPLATE_PATHS = ("/etc/systemd/system/llm-engine@.service",
@@ -117,6 +122,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
                             health=health, gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir))
     app[admin_api.ENGINES] = engines
+    app[UNITS] = units
     app[DISPATCHER] = dispatcher = Dispatcher(engines, catalog=catalog, gpu=gpu,
                                               config=config)
     reconciler = Reconciler(engines, on_over_limit=dispatcher.enforce_limit)
@@ -147,6 +153,13 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
         systemd.close()
 
 
+def read_config(source: Path | None) -> tuple[GatewayConfig, Catalog]:
+    """The configuration file (the one the gateway started with) and its catalog, read
+    and validated whole: ConfigError says what is wrong, with the key."""
+    config = load_config(source, required=source is not None)
+    return config, load_catalog(config)
+
+
 def _report(notifier: Notifier, engines: EngineManager, old: Engine, new: Engine) -> None:
     if old.state is not new.state:
         ready = sum(1 for e in engines.engines() if e.state is EngineState.READY)
@@ -166,11 +179,20 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     metrics = GatewayMetrics()
     engines.subscribe(lambda old, new: metrics.on_engine_change(
         old, new, engines.stop_reasons.get(new.model_id)))
-    app[openai_api.FRONT] = openai_api.FrontDoor(config, app[admin_api.ENGINES],
-                                                 app[DISPATCHER], upstreams, records, metrics)
+    app[openai_api.FRONT] = front = openai_api.FrontDoor(
+        config, app[admin_api.ENGINES], app[DISPATCHER], upstreams, records, metrics)
+
+    def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
+        front.config = new
+        if UNITS in app:
+            app[UNITS].reconfigure(new)
+    app[admin_api.RELOADER] = reloader = Reloader(
+        read=lambda: read_config(config.source), engines=engines, dispatcher=dispatcher,
+        apply=apply, notify=app[NOTIFIER].notify)
     try:
         yield
     finally:
+        await reloader.close()
         await upstreams.close()
         if records is not None:
             records.flush()
@@ -234,7 +256,12 @@ async def _serve(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+    loop.add_signal_handler(signal.SIGHUP, lambda: _track(
+        reloads, loop.create_task(_reload_quietly(app[admin_api.RELOADER]))))
     await stop.wait()
+    for task in reloads:
+        task.cancel()
     log.info("stopping: letting open requests finish (up to %gs)", config.shutdown_timeout_s)
     notifier.stopping()
     notifier.stop_watchdog()   # systemd does not watch a stopping service
@@ -248,6 +275,18 @@ async def _serve(config: GatewayConfig) -> None:
         _cancel_open_requests(app, runner)
         await _open_requests_end(runner, ABANDON_GRACE_S)
     await runner.cleanup()
+
+
+async def _reload_quietly(reloader: Reloader) -> None:
+    """SIGHUP (`systemctl reload`): a refused configuration is logged by the reloader and
+    the one in force stays; nobody is waiting for an answer."""
+    with contextlib.suppress(ConfigInvalid):
+        await reloader.reload()
+
+
+def _track(tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 async def _stop_accepting(site: web.BaseSite) -> None:

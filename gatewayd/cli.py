@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("serve", help="run the gateway")
+    sub.add_parser("check", help="validate the configuration and the models it finds, "
+                                 "touching nothing (exit status 1 if it is refused)")
+    sub.add_parser("reload", help="re-read the configuration in place (as systemctl reload)")
     sub.add_parser("status", help="how the gateway runs engines, GPU, counts")
     sub.add_parser("models", help="the models the gateway knows")
     sub.add_parser("engines", help="engines: state, unit, PID, memory, restarts, uptime")
@@ -75,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gatewayd.app import serve
             serve(config)
             return 0
+        if args.command == "check":
+            return check(args, config)
         url = args.url or f"http://{config.listen_host}:{config.listen_port}"
         return run_command(args, url)
     except GatewayError as e:
@@ -103,6 +108,9 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         out = call(url, "POST", f"/admin/engines/{args.command}", {"model": args.model})
         engine = out["engine"]
         show(args, out, lambda: [f"{engine['model']}: {engine['state']} ({engine['unit']})"])
+    elif args.command == "reload":
+        out = call(url, "POST", "/admin/reload")
+        show(args, out, lambda: reload_lines(out))
     elif args.command == "events":
         follow_events(url, as_json=args.json)
     elif args.command == "records":
@@ -126,6 +134,38 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         out = call(url, "GET", f"/admin/engines/logs?{query}")
         show(args, out, lambda: out["lines"])
     return 0
+
+
+def check(args: argparse.Namespace, config: Any) -> int:
+    """The configuration parsed (main did that), then its models: names, files, headers.
+    A missing engine server is reported but not fatal: the other models would serve."""
+    from gatewayd.adapters.model_files import load_catalog
+    from gatewayd.adapters.unit_control import resolve_binary
+    from gatewayd.core.engine_units import server_binary
+    from gatewayd.core.errors import EngineBinaryMissing
+
+    catalog = load_catalog(config)
+    warnings = []
+    for binary in sorted({server_binary(m, config) for m in catalog}):
+        try:
+            resolve_binary(*binary)
+        except EngineBinaryMissing as e:
+            warnings.append(e.message)
+    out = {"ok": True, "config": str(config.source) if config.source else None,
+           "models": catalog.ids, "warnings": warnings}
+    show(args, out, lambda: [
+        f"{out['config'] or 'defaults'}: ok, {len(catalog)} model(s): "
+        f"{', '.join(catalog.ids) or 'none'}", *(f"warning: {w}" for w in warnings)])
+    return 0
+
+
+def reload_lines(out: dict[str, Any]) -> list[str]:
+    labels = (("added", "models added"), ("removed", "models removed"),
+              ("restarting", "engines restarted once idle (settings changed)"),
+              ("kept", "engines kept running"),
+              ("needs_restart", "changed settings that wait for a gateway restart"))
+    lines = [f"{label}: {', '.join(out[key])}" for key, label in labels if out.get(key)]
+    return ["configuration reloaded", *lines]
 
 
 def status_lines(out: dict[str, Any]) -> list[str]:

@@ -51,7 +51,7 @@ RUNNING = frozenset({"active", "activating", "reloading"})
 UNIT_GONE_S = 5.0   # how long a stopped transient unit may take to be collected
 
 
-class _EngineUnits:
+class EngineUnitsBase:
     """What both modes share: stopping, listing, inspecting and watching engine units."""
 
     mode: str
@@ -61,6 +61,10 @@ class _EngineUnits:
 
     def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
         self._sd = systemd
+        self._config = config
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """A reloaded configuration: the engine servers' paths for the starts from now on."""
         self._config = config
 
     async def stop_engine(self, unit: str) -> None:
@@ -117,7 +121,7 @@ class _EngineUnits:
         return self._sd.watch(callback)
 
 
-class TransientEngineUnits(_EngineUnits):
+class TransientEngineUnits(EngineUnitsBase):
     mode = "transient"
     collected = True
     patterns = tuple(unit_patterns())
@@ -145,7 +149,7 @@ class TransientEngineUnits(_EngineUnits):
         return layout
 
 
-class TemplateEngineUnits(_EngineUnits):
+class TemplateEngineUnits(EngineUnitsBase):
     """Engines as instances of llm-engine@.service (the unprivileged system service)."""
 
     mode = "template"

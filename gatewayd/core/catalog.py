@@ -100,6 +100,12 @@ class Catalog:
         self._index = {name: m.id for m in self._models.values() for name in m.names}
         self._ambiguous = ambiguous
 
+    def replace(self, other: Catalog) -> None:
+        """Become other, in place: everyone holding this catalog sees the new models
+        (a configuration reload)."""
+        self._models, self._index, self._ambiguous = (
+            other._models, other._index, other._ambiguous)
+
     def __iter__(self) -> Iterator[Model]:
         return iter(self._models.values())
 

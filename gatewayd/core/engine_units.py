@@ -92,6 +92,17 @@ def server_binary(model: Model, config: GatewayConfig) -> tuple[str, str]:
     return config.whisper_server, "whisper_server"
 
 
+def engine_fingerprint(model: Model, config: GatewayConfig) -> tuple[object, ...]:
+    """What a model's engine is started with: two equal fingerprints, one same engine.
+    A configuration reload restarts an engine whose fingerprint changed (its aliases,
+    pinning or queue limits are not in it: those change nothing in the process)."""
+    layout = EngineLayout.for_model(model.id)
+    binary = server_binary(model, config)[0]
+    return (binary, tuple(server_argv(model, layout, binary)),
+            tuple(sorted(engine_env(model, layout).items())), tuple(resource_limits(model)),
+            model.backend, model.size_bytes)
+
+
 def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
     """The engine server's own command line; binary: its absolute path.
 

@@ -145,6 +145,11 @@ class ConfigError(GatewayError):
     status, type, code = 500, "server_error", "config_error"
 
 
+class ConfigInvalid(GatewayError):
+    """A reload refused: the new configuration does not parse or validate."""
+    status, type, code = 422, "invalid_request_error", "config_invalid"
+
+
 class EngineBinaryMissing(ConfigError):
     """The configured engine server cannot be run (missing, not executable)."""
 

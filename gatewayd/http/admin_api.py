@@ -30,10 +30,12 @@ from gatewayd.http.proxy import Upstreams
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.reload import Reloader
 
 ENGINES = web.AppKey("engines", EngineManager)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 EVENTS = web.AppKey("events", EventHub)
+RELOADER = web.AppKey("reloader", Reloader)
 HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
 MAX_LOG_LINES = 10_000
@@ -51,6 +53,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/records", call_records)
     app.router.add_get("/admin/events", follow_events)
     app.router.add_get("/admin/metrics", metrics)
+    app.router.add_post("/admin/reload", reload_config)
 
 
 STATUS_PAGE = (resources.files("gatewayd.http") / "status_page.html").read_bytes()
@@ -80,6 +83,13 @@ async def status(request: web.Request) -> web.Response:
         "records_dropped": front.records.dropped
         if (front := request.app.get(openai_api.FRONT)) and front.records else 0,
     })
+
+
+async def reload_config(request: web.Request) -> web.Response:
+    """Re-read the configuration in place (as SIGHUP does); 422 config_invalid, with the
+    reason, when it is refused (the configuration in force stays)."""
+    plan = await request.app[RELOADER].reload()
+    return web.json_response({"reloaded": True, **plan.as_json()})
 
 
 async def models(request: web.Request) -> web.Response:

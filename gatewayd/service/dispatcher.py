@@ -140,6 +140,15 @@ class Dispatcher:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    async def reconfigure(self, config: GatewayConfig) -> None:
+        """A reloaded configuration (the catalog is replaced in place by the reloader):
+        queue limits, waits and budgets from now on; the idle reaper restarts, as the
+        models' TTLs may have changed."""
+        self._config = config
+        self._loader.reconfigure(config)
+        await self._reaper.close()
+        self._reaper.start()
+
     def start_timers(self) -> None:
         self._reaper.start()
 

@@ -105,6 +105,11 @@ class EngineManager:
                                     on_timeout=self._on_load_timeout)
         self._unwatch = units.watch(self._on_unit_change)
 
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """A reloaded configuration: for the starts, admissions and loads from now on."""
+        self.config = config
+        self._readiness.reconfigure(config.load_timeout_s)
+
     # -- queries ---------------------------------------------------------------------
 
     def engines(self) -> list[Engine]:

@@ -101,6 +101,9 @@ class Loader:
                 count += 1
         return count
 
+    def reconfigure(self, config: GatewayConfig) -> None:
+        self._config = config
+
     async def close(self) -> None:
         tasks = [*self._tasks.values(), *([self._limit_task] if self._limit_task else [])]
         for task in tasks:

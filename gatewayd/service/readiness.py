@@ -41,6 +41,10 @@ class Readiness:
         self._polls: dict[str, asyncio.Task[None]] = {}
         self._deadlines: dict[str, float] = {}
 
+    def reconfigure(self, load_timeout_s: float) -> None:
+        """For the loads that begin from now on."""
+        self._load_timeout_s = load_timeout_s
+
     def watch(self, model_id: str, *, new_start: bool = False) -> None:
         """Poll model_id's engine until it is ready, not starting/loading, or timed out
         (load_timeout_s from the start, or from now for an engine found loading)."""

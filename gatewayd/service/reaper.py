@@ -38,6 +38,7 @@ class IdleReaper:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
 
     async def _loop(self) -> None:
         period = max(0.2, min(m.config.idle_ttl_s or UNSET_TTL_S for m in self._catalog) / 4)

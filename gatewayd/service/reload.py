@@ -1,0 +1,125 @@
+"""Reloading the configuration in place: SIGHUP (`systemctl reload`), POST /admin/reload.
+
+The new file and models directory are read off the event loop and validated whole
+before anything changes: a file that does not parse or validate is refused and the old
+configuration stays in force. Otherwise the catalog and the settings are swapped in
+place (new names route at once) and the engines that must change (core.reload) are
+restarted or stopped once they serve nobody, never under a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from gatewayd.core.catalog import Catalog
+from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engines import EngineState
+from gatewayd.core.errors import ConfigError, ConfigInvalid, GatewayError
+from gatewayd.core.reload import ReloadPlan, plan_reload
+from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
+
+log = logging.getLogger("gatewayd.reload")
+IDLE_POLL_S = 0.2
+
+ReadConfig = Callable[[], tuple[GatewayConfig, Catalog]]
+
+
+class Reloader:
+    def __init__(self, *, read: ReadConfig, engines: EngineManager, dispatcher: Dispatcher,
+                 apply: Callable[[GatewayConfig], None] = lambda _: None,
+                 notify: Callable[[str], None] = lambda _: None) -> None:
+        self._read = read
+        self._engines = engines
+        self._dispatcher = dispatcher
+        self._apply = apply          # the adapters' share of the new settings
+        self._notify = notify        # sd_notify
+        self._lock = asyncio.Lock()  # one reload at a time
+        self._pending: dict[str, asyncio.Task[None]] = {}   # model -> restart/stop when idle
+
+    async def reload(self) -> ReloadPlan:
+        async with self._lock:
+            self._notify("RELOADING=1\nSTATUS=reloading the configuration")
+            try:
+                plan = await self._reload()
+            except ConfigInvalid as e:
+                log.error("%s", e.message)
+                self._notify(f"READY=1\nSTATUS=reload refused: {e.message}")
+                raise
+            self._notify(f"READY=1\nSTATUS=reloaded: {plan.describe()}")
+            return plan
+
+    async def _reload(self) -> ReloadPlan:
+        try:   # GGUF headers are read: off the loop
+            config, catalog = await asyncio.to_thread(self._read)
+        except ConfigError as e:
+            raise ConfigInvalid("the configuration was not reloaded (the one in force "
+                                f"stays): {e.message}") from e
+        engines = self._engines
+        running = [e.model_id for e in engines.engines()
+                   if e.state is not EngineState.STOPPED]
+        plan = plan_reload(engines.config, config, engines.catalog, catalog, running)
+        engines.catalog.replace(catalog)   # shared: every holder sees the new models
+        engines.reconfigure(config)
+        await self._dispatcher.reconfigure(config)
+        self._apply(config)
+        for model_id in plan.restart:
+            self._when_idle(model_id, self._restart, "its settings changed")
+        for model_id in plan.removed:
+            if model_id in running:
+                self._when_idle(model_id, self._stop, "it left the configuration")
+        log.info("configuration reloaded: %s", plan.describe())
+        if plan.needs_restart:
+            log.warning("changed settings that take effect only when the gateway restarts: "
+                        "%s", ", ".join(plan.needs_restart))
+        return plan
+
+    def _when_idle(self, model_id: str, action: Callable[[str, str], Awaitable[None]],
+                   why: str) -> None:
+        if (old := self._pending.pop(model_id, None)) is not None:
+            old.cancel()   # an earlier reload's plan for this model is superseded
+        task = asyncio.get_running_loop().create_task(self._wait_idle(model_id, action, why))
+        self._pending[model_id] = task
+        task.add_done_callback(lambda t: self._pending.pop(model_id, None)
+                               if self._pending.get(model_id) is t else None)
+
+    def _idle(self, model_id: str) -> bool:
+        use = next((u for u in self._dispatcher.usages() if u.model_id == model_id), None)
+        return (use is None or (use.in_flight == 0 and use.queued == 0)) \
+            and not self._engines.busy(model_id)
+
+    async def _wait_idle(self, model_id: str, action: Callable[[str, str], Awaitable[None]],
+                         why: str) -> None:
+        while True:
+            engine = self._engines.get(model_id)
+            if engine is None or engine.state in (EngineState.STOPPING, EngineState.STOPPED):
+                return   # stopped meanwhile: its next start uses the new settings anyway
+            # decided right before the stop, with no await in between: a request that
+            # takes the engine later finds it stopping and waits for the new one
+            if self._idle(model_id):
+                break
+            await asyncio.sleep(IDLE_POLL_S)
+        try:
+            await action(model_id, why)
+        except GatewayError as e:
+            log.warning("reload: %s: %s", model_id, e.message)
+
+    async def _restart(self, model_id: str, why: str) -> None:
+        log.info("restarting %s: %s", model_id, why)
+        await self._engines.stop(model_id, reason=f"reload: {why}")
+        await self._engines.start(model_id, wait=False)
+
+    async def _stop(self, model_id: str, why: str) -> None:
+        log.info("stopping %s: %s", model_id, why)
+        await self._engines.stop(model_id, reason=f"reload: {why}")
+
+    async def close(self) -> None:
+        tasks = list(self._pending.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
