@@ -130,6 +130,16 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     wait(box, "curl -sf http://127.0.0.1:8080/v1/models | grep -q '\"loaded\": true'")
     engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
 
+    # systemctl reload: the sandboxed service re-reads its file in place; the engine and
+    # the gateway keep their processes, and the check command accepts the packaged file
+    gateway_pid = box.shell("systemctl show -p MainPID --value llm-gateway.service").strip()
+    box.shell("llm-gateway --config /etc/llm-gateway/gateway.toml check")
+    box.shell("systemctl reload llm-gateway.service")
+    wait(box, "journalctl -u llm-gateway -o cat --no-pager | grep -q 'configuration reloaded'")
+    assert box.shell("systemctl show -p MainPID --value llm-gateway.service").strip() \
+        == gateway_pid
+    assert box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip() == engine_pid
+
     # kill -9 the gateway while clients keep sending: no connection refused, engines stay
     result = box.shell("""
         /usr/bin/python3 - <<'PY' &
