@@ -21,6 +21,7 @@ from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.journal import Journalctl
+from gatewayd.adapters.kv_cache import SlotCache
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_socket
@@ -33,6 +34,7 @@ from gatewayd.adapters.unit_control import (
     resolve_binary,
     runtime_root,
 )
+from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary
@@ -110,17 +112,18 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     catalog = load_catalog(config)
     mode, bus, manager = unit_mode(config)
     systemd = await Systemd.connect(bus)
+    slot_cache = SlotCache(config.state_dir / "kv-cache", config.kv_cache_max_mb * MIB)
     units: TransientEngineUnits | TemplateEngineUnits
     if mode is UnitMode.TEMPLATE:
-        units = TemplateEngineUnits(systemd, config)
+        units = TemplateEngineUnits(systemd, config, slot_cache)
     else:
         units = TransientEngineUnits(systemd, config, manager=manager,
-                                     run_root=runtime_root(manager))
+                                     run_root=runtime_root(manager), slot_cache=slot_cache)
     gpu = open_gpu()
     health = UnixHealthProbe()
     engines = EngineManager(catalog=catalog, config=config, units=units,
                             health=health, gpu=gpu, journal=Journalctl(manager),
-                            desired=DesiredEngines(config.state_dir))
+                            desired=DesiredEngines(config.state_dir), slots=slot_cache)
     app[admin_api.ENGINES] = engines
     app[UNITS] = units
     app[DISPATCHER] = dispatcher = Dispatcher(engines, catalog=catalog, gpu=gpu,

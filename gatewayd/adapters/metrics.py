@@ -192,6 +192,7 @@ class Snapshot:
     gpus: list[tuple[str, int, int]] = field(default_factory=list)  # (device, used, total) B
     records_dropped: int = 0
     max_engines: int = 0
+    kv_cache: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def families(self) -> Iterator[Metric]:
         state = GaugeMetricFamily("llm_gateway_engine_state",
@@ -236,6 +237,13 @@ class Snapshot:
                                           ("starting", "loading", "ready", "stopping")))
         yield GaugeMetricFamily("llm_gateway_max_engines", "The configured max_engines",
                                 value=self.max_engines)
+        kv = CounterMetricFamily("llm_gateway_kv_cache_operations",
+                                 "KV cache slot saves (at a stop) and restores (at a start)",
+                                 labels=["action", "result"])
+        for action in ("save", "restore"):
+            for result in ("ok", "failed"):
+                kv.add_metric([action, result], self.kv_cache.get((action, result), 0))
+        yield kv
 
 
 def _bound(value: float) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gatewayd.adapters.files import write_atomic
+from gatewayd.adapters.kv_cache import SlotCache, settings_stamp
 from gatewayd.adapters.systemd import NO_SUCH_UNIT, SERVICE, UNIT, Systemd
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
@@ -32,6 +33,8 @@ from gatewayd.core.engine_units import (
     SOCKET_ENV,
     UNIT_PREFIX,
     EngineLayout,
+    engine_fingerprint,
+    keeps_kv_cache,
     resource_limits,
     server_binary,
     template_settings,
@@ -59,9 +62,23 @@ class EngineUnitsBase:
     patterns: tuple[str, ...]
     collected: bool   # unloaded once inactive (transient units, CollectMode=)
 
-    def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
+    def __init__(self, systemd: Systemd, config: GatewayConfig,
+                 slot_cache: SlotCache | None = None) -> None:
         self._sd = systemd
         self._config = config
+        self._slot_cache = slot_cache
+
+    def _slot_save_path(self, model: Model, layout: EngineLayout) -> str | None:
+        """The model's slot directory, ready for this engine (files another engine setup
+        wrote are dropped), or None: no KV cache kept, or the directory cannot be made."""
+        if self._slot_cache is None or not keeps_kv_cache(model):
+            return None
+        stamp = settings_stamp(engine_fingerprint(model, self._config))
+        try:
+            return str(self._slot_cache.prepare(layout.instance, stamp))
+        except OSError as e:
+            log.warning("%s: no KV cache directory (%s); it runs without one", model.id, e)
+            return None
 
     def reconfigure(self, config: GatewayConfig) -> None:
         """A reloaded configuration: the engine servers' paths for the starts from now on."""
@@ -127,8 +144,8 @@ class TransientEngineUnits(EngineUnitsBase):
     patterns = tuple(unit_patterns())
 
     def __init__(self, systemd: Systemd, config: GatewayConfig, *, manager: str,
-                 run_root: str) -> None:
-        super().__init__(systemd, config)
+                 run_root: str, slot_cache: SlotCache | None = None) -> None:
+        super().__init__(systemd, config, slot_cache)
         self.manager = manager
         self._run_root = run_root
         self.private_network = manager != "system" or manager_can_configure_networks()
@@ -144,7 +161,8 @@ class TransientEngineUnits(EngineUnitsBase):
     async def start_engine(self, model: Model) -> EngineLayout:
         layout = self.layout(model.id)
         binary = resolve_binary(*server_binary(model, self._config))
-        spec = transient_spec(model, layout, binary, private_network=self.private_network)
+        spec = transient_spec(model, layout, binary, private_network=self.private_network,
+                              slot_save_path=self._slot_save_path(model, layout))
         await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
 
@@ -157,8 +175,9 @@ class TemplateEngineUnits(EngineUnitsBase):
     collected = False
     patterns = (f"{UNIT_PREFIX}@*.service",)
 
-    def __init__(self, systemd: Systemd, config: GatewayConfig) -> None:
-        super().__init__(systemd, config)
+    def __init__(self, systemd: Systemd, config: GatewayConfig,
+                 slot_cache: SlotCache | None = None) -> None:
+        super().__init__(systemd, config, slot_cache)
         self.settings_dir = config.state_dir / "engines"
 
     def layout(self, model_id: str) -> EngineLayout:
@@ -169,7 +188,9 @@ class TemplateEngineUnits(EngineUnitsBase):
         self.settings_dir.mkdir(parents=True, exist_ok=True)
         binary = resolve_binary(*server_binary(model, self._config))
         write_atomic(self.settings_dir / f"{layout.instance}.json",
-                     json.dumps(template_settings(model, layout, binary)).encode())
+                     json.dumps(template_settings(
+                         model, layout, binary,
+                         slot_save_path=self._slot_save_path(model, layout))).encode())
         if limits := resource_limits(model):
             await self._sd.set_unit_properties(layout.unit, limits, runtime=True)
         await self._start(layout.unit, lambda: self._sd.start_unit(layout.unit))

@@ -65,6 +65,8 @@ class ModelConfig:
     kind: ModelKind | None = None        # None: from the GGUF header (whisper: audio)
     max_concurrency: int | None = None   # requests served at once; above: 429
     queue_limit: int | None = None       # requests waiting for it; above: 503
+    kv_cache_save: bool = True           # llama chat engines: slots saved at a stop,
+                                         # restored at the next start (adapters/kv_cache)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class GatewayConfig:
     default_model: str | None = None
     autoload: bool = True                # a request for a stopped model starts it
     eviction_wait_s: float = 30.0        # how long a start waits for room to free up
+    kv_cache_max_mb: int = 4096          # saved slot files per model, oldest removed first
     queue_limit: int = 100               # default per-model queue limit
     max_body_bytes: int = 256 * 1024 * 1024
     read_timeout_s: float = 600.0
@@ -106,11 +109,13 @@ class GatewayConfig:
 
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
                "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
-               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind"}
+               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind",
+               "kv_cache_save"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
-             "records", "autoload", "eviction_wait_s", "queue_limit", "health"}
+             "records", "autoload", "eviction_wait_s", "queue_limit", "health",
+             "kv_cache_max_mb"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -175,6 +180,8 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         eviction_wait_s=float(_positive(data.get("eviction_wait_s", 30), where,
                                         "eviction_wait_s")),
         queue_limit=_non_negative(data.get("queue_limit", 100), where, "queue_limit"),
+        kv_cache_max_mb=_non_negative(data.get("kv_cache_max_mb", 4096), where,
+                                      "kv_cache_max_mb"),
         records_enabled=_expect(records.get("enabled", True), bool, where, "records.enabled"),
         records_path=_path(records.get("path"), base, where, "records.path"),
         records_store_text=_expect(records.get("store_text", False), bool, where,
@@ -247,6 +254,8 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
                       where, f"{key}.max_concurrency")),
         queue_limit=None if table.get("queue_limit") is None else _non_negative(
             table["queue_limit"], where, f"{key}.queue_limit"),
+        kv_cache_save=_expect(table.get("kv_cache_save", True), bool, where,
+                              f"{key}.kv_cache_save"),
     )
 
 

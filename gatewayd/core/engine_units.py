@@ -103,8 +103,18 @@ def engine_fingerprint(model: Model, config: GatewayConfig) -> tuple[object, ...
             model.backend, model.size_bytes)
 
 
-def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
-    """The engine server's own command line; binary: its absolute path.
+def keeps_kv_cache(model: Model) -> bool:
+    """Its slots are saved at a stop and restored at the next start: llama chat engines
+    (embedding and rerank engines keep no conversation worth a file), unless the model
+    says kv_cache_save = false."""
+    return (model.backend is Backend.LLAMA and model.kind is ModelKind.CHAT
+            and model.config.kv_cache_save)
+
+
+def server_argv(model: Model, layout: EngineLayout, binary: str, *,
+                slot_save_path: str | None = None) -> list[str]:
+    """The engine server's own command line; binary: its absolute path; slot_save_path:
+    where llama-server may write slot files (keeps_kv_cache models).
 
     For whisper, "{port}" stands for the loopback port the launcher chooses.
     """
@@ -126,15 +136,18 @@ def server_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
                 argv += ["--pooling", "mean"]
         elif model.kind is ModelKind.RERANK and not {"--rerank", "--reranking"} & set(mc.args):
             argv.append("--rerank")   # embeddings with rank pooling: /v1/rerank only
+        if slot_save_path is not None and "--slot-save-path" not in mc.args:
+            argv += ["--slot-save-path", slot_save_path]
         return argv + list(mc.args)
     return [binary, "-m", str(mc.path),
             "--host", "127.0.0.1", "--port", "{port}",
             "--inference-path", "/v1/audio/transcriptions", *threads, *mc.args]
 
 
-def engine_argv(model: Model, layout: EngineLayout, binary: str) -> list[str]:
+def engine_argv(model: Model, layout: EngineLayout, binary: str, *,
+                slot_save_path: str | None = None) -> list[str]:
     """ExecStart of a transient engine unit."""
-    argv = server_argv(model, layout, binary)
+    argv = server_argv(model, layout, binary, slot_save_path=slot_save_path)
     if model.backend is Backend.LLAMA:
         return argv
     # whisper-server is TCP-only: the launcher runs it on a loopback port inside
@@ -150,10 +163,12 @@ def engine_env(model: Model, layout: EngineLayout) -> dict[str, str]:
     return env
 
 
-def template_settings(model: Model, layout: EngineLayout, binary: str) -> dict[str, object]:
+def template_settings(model: Model, layout: EngineLayout, binary: str, *,
+                      slot_save_path: str | None = None) -> dict[str, object]:
     """What llm-engine@<instance>.service reads (gatewayd.engine_launch --settings)."""
     return {"model": model.id, "backend": model.backend.value, "socket": layout.socket,
-            "port": WHISPER_PORT, "argv": server_argv(model, layout, binary),
+            "port": WHISPER_PORT,
+            "argv": server_argv(model, layout, binary, slot_save_path=slot_save_path),
             "env": engine_env(model, layout)}
 
 
@@ -168,7 +183,7 @@ def resource_limits(model: Model) -> list[tuple[str, str, object]]:
 
 
 def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
-                   private_network: bool = True) -> UnitSpec:
+                   private_network: bool = True, slot_save_path: str | None = None) -> UnitSpec:
     """The transient service unit that runs this model's engine.
 
     private_network: whisper engines get a network namespace of their own (their TCP
@@ -189,7 +204,7 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         extra[name] = (signature, value)
     return UnitSpec(
         name=layout.unit,
-        argv=engine_argv(model, layout, binary),
+        argv=engine_argv(model, layout, binary, slot_save_path=slot_save_path),
         description=f"LLM engine {model.id}",
         environment=env,
         runtime_directory=layout.runtime_directory,

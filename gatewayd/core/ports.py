@@ -61,6 +61,24 @@ class UnitControl(Protocol):
     def watch(self, callback: UnitWatcher) -> Callable[[], None]: ...
 
 
+class SlotStore(Protocol):
+    """An engine's KV cache kept across its stop (llama-server slot files). Neither call
+    raises: a failure is logged and counted, and the stop or start goes on without it."""
+
+    @property
+    def counts(self) -> Mapping[tuple[str, str], int]:
+        """(save|restore, ok|failed) -> how many."""
+        ...
+
+    async def save(self, model_id: str, socket: str, instance: str) -> int:
+        """Save the used slots of the ready engine at socket; how many were saved."""
+        ...
+
+    async def restore(self, model_id: str, socket: str, instance: str) -> int:
+        """Restore the saved slots into the engine at socket; tokens restored."""
+        ...
+
+
 class GpuProbe(Protocol):
     """Fresh GPU memory readings; None means no GPU (or no NVML)."""
 

@@ -170,7 +170,8 @@ async def metrics(request: web.Request) -> web.Response:
         raise web.HTTPNotFound()
     uses = _uses(request)
     snapshot = Snapshot(max_engines=mgr.config.max_engines,
-                        records_dropped=front.records.dropped if front.records else 0)
+                        records_dropped=front.records.dropped if front.records else 0,
+                        kv_cache=mgr.slots.counts if mgr.slots is not None else {})
     engines = mgr.engines()
     infos = await asyncio.gather(*(mgr.info(e) for e in engines))
     for engine, info in zip(engines, infos, strict=True):

@@ -35,6 +35,7 @@ from typing import Any
 from gatewayd.core import budget
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engine_units import keeps_kv_cache
 from gatewayd.core.engines import (
     Engine,
     EngineState,
@@ -64,6 +65,7 @@ from gatewayd.core.ports import (
     GpuProbe,
     HealthProbe,
     JournalReader,
+    SlotStore,
     UnitControl,
 )
 from gatewayd.service.readiness import Readiness
@@ -79,12 +81,14 @@ EngineListener = Callable[[Engine, Engine], None]
 class EngineManager:
     def __init__(self, *, catalog: Catalog, config: GatewayConfig, units: UnitControl,
                  health: HealthProbe, gpu: GpuProbe, journal: JournalReader,
-                 desired: DesiredList, clock: Callable[[], float] = time.monotonic) -> None:
+                 desired: DesiredList, slots: SlotStore | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog
         self.config = config
         self.units = units
         self.gpu = gpu
         self.desired = desired
+        self.slots = slots
         self._journal = journal
         self._clock = clock
         self._engines: dict[str, Engine] = {}
@@ -223,6 +227,7 @@ class EngineManager:
         except OSError as e:
             log.warning("%s: could not update the desired engine list: %s", model_id, e)
         log.info("stopping %s (%s): %s", model_id, engine.unit, reason)
+        was_ready = engine.state is EngineState.READY
         self._mark_stopping(model_id, reason)
         async with self._lifecycle(model_id):
             current = self._engines.get(model_id)
@@ -230,6 +235,8 @@ class EngineManager:
                 return engine   # stopped by the operation before ours
             # a start that had its turn before ours ran: this stop is for that engine now
             self._mark_stopping(model_id, reason)
+            if was_ready and current.main_pid == engine.main_pid:
+                await self._save_slots(current)   # bounded (kv_cache.SAVE_TIMEOUT_S)
             try:
                 await self.units.stop_engine(current.unit)
             except Exception as e:
@@ -444,8 +451,21 @@ class EngineManager:
             exec_code=props.get("ExecMainCode"),
             exec_status=props.get("ExecMainStatus")))
 
-    def _on_ready(self, model_id: str) -> None:
+    async def _on_ready(self, model_id: str) -> None:
+        """Healthy: its saved KV cache goes back into its slots first (bounded), so the
+        first request already finds it."""
+        engine, model = self._engines.get(model_id), self.catalog.get(model_id)
+        if self.slots is not None and engine is not None and model is not None \
+                and keeps_kv_cache(model):
+            await self.slots.restore(model_id, engine.socket,
+                                     self.units.layout(model_id).instance)
         self._event(model_id, HealthReady(self._clock()))
+
+    async def _save_slots(self, engine: Engine) -> None:
+        model = self.catalog.get(engine.model_id)
+        if self.slots is not None and model is not None and keeps_kv_cache(model):
+            await self.slots.save(engine.model_id, engine.socket,
+                                  self.units.layout(engine.model_id).instance)
 
     async def _on_load_timeout(self, model_id: str) -> None:
         """Failed (with the reason), then its unit stopped, as one lifecycle operation,

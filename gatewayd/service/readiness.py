@@ -30,7 +30,7 @@ def poll_delays(first: float = 0.002, factor: float = 1.3, cap: float = 0.5) -> 
 class Readiness:
     def __init__(self, health: HealthProbe, *, load_timeout_s: float,
                  clock: Callable[[], float], engine: Callable[[str], Engine | None],
-                 on_ready: Callable[[str], None],
+                 on_ready: Callable[[str], Awaitable[None]],
                  on_timeout: Callable[[str], Awaitable[None]]) -> None:
         self._health = health
         self._load_timeout_s = load_timeout_s
@@ -67,7 +67,7 @@ class Readiness:
                 return
             if await self._health.status(engine.socket) == 200:
                 self._deadlines.pop(model_id, None)
-                self._on_ready(model_id)
+                await self._on_ready(model_id)
                 return
             if self._clock() > self._deadlines.get(model_id, 0.0):
                 self._deadlines.pop(model_id, None)

@@ -140,6 +140,15 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
         == gateway_pid
     assert box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip() == engine_pid
 
+    # the KV cache survives a stop in the sandboxed template units too (ReadWritePaths=)
+    box.shell("curl -sf http://127.0.0.1:8080/v1/completions -d "
+              "'{\"model\":\"tiny-alpha\",\"prompt\":\"one two three\",\"max_tokens\":2}'")
+    for verb in ("stop", "start"):
+        box.shell(f"llm-gateway --url http://127.0.0.1:8080 {verb} tiny-alpha")
+    wait(box, "journalctl -u llm-gateway -o cat --no-pager | "
+              "grep -q 'tiny-alpha: KV cache restored'")
+    engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
+
     # kill -9 the gateway while clients keep sending: no connection refused, engines stay
     result = box.shell("""
         /usr/bin/python3 - <<'PY' &

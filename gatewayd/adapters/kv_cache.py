@@ -1,0 +1,149 @@
+"""An engine's KV cache kept across its stop: llama-server's slot save and restore.
+
+Before the gateway stops an idle llama engine it asks the engine to write each used
+slot's cache to the model's directory under the state directory (POST /slots/{id}
+?action=save, llama-server --slot-save-path); when the engine next becomes ready the
+files are restored into the same slots before it is marked ready, so a repeated long
+prompt skips its prefill (timings.cache_n). A directory carries a stamp of the engine's
+settings: files written by an engine started differently (another file, context size,
+arguments) are discarded, never restored. Each model's directory is bounded
+(kv_cache_max_mb, oldest files removed first). Every failure is logged and counted and
+never stops a stop or a start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger("gatewayd.kv_cache")
+STAMP = "engine-settings.sha256"
+SLOT_FILE = "slot-{id}.bin"
+SAVE_TIMEOUT_S = 10.0      # the whole save; bounds how long an eviction waits for it
+RESTORE_TIMEOUT_S = 10.0   # the whole restore; bounds how long a start waits for it
+
+
+def settings_stamp(fingerprint: tuple[object, ...]) -> str:
+    return hashlib.sha256(repr(fingerprint).encode()).hexdigest()
+
+
+class SlotCache:
+    """The slot files of every model, under <state_dir>/kv-cache/<engine instance>/."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = root
+        self._max_bytes = max_bytes
+        self.counts: Counter[tuple[str, str]] = Counter()   # (action, result) -> n
+
+    def directory(self, instance: str) -> Path:
+        return self.root / instance
+
+    def prepare(self, instance: str, stamp: str) -> Path:
+        """The model's directory, made; its files dropped if another engine setup wrote
+        them (they would restore a cache that does not belong to this engine)."""
+        where = self.directory(instance)
+        where.mkdir(parents=True, exist_ok=True)
+        stamp_file = where / STAMP
+        if not stamp_file.exists() or stamp_file.read_text().strip() != stamp:
+            for old in where.glob("slot-*.bin"):
+                old.unlink(missing_ok=True)
+            stamp_file.write_text(stamp + "\n")
+        return where
+
+    async def save(self, model_id: str, socket: str, instance: str) -> int:
+        """Save every used slot; the number saved (0 on failure: logged and counted)."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(SAVE_TIMEOUT_S), _session(socket) as session:
+                slots = await _slots(session)
+                saved = 0
+                for slot in slots:
+                    if "id_task" not in slot or not slot.get("n_prompt_tokens"):
+                        continue   # never used: nothing to keep
+                    await _slot_action(session, slot["id"], "save",
+                                       SLOT_FILE.format(id=slot["id"]))
+                    saved += 1
+            self._bound(self.directory(instance))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as e:
+            self.counts["save", "failed"] += 1
+            log.warning("%s: saving its KV cache failed (%s); the engine stops without it",
+                        model_id, e or type(e).__name__)
+            return 0
+        self.counts["save", "ok"] += 1
+        log.info("%s: KV cache of %d slot(s) saved in %.0f ms", model_id, saved,
+                 (time.monotonic() - started) * 1000)
+        return saved
+
+    async def restore(self, model_id: str, socket: str, instance: str) -> int:
+        """Restore the saved slots into the ready engine; the number of tokens restored."""
+        where = self.directory(instance)
+        files = sorted(where.glob("slot-*.bin")) if where.is_dir() else []
+        if not files:
+            return 0
+        started = time.monotonic()
+        restored = 0
+        try:
+            async with asyncio.timeout(RESTORE_TIMEOUT_S), _session(socket) as session:
+                ids = {slot["id"] for slot in await _slots(session)}
+                for path in files:
+                    slot_id = int(path.stem.split("-", 1)[1])
+                    if slot_id in ids:
+                        answer = await _slot_action(session, slot_id, "restore", path.name)
+                        restored += int(answer.get("n_restored", 0))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as e:
+            self.counts["restore", "failed"] += 1
+            log.warning("%s: restoring its KV cache failed (%s); it starts cold", model_id,
+                        e or type(e).__name__)
+            return 0
+        self.counts["restore", "ok"] += 1
+        log.info("%s: KV cache restored: %d token(s) in %d slot file(s), %.0f ms", model_id,
+                 restored, len(files), (time.monotonic() - started) * 1000)
+        return restored
+
+    def discard(self, instance: str) -> None:
+        shutil.rmtree(self.directory(instance), ignore_errors=True)
+
+    def _bound(self, where: Path) -> None:
+        """Oldest slot files first, until the directory fits max_bytes."""
+        files = sorted(where.glob("slot-*.bin"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        for path in files:
+            if total <= self._max_bytes:
+                break
+            total -= path.stat().st_size
+            path.unlink(missing_ok=True)
+
+
+def _session(socket: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket))
+
+
+async def _slots(session: aiohttp.ClientSession) -> list[dict[str, Any]]:
+    async with session.get("http://engine/slots") as resp:
+        if resp.status != 200:
+            raise ValueError(f"GET /slots: HTTP {resp.status}")
+        slots = await resp.json(content_type=None)
+    if not isinstance(slots, list):
+        raise ValueError("GET /slots: not a list")
+    return slots
+
+
+async def _slot_action(session: aiohttp.ClientSession, slot_id: int, action: str,
+                       filename: str) -> dict[str, Any]:
+    async with session.post(f"http://engine/slots/{int(slot_id)}?action={action}",
+                            data=json.dumps({"filename": filename}),
+                            headers={"Content-Type": "application/json"}) as resp:
+        body = await resp.json(content_type=None)
+        if resp.status != 200:
+            message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+            raise ValueError(f"slot {slot_id} {action}: HTTP {resp.status} {message or ''}")
+        return body if isinstance(body, dict) else {}
