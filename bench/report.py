@@ -51,6 +51,15 @@ def write_report(r: dict[str, Any], out: Path) -> None:
               f"| swap, every request evicts (p50) | {cs['swap_first_byte_ms']['gateway']} | "
               f"{cs['swap_first_byte_ms']['router']} |",
               f"| swap p99 | {cs['swap_p99_ms']['gateway']} | {cs['swap_p99_ms']['router']} |"]
+    kv = r.get("kv_restore")
+    if kv:
+        lines += ["", "## A long prompt (~1460 tokens) again after its engine was stopped "
+                  "(gateway, ms)", "",
+                  "| KV cache | start (stop → ready) | first byte | both |", "|---|---|---|---|"]
+        for label in ("restored", "cold"):
+            k = kv[label]
+            lines.append(f"| {label} | {k['start_ms']} | {k['first_byte_ms']} | "
+                         f"{round(k['start_ms'] + k['first_byte_ms'], 2)} |")
     fp = r["footprint"]
     lines += ["", "## Footprint (gateway process)", "",
               f"- RSS idle: {fp['rss_idle_mib']} MiB; with {fp['open_streams']} open streams: "

@@ -227,7 +227,12 @@ async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
     fake_models = work / "fake-models"
     fake_models.mkdir(exist_ok=True)
     (fake_models / "fake.gguf").write_bytes(b"GGUF")
-    gw_cfg = write_config(work / "gw.toml", models, llama, work / "gw-state", 18600)
+    cold = work / "cold-models"    # the same tiny model, with no KV cache kept (section 6)
+    cold.mkdir(exist_ok=True)
+    make_tiny_model.write_model(str(cold / "tiny-cold.gguf"), "tiny-cold", 1)
+    gw_cfg = write_config(work / "gw.toml", models, llama, work / "gw-state", 18600,
+                          extra=f'[models.tiny-cold]\npath = "{cold / "tiny-cold.gguf"}"\n'
+                                "kv_cache_save = false\n")
     fake_cfg = write_config(work / "fake.toml", fake_models, str(REPO / "bench/fake-llama-server"),
                             work / "fake-state", 18610)
     run_unit("bench-gateway", [PY, "-m", "gatewayd", "--config", str(gw_cfg), "serve"],
@@ -306,7 +311,34 @@ async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
 
     # 5. footprint
     results["footprint"] = await footprint(plan, fake_cfg)
+
+    # 6. a long prompt again after its engine was stopped: KV cache restored, or cold
+    results["kv_restore"] = await kv_restore(plan)
     return results
+
+
+LONG_PROMPT = " ".join(f"word{i % 97} and more" for i in range(300))
+
+
+async def kv_restore(plan: Plan) -> dict[str, Any]:
+    """Per model: stop (the gateway saves its slots, or not), start (restores them, or
+    not), then the same long prompt; the start and the first byte are timed apart."""
+    gw = Target("gateway", "http://127.0.0.1:18600")
+    figures: dict[str, dict[str, list[float]]] = {}
+    for label, model in (("restored", "tiny-beta"), ("cold", "tiny-cold")):
+        times = figures.setdefault(label, {"start_ms": [], "first_byte_ms": []})
+        await first_byte_ms(gw, model, prompt=LONG_PROMPT)   # the prompt is in its cache
+        for _ in range(plan.streams):
+            status, body = await post_json(gw.base + "/admin/engines/stop", {"model": model})
+            assert status == 200, body
+            t0 = time.perf_counter()
+            status, body = await post_json(gw.base + "/admin/engines/start", {"model": model})
+            assert status == 200, body
+            times["start_ms"].append((time.perf_counter() - t0) * 1000)
+            times["first_byte_ms"].append(await first_byte_ms(gw, model, prompt=LONG_PROMPT))
+        await post_json(gw.base + "/admin/engines/stop", {"model": model})
+    return {label: {key: round(statistics.median(v), 2) for key, v in times.items()}
+            for label, times in figures.items()}
 
 
 async def router_model_id(stem: str) -> str:
@@ -318,10 +350,10 @@ async def router_model_id(stem: str) -> str:
     raise RuntimeError(f"router does not list {stem}: {data}")
 
 
-async def first_byte_ms(target: Target, model: str) -> float:
+async def first_byte_ms(target: Target, model: str, prompt: str = "hi") -> float:
     async with target.session() as session:
         t0 = time.perf_counter()
-        async with session.post(target.base + CHAT, json=chat(model)) as resp:
+        async with session.post(target.base + CHAT, json=chat(model, prompt=prompt)) as resp:
             await resp.content.readany()
             took = (time.perf_counter() - t0) * 1000
             await resp.read()
@@ -390,9 +422,11 @@ async def footprint(plan: Plan, fake_cfg: Path) -> dict[str, Any]:
             "socket_activation_to_first_answer_ms": round(statistics.median(activation), 1)}
 
 
-def write_config(path: Path, models: Path, llama: str, state: Path, port: int) -> Path:
+def write_config(path: Path, models: Path, llama: str, state: Path, port: int,
+                 extra: str = "") -> Path:
     path.write_text(f'models_dir = "{models}"\nllama_server = "{llama}"\n'
-                    f'state_dir = "{state}"\nmax_engines = 2\n[listen]\nport = {port}\n')
+                    f'state_dir = "{state}"\nmax_engines = 2\n[listen]\nport = {port}\n'
+                    + extra)
     return path
 
 
