@@ -10,7 +10,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests.integration.gateway_helpers import (
@@ -20,13 +19,9 @@ from tests.integration.gateway_helpers import (
     toml_str,
     unit_property,
 )
+from tests.integration.test_front_door_e2e import client
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
-
-
-def client(gw: GatewayService) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
 
 
 def answer(gw: GatewayService, model: str) -> str:
