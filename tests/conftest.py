@@ -105,3 +105,10 @@ def systemd_container(request: pytest.FixtureRequest) -> Iterator[SystemdContain
         yield box
     finally:
         box.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the fake libnvidia-ml.so.1 (tests/harness/fake_nvml.c)."""
+    from tests.harness import fake_nvml
+    return fake_nvml.build(tmp_path_factory.mktemp("fake-nvml"))

@@ -1,0 +1,44 @@
+"""The VRAM budget through a real gateway and the real NVML adapter: nvidia-ml-py loads the
+fake libnvidia-ml.so.1 (tests/harness/fake_nvml.c) from LD_LIBRARY_PATH, and the tests
+rewrite what it reports while the gateway runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.harness.fake_nvml import FakeNvml, devices
+from tests.integration.conftest import GatewayFactory
+
+pytestmark = [pytest.mark.systemd, pytest.mark.engine]
+
+
+def test_admission_reads_fresh_nvml_figures_through_the_real_adapter(
+        tmp_path: Path, gateway_factory: GatewayFactory, fake_nvml_dir: Path) -> None:
+    fake = FakeNvml(tmp_path / "nvml.state", devices=devices(("NVIDIA Fake A16", 4096, 3584)))
+    fake.write()
+    gw = gateway_factory(env=fake.env(fake_nvml_dir))
+    _, status = gw.api("GET", "/admin/status")
+    assert status["gpu"] == "NVML, 1 device(s): NVIDIA Fake A16"
+    assert status["gpu_memory_mib"]["total"] == 4096 and status["gpu_memory_mib"]["free"] == 512
+
+    code, refused = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
+    assert code == 503 and refused["error"]["code"] == "insufficient_gpu", refused
+    need = refused["error"]["required_mib"]
+    assert need > 1024 and refused["error"]["free_mib"] == 512   # file + 1024 MiB margin
+    assert refused["error"]["total_mib"] == 4096
+
+    fake.devices[0].used_mib = 4096 - need     # exactly enough, read fresh: admitted
+    fake.write()
+    code, started = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
+    assert code == 200 and started["engine"]["state"] == "ready", started
+
+    # the engine's own process memory, as NVML reports it, is held by that engine
+    pid = started["engine"]["pid"]
+    fake.processes = [(0, pid, 700)]
+    fake.devices[0].used_mib = 700
+    fake.write()
+    _, status = gw.api("GET", "/admin/status")
+    assert status["gpu_memory_mib"]["held_by_engines"] == 700
+    assert status["gpu_memory_mib"]["external"] == 0 and status["gpu_memory_mib"]["free"] == 3396

@@ -1,0 +1,60 @@
+"""The real NVML adapter (nvidia-ml-py → libnvidia-ml.so.1) against the fake library from
+tests/harness/fake_nvml.c: each case runs in its own process, as the gateway does, with
+the library found through LD_LIBRARY_PATH. Replace the adapter with a stub and these fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.harness.fake_nvml import GPU_IS_LOST, FakeNvml, devices
+
+PROBE = """
+import json, sys
+from gatewayd.adapters.gpu import open_gpu
+gpu = open_gpu()
+out = {"description": gpu.description}
+try:
+    for devices in (None, "1", "GPU-fake-0"):
+        memory = gpu.memory(devices)
+        out[str(devices)] = memory and [memory.total_mib, memory.free_mib, list(memory.devices)]
+    out["processes"] = gpu.process_mib()
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def probe(fake: FakeNvml, library_dir: Path) -> dict[str, Any]:
+    fake.write()
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          env={**os.environ, **fake.env(library_dir)}, check=True)
+    return dict(json.loads(proc.stdout))
+
+
+def test_memory_per_device_and_per_process(tmp_path: Path, fake_nvml_dir: Path) -> None:
+    fake = FakeNvml(tmp_path / "nvml.state", devices=devices(
+        ("NVIDIA Fake H100 80GB", 81920, 10240), ("NVIDIA Fake L4", 24576, 1024)),
+        processes=[(0, 4242, 8192), (1, 4242, 512), (1, 777, 256)])
+    out = probe(fake, fake_nvml_dir)
+    assert out["description"] == ("NVML, 2 device(s): NVIDIA Fake H100 80GB, "
+                                  "NVIDIA Fake L4")
+    assert out["None"] == [106496, 95232, ["GPU-fake-0", "GPU-fake-1"]]
+    assert out["1"] == [24576, 23552, ["GPU-fake-1"]]          # CUDA_VISIBLE_DEVICES=1
+    assert out["GPU-fake-0"] == [81920, 71680, ["GPU-fake-0"]]  # ... or a UUID
+    assert out["processes"] == {"4242": 8704, "777": 256}      # summed over devices
+
+
+def test_no_device_a_failed_init_and_a_lost_gpu(tmp_path: Path, fake_nvml_dir: Path) -> None:
+    empty = probe(FakeNvml(tmp_path / "none.state"), fake_nvml_dir)
+    assert empty["description"] == "NVML, 0 device(s): none" and empty["None"] is None
+    failing = FakeNvml(tmp_path / "init.state", errors={"nvmlInit": 999})
+    assert probe(failing, fake_nvml_dir)["description"].startswith(
+        "none (NVML unavailable: Unknown Error)")
+    lost = FakeNvml(tmp_path / "lost.state", devices=devices(("Fake", 1024, 0)),
+                    errors={"nvmlDeviceGetMemoryInfo": GPU_IS_LOST})
+    assert "GPU is lost" in probe(lost, fake_nvml_dir)["error"]
