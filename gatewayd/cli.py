@@ -175,6 +175,8 @@ def status_lines(out: dict[str, Any]) -> list[str]:
         f"{size(gpu['free'] * MIB)} free of {size(gpu['total'] * MIB)} (engines "
         f"{size(gpu['held_by_engines'] * MIB)}, loading {size(gpu['pending_loads'] * MIB)}, "
         f"other processes {size(gpu['external'] * MIB)})")
+    if out.get("gpu_error"):
+        memory = f"unreadable: {out['gpu_error']}"
     return [f"engines: {engines} (at most {out['max_engines']})",
             f"models: {out['models']}",
             f"systemd: {out['systemd_manager']} manager, {out['unit_mode']} units",

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from gatewayd.core.budget import MIB, GpuMemory
+from gatewayd.core.errors import GpuUnavailable
 
 FAKE_GPU_ENV = "LLM_GATEWAY_FAKE_GPU"
 
@@ -51,16 +52,24 @@ class NvmlGpu:
         count = nvml.nvmlDeviceGetCount()
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self._uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in self._handles]
-        names = [_text(nvml.nvmlDeviceGetName(h)) for h in self._handles]
-        self.description = f"NVML, {count} device(s): {', '.join(names) or 'none'}"
+        self._names = [_text(nvml.nvmlDeviceGetName(h)) for h in self._handles]
+        self.description = f"NVML, {count} device(s): {', '.join(self._names) or 'none'}"
 
     def memory(self, devices: str | None = None) -> GpuMemory | None:
+        """Fresh figures of the chosen devices; GpuUnavailable, naming the device, when NVML
+        fails on one (never None then: that would switch the budget off)."""
         chosen = self._select(devices)
         if not chosen:
             return None
         total = free = 0
         for i in chosen:
-            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handles[i])
+            try:
+                info = self._nvml.nvmlDeviceGetMemoryInfo(self._handles[i])
+            except self._nvml.NVMLError as e:
+                raise GpuUnavailable(
+                    f"NVML cannot read GPU {i} ({self._names[i]}, {self._uuids[i]}): {e}; new "
+                    "engines are refused until it answers again, running ones are left alone",
+                    device=self._uuids[i]) from e
             total += info.total
             free += info.free
         return GpuMemory(total_mib=total // MIB, free_mib=free // MIB,

@@ -92,6 +92,12 @@ class InsufficientGpu(GatewayError):
     status, type, code = 503, "server_error", "insufficient_gpu"
 
 
+class GpuUnavailable(GatewayError):
+    """NVML answered at start but fails now (a lost GPU, a driver error): admission cannot
+    know the free memory, so it refuses instead of guessing; running engines are left."""
+    status, type, code = 503, "server_error", "gpu_unavailable"
+
+
 class EngineNotRunning(GatewayError):
     status, type, code = 409, "invalid_request_error", "engine_not_running"
 

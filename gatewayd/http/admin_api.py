@@ -7,6 +7,7 @@ path, so no name (with slashes, dots or anything else) can change the route.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from importlib import resources
@@ -23,7 +24,7 @@ from gatewayd.core import scheduler
 from gatewayd.core.budget import MIB
 from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
-from gatewayd.core.errors import InvalidRequest
+from gatewayd.core.errors import GpuUnavailable, InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
 from gatewayd.http.proxy import Upstreams
@@ -79,6 +80,7 @@ async def status(request: web.Request) -> web.Response:
         "models": len(mgr.catalog),
         "desired": mgr.desired.ids,
         "gpu_memory_mib": _ledger(request),
+        "gpu_error": _gpu_error(mgr),
         "config": str(mgr.config.source) if mgr.config.source else None,
         "records_dropped": front.records.dropped
         if (front := request.app.get(openai_api.FRONT)) and front.records else 0,
@@ -181,12 +183,13 @@ async def metrics(request: web.Request) -> web.Response:
             in_flight=use.in_flight if use else 0, queued=use.queued if use else 0,
             memory_bytes=info.memory_bytes if info else None,
             cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None))
-    whole = mgr.gpu.memory()
-    for device in whole.devices if whole else ():
-        one = mgr.gpu.memory(device)
-        if one is not None:
-            snapshot.gpus.append((device, (one.total_mib - one.free_mib) * MIB,
-                                  one.total_mib * MIB))
+    with contextlib.suppress(GpuUnavailable):   # a lost GPU: no figures (status says why)
+        whole = mgr.gpu.memory()
+        for device in whole.devices if whole else ():
+            one = mgr.gpu.memory(device)
+            if one is not None:
+                snapshot.gpus.append((device, (one.total_mib - one.free_mib) * MIB,
+                                      one.total_mib * MIB))
     own = None
     if request.query.get("engines") in ("1", "true"):
         own = await _engine_metrics(front.upstreams, [
@@ -218,9 +221,20 @@ def _uses(request: web.Request) -> dict[str, scheduler.Usage]:
     return {u.model_id: u for u in dispatcher.usages()} if dispatcher is not None else {}
 
 
+def _gpu_error(mgr: EngineManager) -> str | None:
+    try:
+        mgr.gpu.memory()
+    except GpuUnavailable as e:
+        return e.message
+    return None
+
+
 def _ledger(request: web.Request) -> dict[str, int] | None:
     dispatcher = request.app.get(DISPATCHER)
-    ledger = dispatcher.ledger() if dispatcher is not None else None
+    try:
+        ledger = dispatcher.ledger() if dispatcher is not None else None
+    except GpuUnavailable:
+        return None   # said by status's gpu_error
     if ledger is None:
         return None
     return {"total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines":

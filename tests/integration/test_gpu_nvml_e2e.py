@@ -4,11 +4,13 @@ rewrite what it reports while the gateway runs."""
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.harness.fake_nvml import FakeNvml, devices
+from tests.harness.fake_nvml import GPU_IS_LOST, FakeNvml, devices
 from tests.integration.conftest import GatewayFactory
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
@@ -42,3 +44,26 @@ def test_admission_reads_fresh_nvml_figures_through_the_real_adapter(
     _, status = gw.api("GET", "/admin/status")
     assert status["gpu_memory_mib"]["held_by_engines"] == 700
     assert status["gpu_memory_mib"]["external"] == 0 and status["gpu_memory_mib"]["free"] == 3396
+
+    # the GPU is lost: new engines are refused with the device named, in bounded time;
+    # the running engine keeps serving; status says why there are no figures
+    fake.errors = {"nvmlDeviceGetMemoryInfo": GPU_IS_LOST}
+    fake.write()
+    began = time.monotonic()
+    code, lost = gw.api("POST", "/v1/chat/completions", {
+        "model": "tiny-beta", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    assert code == 503 and lost["error"]["code"] == "gpu_unavailable", lost
+    assert "GPU-fake-0" in lost["error"]["message"] and time.monotonic() - began < 10
+    code, served = gw.api("POST", "/v1/chat/completions", {
+        "model": "tiny-alpha", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    assert code == 200 and served["usage"]["completion_tokens"] == 1
+    _, status = gw.api("GET", "/admin/status")
+    assert "GPU is lost" in status["gpu_error"] and status["gpu_memory_mib"] is None
+    assert "unreadable: NVML cannot read GPU 0" in gw.cli("status").stdout
+    with urllib.request.urlopen(gw.url + "/admin/metrics", timeout=30) as scrape:
+        assert b"llm_gateway_engine_state" in scrape.read()   # the scrape still works
+
+    fake.errors = {}    # back: admitted again
+    fake.write()
+    code, started = gw.api("POST", "/admin/engines/start", {"model": "tiny-beta"})
+    assert code == 200, started

@@ -57,4 +57,6 @@ def test_no_device_a_failed_init_and_a_lost_gpu(tmp_path: Path, fake_nvml_dir: P
         "none (NVML unavailable: Unknown Error)")
     lost = FakeNvml(tmp_path / "lost.state", devices=devices(("Fake", 1024, 0)),
                     errors={"nvmlDeviceGetMemoryInfo": GPU_IS_LOST})
-    assert "GPU is lost" in probe(lost, fake_nvml_dir)["error"]
+    error = probe(lost, fake_nvml_dir)["error"]   # never None: that would lift the budget
+    assert error.startswith("GpuUnavailable") and "GPU is lost" in error
+    assert "GPU-fake-0" in error
