@@ -60,3 +60,29 @@ def test_no_device_a_failed_init_and_a_lost_gpu(tmp_path: Path, fake_nvml_dir: P
     error = probe(lost, fake_nvml_dir)["error"]   # never None: that would lift the budget
     assert error.startswith("GpuUnavailable") and "GPU is lost" in error
     assert "GPU-fake-0" in error
+
+
+def test_the_gpu_check_script_says_what_admission_would_decide(
+        tmp_path: Path, fake_nvml_dir: Path) -> None:
+    """scripts/gpu-check, the one run to make where a GPU is lent: the adapter's figures
+    and admission's verdict per model (here on the fake library)."""
+    fake = FakeNvml(tmp_path / "nvml.state", devices=devices(
+        ("NVIDIA Fake A", 8192, 7168), ("NVIDIA Fake B", 8192, 0)))
+    fake.write()
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.gguf").write_bytes(b"GGUF" + b"\0" * 1024)
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[models.small]\npath = "{tmp_path / "a.gguf"}"\n'
+                      'cuda_visible_devices = "0"\n'
+                      f'[models.other]\npath = "{tmp_path / "b.gguf"}"\n'
+                      'cuda_visible_devices = "1"\n')
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
+    proc = subprocess.run([sys.executable, str(script), "--config", str(config), "--json"],
+                          capture_output=True, text=True, check=False,
+                          env={**os.environ, **fake.env(fake_nvml_dir)})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["per_device_mib"]["GPU-fake-1"] == {"total": 8192, "free": 8192}
+    small, other = report["admission"]
+    assert small.startswith("small: needs 1025 MiB; 1024 MiB free on GPU-fake-0: refused")
+    assert other.startswith("other: needs 1025 MiB; 8192 MiB free on GPU-fake-1: admitted")
