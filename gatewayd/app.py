@@ -22,6 +22,7 @@ from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.journal import Journalctl
 from gatewayd.adapters.kv_cache import SlotCache
+from gatewayd.adapters.learned_memory import LearnedMemory
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_socket
@@ -123,7 +124,8 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     health = UnixHealthProbe()
     engines = EngineManager(catalog=catalog, config=config, units=units,
                             health=health, gpu=gpu, journal=Journalctl(manager),
-                            desired=DesiredEngines(config.state_dir), slots=slot_cache)
+                            desired=DesiredEngines(config.state_dir), slots=slot_cache,
+                            learned=LearnedMemory(config.state_dir))
     app[admin_api.ENGINES] = engines
     app[UNITS] = units
     app[DISPATCHER] = dispatcher = Dispatcher(engines, catalog=catalog, gpu=gpu,

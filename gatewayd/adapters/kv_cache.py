@@ -14,7 +14,6 @@ never stops a stop or a start.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import shutil
@@ -30,10 +29,6 @@ STAMP = "engine-settings.sha256"
 SLOT_FILE = "slot-{id}.bin"
 SAVE_TIMEOUT_S = 10.0      # the whole save; bounds how long an eviction waits for it
 RESTORE_TIMEOUT_S = 10.0   # the whole restore; bounds how long a start waits for it
-
-
-def settings_stamp(fingerprint: tuple[object, ...]) -> str:
-    return hashlib.sha256(repr(fingerprint).encode()).hexdigest()
 
 
 class SlotCache:

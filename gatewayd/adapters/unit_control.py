@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gatewayd.adapters.files import write_atomic
-from gatewayd.adapters.kv_cache import SlotCache, settings_stamp
+from gatewayd.adapters.kv_cache import SlotCache
 from gatewayd.adapters.systemd import NO_SUCH_UNIT, SERVICE, UNIT, Systemd
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
@@ -33,10 +33,10 @@ from gatewayd.core.engine_units import (
     SOCKET_ENV,
     UNIT_PREFIX,
     EngineLayout,
-    engine_fingerprint,
     keeps_kv_cache,
     resource_limits,
     server_binary,
+    settings_stamp,
     template_settings,
     transient_spec,
     unit_patterns,
@@ -73,7 +73,7 @@ class EngineUnitsBase:
         wrote are dropped), or None: no KV cache kept, or the directory cannot be made."""
         if self._slot_cache is None or not keeps_kv_cache(model):
             return None
-        stamp = settings_stamp(engine_fingerprint(model, self._config))
+        stamp = settings_stamp(model, self._config)
         try:
             return str(self._slot_cache.prepare(layout.instance, stamp))
         except OSError as e:

@@ -35,11 +35,16 @@ def required_mib(size_bytes: int, margin_mib: int) -> int:
     return -(-size_bytes // MIB) + margin_mib
 
 
-def model_need_mib(model: Model, default_margin_mib: int) -> int:
-    """The one definition of what a model's engine is expected to hold: its files
-    (model + mmproj) plus its margin (the model's vram_margin_mib, else the default)."""
+def model_need_mib(model: Model, default_margin_mib: int,
+                   learned_mib: int | None = None) -> int:
+    """The one definition of what a model's engine is expected to hold: what an engine of
+    the same setup was measured to hold (learned_mib, NVML per process), else its files
+    (model + mmproj); plus its margin (the model's vram_margin_mib, else the default)."""
     margin = model.config.vram_margin_mib
-    return required_mib(model.size_bytes, default_margin_mib if margin is None else margin)
+    margin = default_margin_mib if margin is None else margin
+    if learned_mib is not None:
+        return learned_mib + margin
+    return required_mib(model.size_bytes, margin)
 
 
 def still_to_load_mib(state: EngineState, holds_slot: bool, estimate_mib: int,

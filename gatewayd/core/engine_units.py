@@ -111,6 +111,11 @@ def keeps_kv_cache(model: Model) -> bool:
             and model.config.kv_cache_save)
 
 
+def settings_stamp(model: Model, config: GatewayConfig) -> str:
+    """engine_fingerprint as a short stable key (a file name, a JSON key)."""
+    return hashlib.sha256(repr(engine_fingerprint(model, config)).encode()).hexdigest()[:32]
+
+
 def server_argv(model: Model, layout: EngineLayout, binary: str, *,
                 slot_save_path: str | None = None) -> list[str]:
     """The engine server's own command line; binary: its absolute path; slot_save_path:

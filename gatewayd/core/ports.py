@@ -79,6 +79,15 @@ class SlotStore(Protocol):
         ...
 
 
+class MemoryBook(Protocol):
+    """GPU memory learned per engine setup (a settings stamp) from what engines held."""
+
+    def get(self, key: str) -> int | None: ...
+    def record(self, key: str, model_id: str, mib: int) -> bool:
+        """Keep it; True when it changed what was known."""
+        ...
+
+
 class GpuProbe(Protocol):
     """Fresh GPU memory readings; None means no GPU (or no NVML)."""
 

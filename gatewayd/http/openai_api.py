@@ -109,6 +109,7 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
         "loaded": engine is not None and engine.state is EngineState.READY,
         "engine": engine.unit if engine else None,
         "vram_estimate_mib": model_need_mib(model, front.config.vram_margin_mib),
+        "vram_measured_mib": front.engines.measured_mib(model),
         "context_length": info["context_length"], "quantization": info["quantization"],
         "parameter_count": info["parameter_count"], "architecture": info["architecture"],
         "aliases": info["aliases"],

@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from gatewayd.core import scheduler
-from gatewayd.core.budget import model_need_mib
 from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
@@ -103,8 +102,7 @@ class Dispatcher:
                 queued=len(use.waiters) if use else 0,
                 pinned=bool(model and model.config.pin),
                 last_used=(use.last_used if use else 0.0) or (engine.ready_since or 0.0),
-                estimate_mib=model_need_mib(model, self._config.vram_margin_mib) if model
-                else 0,
+                estimate_mib=self._engines.need_mib(model) if model else 0,
                 measured_mib=per_process.get(engine.main_pid) if per_process is not None
                 else None,
                 idle_ttl_s=model.config.idle_ttl_s if model else None,

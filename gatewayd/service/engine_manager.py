@@ -35,7 +35,7 @@ from typing import Any
 from gatewayd.core import budget
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engine_units import keeps_kv_cache
+from gatewayd.core.engine_units import keeps_kv_cache, settings_stamp
 from gatewayd.core.engines import (
     Engine,
     EngineState,
@@ -65,6 +65,7 @@ from gatewayd.core.ports import (
     GpuProbe,
     HealthProbe,
     JournalReader,
+    MemoryBook,
     SlotStore,
     UnitControl,
 )
@@ -82,6 +83,7 @@ class EngineManager:
     def __init__(self, *, catalog: Catalog, config: GatewayConfig, units: UnitControl,
                  health: HealthProbe, gpu: GpuProbe, journal: JournalReader,
                  desired: DesiredList, slots: SlotStore | None = None,
+                 learned: MemoryBook | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog
         self.config = config
@@ -89,6 +91,7 @@ class EngineManager:
         self.gpu = gpu
         self.desired = desired
         self.slots = slots
+        self.learned = learned
         self._journal = journal
         self._clock = clock
         self._engines: dict[str, Engine] = {}
@@ -328,8 +331,37 @@ class EngineManager:
                                 available_models=self.catalog.ids)
         return model
 
+    def measured_mib(self, model: Model) -> int | None:
+        """What an engine of this model's setup was seen holding (None: not yet)."""
+        if self.learned is None:
+            return None
+        return self.learned.get(settings_stamp(model, self.config))
+
+    def need_mib(self, model: Model) -> int:
+        """Its engine's expected GPU memory: learned once measured, estimated before."""
+        return budget.model_need_mib(model, self.config.vram_margin_mib,
+                                     self.measured_mib(model))
+
+    def learn_gpu_memory(self) -> list[str]:
+        """Record what each ready engine's process holds now (NVML per process, its
+        MainPID): the next admission of that setup uses it. The models whose figure
+        changed."""
+        per_process = self.gpu.process_mib() if self.learned is not None else None
+        if not per_process or self.learned is None:
+            return []
+        changed = []
+        for engine in self._engines.values():
+            model = self.catalog.get(engine.model_id)
+            held = per_process.get(engine.main_pid)
+            if engine.state is EngineState.READY and model is not None and held and \
+                    self.learned.record(settings_stamp(model, self.config), model.id, held):
+                log.info("%s: its engine holds %d MiB of GPU memory (learned; the files "
+                         "are %d MiB)", model.id, held, budget.model_need_mib(model, 0))
+                changed.append(model.id)
+        return changed
+
     def _admit(self, model: Model, *, force: bool = False) -> None:
-        need = budget.model_need_mib(model, self.config.vram_margin_mib)
+        need = self.need_mib(model)
         gpu = None if force else self.gpu.memory(model.config.cuda_visible_devices)
         if gpu is not None and (loading := self._loading_mib()):
             # loads in progress will take memory that NVML does not show as used yet
@@ -343,8 +375,7 @@ class EngineManager:
         per_process = self.gpu.process_mib() or {}
         return sum(budget.still_to_load_mib(
             engine.state, engine.holds_slot,
-            budget.model_need_mib(model, self.config.vram_margin_mib),
-            per_process.get(engine.main_pid))
+            self.need_mib(model), per_process.get(engine.main_pid))
             for engine in self._engines.values()
             if (model := self.catalog.get(engine.model_id)) is not None)
 
@@ -460,6 +491,7 @@ class EngineManager:
             await self.slots.restore(model_id, engine.socket,
                                      self.units.layout(model_id).instance)
         self._event(model_id, HealthReady(self._clock()))
+        self.learn_gpu_memory()
 
     async def _save_slots(self, engine: Engine) -> None:
         model = self.catalog.get(engine.model_id)

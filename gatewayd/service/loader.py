@@ -134,7 +134,7 @@ class Loader:
         self._slots.wake(model.id, error)
 
     async def _make_room_and_start(self, model: Model) -> None:
-        need = model_need_mib(model, self._config.vram_margin_mib)
+        need = self._engines.need_mib(model)
         deadline = self._clock() + self._config.eviction_wait_s
         give_up = deadline + self._config.load_timeout_s
         engines = self._engines
@@ -246,7 +246,8 @@ class Loader:
                 use.draining_for = None
         if before is not None:   # wait until its memory really shows as free
             model = self._catalog.get(victim)
-            expect = model_need_mib(model, 0) if model else 0
+            expect = (self._engines.measured_mib(model) or model_need_mib(model, 0)) \
+                if model else 0
             deadline = self._clock() + MEMORY_SETTLE_S
             while self._clock() < deadline:
                 now = self._room()

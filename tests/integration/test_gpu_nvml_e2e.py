@@ -44,6 +44,13 @@ def test_admission_reads_fresh_nvml_figures_through_the_real_adapter(
     _, status = gw.api("GET", "/admin/status")
     assert status["gpu_memory_mib"]["held_by_engines"] == 700
     assert status["gpu_memory_mib"]["external"] == 0 and status["gpu_memory_mib"]["free"] == 3396
+    # ... and learned: the next admission of this engine setup needs 700 + margin
+    deadline = time.monotonic() + 15   # the reconciler's pass (every 5 s) records it
+    while (listed := gw.api("GET", "/v1/models/tiny-alpha")[1])["vram_measured_mib"] != 700:
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
+    assert listed["vram_estimate_mib"] == need
+    assert "tiny-alpha: its engine holds 700 MiB of GPU memory (learned" in gw.journal()
 
     # the GPU is lost: new engines are refused with the device named, in bounded time;
     # the running engine keeps serving; status says why there are no figures

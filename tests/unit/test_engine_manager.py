@@ -10,6 +10,8 @@ import pytest
 
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.gpu import FakeGpu
+from gatewayd.adapters.learned_memory import LearnedMemory
+from gatewayd.core.engine_units import settings_stamp
 from gatewayd.core.engines import CLD_KILLED, EngineState
 from gatewayd.core.errors import (
     AlreadyRunning,
@@ -190,3 +192,35 @@ async def test_load_timeout_fails_and_stops_the_unit(tmp_path: Path) -> None:
     assert units.log == ["start a", f"stop {units.layout('a').unit}"]
 
 
+
+
+class MeasuringGpu(FakeGpu):
+    """A device whose per-process figures the test sets."""
+
+    def __init__(self, total_mib: int, free_mib: int) -> None:
+        super().__init__(total_mib, free_mib)
+        self.per_process: dict[int, int] = {}
+
+    def process_mib(self) -> dict[int, int] | None:
+        return dict(self.per_process)
+
+
+async def test_gpu_memory_is_learned_from_the_engine_and_replaces_the_estimate(
+        tmp_path: Path) -> None:
+    gpu = MeasuringGpu(8000, 4000)
+    mgr, _, _ = engine_manager_on_fakes(tmp_path, gpu=gpu)
+    mgr.learned = LearnedMemory(tmp_path / "state")
+    model = mgr.catalog.get("a")
+    assert model is not None
+    assert mgr.need_mib(model) == 103 and mgr.measured_mib(model) is None   # 3 + 100 margin
+    engine = await mgr.start("a")
+    gpu.per_process = {engine.main_pid: 1500}      # what its process really holds
+    assert mgr.learn_gpu_memory() == ["a"] and mgr.learn_gpu_memory() == []
+    assert mgr.measured_mib(model) == 1500 and mgr.need_mib(model) == 1600
+    # kept in the state directory for the next gateway, per engine setup
+    assert LearnedMemory(tmp_path / "state").get(settings_stamp(model, mgr.config)) == 1500
+    await mgr.stop("a")
+    gpu.free_mib = 1599                            # the estimate (103) would fit; the truth not
+    with pytest.raises(InsufficientGpu) as err:
+        await mgr.start("a")
+    assert err.value.extra["required_mib"] == 1600

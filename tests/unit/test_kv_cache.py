@@ -8,15 +8,15 @@ import asyncio
 import os
 from pathlib import Path
 
-from gatewayd.adapters.kv_cache import STAMP, SlotCache, settings_stamp
+from gatewayd.adapters.kv_cache import STAMP, SlotCache
 from gatewayd.adapters.metrics import GatewayMetrics, Snapshot
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
 from gatewayd.core.engine_units import (
     EngineLayout,
-    engine_fingerprint,
     keeps_kv_cache,
     server_argv,
+    settings_stamp,
 )
 
 
@@ -47,11 +47,11 @@ def _slot(where: Path, slot_id: int, size: int, age_s: float) -> Path:
 def test_files_of_another_engine_setup_are_dropped_and_the_size_is_bounded(
         tmp_path: Path) -> None:
     cache = SlotCache(tmp_path / "kv", max_bytes=250)
-    stamp = settings_stamp(engine_fingerprint(_model(), GatewayConfig()))
+    stamp = settings_stamp(_model(), GatewayConfig())
     where = cache.prepare("m", stamp)
     kept = _slot(where, 0, 100, age_s=0)
     assert cache.prepare("m", stamp) == where and kept.exists()   # same engine: kept
-    other = settings_stamp(engine_fingerprint(_model(ctx_size=512), GatewayConfig()))
+    other = settings_stamp(_model(ctx_size=512), GatewayConfig())
     assert other != stamp
     cache.prepare("m", other)                                      # another context size
     assert not kept.exists() and (where / STAMP).read_text().strip() == other

@@ -1,0 +1,52 @@
+"""GPU memory learned from what engines really hold, kept in the state directory.
+
+One JSON file (<state_dir>/gpu-memory.json): per engine setup (core.engine_units
+settings_stamp: model file, context, arguments, server), the MiB NVML last showed its
+engine's process holding once ready, with the model id and when, for people reading it.
+A missing or damaged file is an empty book (logged); a failed write is logged and the
+figure is still used until the gateway stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from gatewayd.adapters.files import write_atomic
+
+log = logging.getLogger("gatewayd.gpu")
+FILE_NAME = "gpu-memory.json"
+
+
+class LearnedMemory:
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / FILE_NAME
+        self._book: dict[str, dict[str, Any]] = {}
+        try:
+            data = json.loads(self.path.read_text())
+            if isinstance(data, dict):
+                self._book = {k: v for k, v in data.items()
+                              if isinstance(v, dict) and isinstance(v.get("mib"), int)}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            log.warning("%s: unreadable (%s); GPU memory is learned again", self.path, e)
+
+    def get(self, key: str) -> int | None:
+        entry = self._book.get(key)
+        return int(entry["mib"]) if entry else None
+
+    def record(self, key: str, model_id: str, mib: int) -> bool:
+        """Keep mib for key; True when it changed what was known."""
+        if self.get(key) == mib:
+            return False
+        self._book[key] = {"mib": mib, "model": model_id, "measured_at": round(time.time())}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path, json.dumps(self._book, indent=1, sort_keys=True).encode())
+        except OSError as e:
+            log.warning("%s: cannot write (%s); the figure is kept in memory", self.path, e)
+        return True
