@@ -4,6 +4,8 @@ rewrite what it reports while the gateway runs."""
 
 from __future__ import annotations
 
+import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -74,3 +76,40 @@ def test_admission_reads_fresh_nvml_figures_through_the_real_adapter(
     fake.write()
     code, started = gw.api("POST", "/admin/engines/start", {"model": "tiny-beta"})
     assert code == 200, started
+
+
+def test_an_eviction_waits_for_the_memory_nvml_shows_late(
+        tmp_path: Path, gateway_factory: GatewayFactory, fake_nvml_dir: Path) -> None:
+    """The victim's memory shows as free only a while after its unit is gone (drivers do
+    that): the next engine starts once NVML shows it free, not at once on a guess."""
+    fake = FakeNvml(tmp_path / "nvml.state", devices=devices(("NVIDIA Fake A2", 2000, 0)))
+    fake.write()
+    gw = gateway_factory(env=fake.env(fake_nvml_dir))
+    code, started = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
+    assert code == 200, started
+    held = 1025                      # its files (1 MiB) + the 1024 MiB margin: beta cannot fit
+    fake.processes, fake.devices[0].used_mib = [(0, started["engine"]["pid"], held)], held
+    fake.write()
+    alpha_unit = started["engine"]["unit"]
+    freed_at: list[float] = []
+
+    def free_late() -> None:         # 2 s after alpha's unit is gone, NVML shows it free
+        deadline = time.monotonic() + 60
+        while subprocess.run(["systemctl", "is-active", "--quiet", alpha_unit]).returncode == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(2)
+        fake.processes, fake.devices[0].used_mib = [], 0
+        fake.write()
+        freed_at.append(time.monotonic())
+    freer = threading.Thread(target=free_late)
+    freer.start()
+    code, answer = gw.api("POST", "/v1/chat/completions", {
+        "model": "tiny-beta", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    freer.join()
+    assert code == 200, answer
+    beta_unit = gw.engines()["tiny-beta"]["unit"]
+    started_us = int(subprocess.run(
+        ["systemctl", "show", "-p", "ExecMainStartTimestampMonotonic", "--value", beta_unit],
+        capture_output=True, text=True, check=True).stdout)
+    assert started_us / 1e6 >= freed_at[0] - 0.05, (started_us / 1e6, freed_at)
