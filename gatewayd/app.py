@@ -285,8 +285,12 @@ async def _serve(config: GatewayConfig) -> None:
 async def _reload_quietly(reloader: Reloader) -> None:
     """SIGHUP (`systemctl reload`): a refused configuration is logged by the reloader and
     the one in force stays; nobody is waiting for an answer."""
-    with contextlib.suppress(ConfigInvalid):
+    try:
         await reloader.reload()
+    except ConfigInvalid:
+        pass
+    except Exception:
+        log.exception("reload failed")
 
 
 def _track(tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from gatewayd import __version__
 from gatewayd.adapters.config_file import load_config
+from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
 
 
@@ -194,8 +195,6 @@ def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
     return table(rows, ["model", "state", "unit", "pid", "restarts", "uptime", "memory",
                         "in_flight", "queued", "reason"])
 
-
-MIB = 1024 * 1024
 
 
 def size(value: int | None) -> str | None:

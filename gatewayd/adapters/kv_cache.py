@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -103,9 +102,6 @@ class SlotCache:
         log.info("%s: KV cache restored: %d token(s) in %d slot file(s), %.0f ms", model_id,
                  restored, len(files), (time.monotonic() - started) * 1000)
         return restored
-
-    def discard(self, instance: str) -> None:
-        shutil.rmtree(self.directory(instance), ignore_errors=True)
 
     def _bound(self, where: Path) -> None:
         """Oldest slot files first, until the directory fits max_bytes."""

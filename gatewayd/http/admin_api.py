@@ -79,8 +79,7 @@ async def status(request: web.Request) -> web.Response:
                     for state in sorted({e.state.value for e in engines})},
         "models": len(mgr.catalog),
         "desired": mgr.desired.ids,
-        "gpu_memory_mib": _ledger(request),
-        "gpu_error": _gpu_error(mgr),
+        **_gpu_memory(request),
         "config": str(mgr.config.source) if mgr.config.source else None,
         "records_dropped": front.records.dropped
         if (front := request.app.get(openai_api.FRONT)) and front.records else 0,
@@ -221,25 +220,18 @@ def _uses(request: web.Request) -> dict[str, scheduler.Usage]:
     return {u.model_id: u for u in dispatcher.usages()} if dispatcher is not None else {}
 
 
-def _gpu_error(mgr: EngineManager) -> str | None:
-    try:
-        mgr.gpu.memory()
-    except GpuUnavailable as e:
-        return e.message
-    return None
-
-
-def _ledger(request: web.Request) -> dict[str, int] | None:
+def _gpu_memory(request: web.Request) -> dict[str, Any]:
+    """status's gpu_memory_mib (the ledger, from one fresh reading) and gpu_error (why
+    there is none when NVML fails)."""
     dispatcher = request.app.get(DISPATCHER)
     try:
         ledger = dispatcher.ledger() if dispatcher is not None else None
-    except GpuUnavailable:
-        return None   # said by status's gpu_error
-    if ledger is None:
-        return None
-    return {"total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines":
-            ledger.held_mib, "pending_loads": ledger.pending_mib,
-            "external": ledger.external_mib, "free_for_planning": ledger.plan_free_mib}
+    except GpuUnavailable as e:
+        return {"gpu_memory_mib": None, "gpu_error": e.message}
+    return {"gpu_error": None, "gpu_memory_mib": None if ledger is None else {
+        "total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines": ledger.held_mib,
+        "pending_loads": ledger.pending_mib, "external": ledger.external_mib,
+        "free_for_planning": ledger.plan_free_mib}}
 
 
 def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) -> None:

@@ -111,6 +111,11 @@ class Dispatcher:
                 exit_unconfirmed=engine.exit_unconfirmed))
         return rows
 
+    def serves(self, model_id: str) -> bool:
+        """Requests in flight or queued for model_id."""
+        use = self._slots.peek(model_id)
+        return use is not None and (use.in_flight > 0 or bool(use.waiters))
+
     def ledger(self) -> scheduler.Ledger | None:
         gpu = self._gpu.memory()
         if gpu is None:

@@ -346,8 +346,10 @@ class EngineManager:
         """Record what each ready engine's process holds now (NVML per process, its
         MainPID): the next admission of that setup uses it. The models whose figure
         changed."""
-        per_process = self.gpu.process_mib() if self.learned is not None else None
-        if not per_process or self.learned is None:
+        if self.learned is None:
+            return []
+        per_process = self.gpu.process_mib()
+        if not per_process:
             return []
         changed = []
         for engine in self._engines.values():

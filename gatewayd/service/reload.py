@@ -43,21 +43,25 @@ class Reloader:
     async def reload(self) -> ReloadPlan:
         async with self._lock:
             self._notify("RELOADING=1\nSTATUS=reloading the configuration")
-            try:
+            status = "reload failed; see the journal"   # systemd leaves "reloading" only
+            try:                                        # on READY=1, whatever happened
                 plan = await self._reload()
+                status = f"reloaded: {plan.describe()}"
+                return plan
             except ConfigInvalid as e:
                 log.error("%s", e.message)
-                self._notify(f"READY=1\nSTATUS=reload refused: {e.message}")
+                status = f"reload refused: {e.message}"
                 raise
-            self._notify(f"READY=1\nSTATUS=reloaded: {plan.describe()}")
-            return plan
+            finally:
+                self._notify(f"READY=1\nSTATUS={status}")
 
     async def _reload(self) -> ReloadPlan:
         try:   # GGUF headers are read: off the loop
             config, catalog = await asyncio.to_thread(self._read)
-        except ConfigError as e:
+        except (ConfigError, OSError) as e:   # OSError: an unreadable models_dir
+            reason = e.message if isinstance(e, ConfigError) else str(e)
             raise ConfigInvalid("the configuration was not reloaded (the one in force "
-                                f"stays): {e.message}") from e
+                                f"stays): {reason}") from e
         engines = self._engines
         running = [e.model_id for e in engines.engines()
                    if e.state is not EngineState.STOPPED]
@@ -87,9 +91,7 @@ class Reloader:
                                if self._pending.get(model_id) is t else None)
 
     def _idle(self, model_id: str) -> bool:
-        use = next((u for u in self._dispatcher.usages() if u.model_id == model_id), None)
-        return (use is None or (use.in_flight == 0 and use.queued == 0)) \
-            and not self._engines.busy(model_id)
+        return not self._dispatcher.serves(model_id) and not self._engines.busy(model_id)
 
     async def _wait_idle(self, model_id: str, action: Callable[[str, str], Awaitable[None]],
                          why: str) -> None:

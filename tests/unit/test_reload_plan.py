@@ -100,3 +100,26 @@ async def test_a_refused_reload_changes_nothing_and_a_good_one_applies_in_place(
     assert notes[-1].startswith("READY=1\nSTATUS=reloaded")
     await reloader.close()
     await dispatcher.close()
+
+
+async def test_every_reload_ends_with_ready_whatever_fails(tmp_path: Path) -> None:
+    """systemd leaves the `reloading` state only on READY=1: an unreadable models
+    directory is a refusal, and even an unforeseen error ends with READY=1."""
+    mgr, _, _ = engine_manager_on_fakes(tmp_path)
+    dispatcher = dispatcher_for(mgr)
+    notes: list[str] = []
+
+    def unreadable() -> tuple[GatewayConfig, Catalog]:
+        raise PermissionError(13, "Permission denied", "/srv/models")
+    with pytest.raises(ConfigInvalid, match="Permission denied"):
+        await Reloader(read=unreadable, engines=mgr, dispatcher=dispatcher,
+                       notify=notes.append).reload()
+    assert notes[-1].startswith("READY=1\nSTATUS=reload refused")
+
+    def broken() -> tuple[GatewayConfig, Catalog]:
+        raise RuntimeError("unforeseen")
+    with pytest.raises(RuntimeError):
+        await Reloader(read=broken, engines=mgr, dispatcher=dispatcher,
+                       notify=notes.append).reload()
+    assert notes[-2].startswith("RELOADING=1") and notes[-1].startswith("READY=1\nSTATUS=")
+    await dispatcher.close()
