@@ -178,11 +178,15 @@ def status_lines(out: dict[str, Any]) -> list[str]:
         f"other processes {size(gpu['external'] * MIB)})")
     if out.get("gpu_error"):
         memory = f"unreadable: {out['gpu_error']}"
+    devices = out.get("gpu_devices") or []
+    per_device = [f"  GPU {d['index']} ({d['name']}): {size(d['free'] * MIB)} free of "
+                  f"{size(d['total'] * MIB)}; engines: {', '.join(d['engines']) or 'none'}"
+                  for d in devices] if len(devices) > 1 else []
     return [f"engines: {engines} (at most {out['max_engines']})",
             f"models: {out['models']}",
             f"systemd: {out['systemd_manager']} manager, {out['unit_mode']} units",
             f"GPU: {out['gpu']}",
-            f"GPU memory: {memory}",
+            f"GPU memory: {memory}", *per_device,
             f"restored after a reboot: {', '.join(out['desired']) or 'none'}",
             f"config: {out['config'] or '-'}",
             f"records dropped: {out['records_dropped']}"]

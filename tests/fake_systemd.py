@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gatewayd.core.budget import GpuMemory
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
+from gatewayd.core.placement import DeviceMemory
 from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
 
 RUNNING = ("active", "activating", "reloading")
@@ -86,7 +86,8 @@ class FakeSystemd:
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id)
 
-    async def start_engine(self, model: Model) -> EngineLayout:
+    async def start_engine(self, model: Model,
+                           visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
         unit = layout.unit
         if unit in self.stopping:
@@ -319,11 +320,11 @@ class FakeSystemdGpu:
         self._systemd = systemd
         self.description = "fake device (fake systemd's engines)"
 
-    def memory(self, devices: str | None = None) -> GpuMemory | None:
+    def devices(self) -> list[DeviceMemory] | None:
         total = self._systemd.gpu_total_mib
         if total is None:
             return None
-        return GpuMemory(total_mib=total, free_mib=self._systemd.free_mib(), devices=("0",))
+        return [DeviceMemory(0, "0", "fake", total, self._systemd.free_mib())]
 
     def process_mib(self) -> dict[int, int] | None:
         return None

@@ -32,6 +32,7 @@ class FakeUnits:
         self.units: dict[str, EngineUnitInfo] = {}
         self.fail_start: str | BaseException | None = None   # BaseException: raised as is
         self.next_pid = 100
+        self.visible_devices: dict[str, str | None] = {}   # model -> CUDA_VISIBLE_DEVICES
 
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, run_root=self.run_root)
@@ -40,9 +41,11 @@ class FakeUnits:
         for watcher in list(self.watchers):
             watcher(unit, props)
 
-    async def start_engine(self, model: Model) -> EngineLayout:
+    async def start_engine(self, model: Model,
+                           visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
         self.log.append(f"start {model.id}")
+        self.visible_devices[model.id] = visible_devices
         if isinstance(self.fail_start, BaseException):
             raise self.fail_start
         if self.fail_start:

@@ -7,7 +7,8 @@ right before the decision, never on a cached one.
 No NVML (no NVIDIA driver, as on our CI machines) is a normal configuration:
 `open_gpu()` returns `NoGpu` with the reason, the VRAM check is skipped, and
 `llm-gateway status` says so. `LLM_GATEWAY_FAKE_GPU=TOTAL_MIB:FREE_MIB` makes
-it a fixed fake device instead, for tests of the budget through a real gateway.
+it a fixed fake device instead, for tests of the budget through a real gateway
+(the NVML path itself is tested on a fake libnvidia-ml.so.1: tests/harness).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gatewayd.core.budget import MIB, GpuMemory
+from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GpuUnavailable
+from gatewayd.core.placement import DeviceMemory
 
 FAKE_GPU_ENV = "LLM_GATEWAY_FAKE_GPU"
 
@@ -25,7 +27,7 @@ class NoGpu:
     def __init__(self, reason: str) -> None:
         self.description = f"none ({reason}); the VRAM budget is not enforced"
 
-    def memory(self, devices: str | None = None) -> GpuMemory | None:
+    def devices(self) -> list[DeviceMemory] | None:
         return None
 
     def process_mib(self) -> dict[int, int] | None:
@@ -39,8 +41,8 @@ class FakeGpu:
         self.total_mib, self.free_mib = total_mib, free_mib
         self.description = f"fake device ({free_mib} of {total_mib} MiB free)"
 
-    def memory(self, devices: str | None = None) -> GpuMemory | None:
-        return GpuMemory(total_mib=self.total_mib, free_mib=self.free_mib, devices=("fake",))
+    def devices(self) -> list[DeviceMemory] | None:
+        return [DeviceMemory(0, "fake", "fake device", self.total_mib, self.free_mib)]
 
     def process_mib(self) -> dict[int, int] | None:
         return None
@@ -55,25 +57,23 @@ class NvmlGpu:
         self._names = [_text(nvml.nvmlDeviceGetName(h)) for h in self._handles]
         self.description = f"NVML, {count} device(s): {', '.join(self._names) or 'none'}"
 
-    def memory(self, devices: str | None = None) -> GpuMemory | None:
-        """Fresh figures of the chosen devices; GpuUnavailable, naming the device, when NVML
+    def devices(self) -> list[DeviceMemory] | None:
+        """Fresh figures of every device; GpuUnavailable, naming the device, when NVML
         fails on one (never None then: that would switch the budget off)."""
-        chosen = self._select(devices)
-        if not chosen:
+        if not self._handles:
             return None
-        total = free = 0
-        for i in chosen:
+        out = []
+        for i, handle in enumerate(self._handles):
             try:
-                info = self._nvml.nvmlDeviceGetMemoryInfo(self._handles[i])
+                info = self._nvml.nvmlDeviceGetMemoryInfo(handle)
             except self._nvml.NVMLError as e:
                 raise GpuUnavailable(
                     f"NVML cannot read GPU {i} ({self._names[i]}, {self._uuids[i]}): {e}; new "
                     "engines are refused until it answers again, running ones are left alone",
                     device=self._uuids[i]) from e
-            total += info.total
-            free += info.free
-        return GpuMemory(total_mib=total // MIB, free_mib=free // MIB,
-                         devices=tuple(self._uuids[i] for i in chosen))
+            out.append(DeviceMemory(i, self._uuids[i], self._names[i],
+                                    info.total // MIB, info.free // MIB))
+        return out
 
     def process_mib(self) -> dict[int, int] | None:
         """GPU memory each process holds (MiB, summed over devices), from NVML."""
@@ -87,18 +87,6 @@ class NvmlGpu:
                 used = proc.usedGpuMemory or 0   # None when the driver cannot tell
                 held[proc.pid] = held.get(proc.pid, 0) + used // MIB
         return held
-
-    def _select(self, devices: str | None) -> list[int]:
-        """Device indices named by a CUDA_VISIBLE_DEVICES value (indices or UUIDs)."""
-        if devices is None:
-            return list(range(len(self._handles)))
-        chosen = []
-        for item in (d.strip() for d in devices.split(",") if d.strip()):
-            if item.isdigit() and int(item) < len(self._handles):
-                chosen.append(int(item))
-            else:
-                chosen += [i for i, uuid in enumerate(self._uuids) if uuid.startswith(item)]
-        return chosen
 
 
 def _text(value: str | bytes) -> str:

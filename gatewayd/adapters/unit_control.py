@@ -29,6 +29,7 @@ from gatewayd.adapters.systemd import NO_SUCH_UNIT, SERVICE, UNIT, Systemd
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engine_units import (
+    DEVICES_ENV,
     MODEL_ENV,
     SOCKET_ENV,
     UNIT_PREFIX,
@@ -158,11 +159,13 @@ class TransientEngineUnits(EngineUnitsBase):
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, run_root=self._run_root)
 
-    async def start_engine(self, model: Model) -> EngineLayout:
+    async def start_engine(self, model: Model,
+                           visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
         binary = resolve_binary(*server_binary(model, self._config))
         spec = transient_spec(model, layout, binary, private_network=self.private_network,
-                              slot_save_path=self._slot_save_path(model, layout))
+                              slot_save_path=self._slot_save_path(model, layout),
+                              visible_devices=visible_devices)
         await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
 
@@ -183,14 +186,15 @@ class TemplateEngineUnits(EngineUnitsBase):
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, template=True)
 
-    async def start_engine(self, model: Model) -> EngineLayout:
+    async def start_engine(self, model: Model,
+                           visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
         self.settings_dir.mkdir(parents=True, exist_ok=True)
         binary = resolve_binary(*server_binary(model, self._config))
         write_atomic(self.settings_dir / f"{layout.instance}.json",
                      json.dumps(template_settings(
-                         model, layout, binary,
-                         slot_save_path=self._slot_save_path(model, layout))).encode())
+                         model, layout, binary, slot_save_path=self._slot_save_path(model, layout),
+                         visible_devices=visible_devices)).encode())
         if limits := resource_limits(model):
             await self._sd.set_unit_properties(layout.unit, limits, runtime=True)
         await self._start(layout.unit, lambda: self._sd.start_unit(layout.unit))
@@ -205,7 +209,9 @@ class TemplateEngineUnits(EngineUnitsBase):
             settings = json.loads((self.settings_dir / f"{instance}.json").read_text())
         except (OSError, ValueError):
             return info
-        return replace(info, model_id=settings.get("model"), socket=settings.get("socket"))
+        env = settings.get("env") or {}
+        return replace(info, model_id=settings.get("model"), socket=settings.get("socket"),
+                       visible_devices=env.get(DEVICES_ENV))
 
 
 def info_from_properties(unit: str, unit_props: dict[str, Any],
@@ -224,6 +230,7 @@ def info_from_properties(unit: str, unit_props: dict[str, Any],
         memory_bytes=None if memory in (None, _UNSET) else int(memory),
         cpu_ns=None if cpu in (None, _UNSET) else int(cpu),
         started_at_us=int(service.get("ExecMainStartTimestamp", 0)),
+        visible_devices=env.get(DEVICES_ENV),
     )
 
 

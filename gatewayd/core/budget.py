@@ -3,31 +3,24 @@
 Checked in this order, each with its own error:
 1. one instance per model (`already_running`);
 2. the engine limit (`engine_limit_reached`);
-3. the VRAM budget: required = model file + mmproj + margin, against the
-   device's free memory read fresh right before deciding (`insufficient_gpu`).
-   Without a GPU (no NVML), there is nothing to measure: the check is skipped,
-   and engines run on the CPU within the engine limit.
+3. the VRAM budget: required = what an engine of this setup was measured to hold
+   (else model file + mmproj) + margin, against the free memory of the devices
+   placement chose (core/placement.py), read fresh right before deciding
+   (`insufficient_gpu`, with every device's figures). Without a GPU (no NVML),
+   there is nothing to measure: the check is skipped, and engines run on the CPU
+   within the engine limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from gatewayd.core.catalog import Model
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import AlreadyRunning, EngineLimitReached, InsufficientGpu
+from gatewayd.core.placement import Placement
 
 MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class GpuMemory:
-    """A fresh reading of GPU memory, summed over the devices an engine may use."""
-
-    total_mib: int
-    free_mib: int
-    devices: tuple[str, ...] = ()
 
 
 def required_mib(size_bytes: int, margin_mib: int) -> int:
@@ -58,7 +51,8 @@ def still_to_load_mib(state: EngineState, holds_slot: bool, estimate_mib: int,
 
 
 def check_admission(model_id: str, engines: Iterable[Engine], *, max_engines: int,
-                    need_mib: int, gpu: GpuMemory | None) -> None:
+                    need_mib: int, placement: Placement | None) -> None:
+    """placement: where the engine would go (None: no GPU, memory not checked)."""
     engines = list(engines)
     for engine in engines:
         if engine.model_id == model_id and engine.holds_slot:
@@ -71,9 +65,23 @@ def check_admission(model_id: str, engines: Iterable[Engine], *, max_engines: in
             f"{len(active)} engines are running, the limit (max_engines) is {max_engines}; "
             f"stop one first: {', '.join(e.model_id for e in active)}",
             max_engines=max_engines, running=[e.model_id for e in active])
-    if gpu is not None and need_mib > gpu.free_mib:
-        raise InsufficientGpu(
-            f"{model_id!r} needs about {need_mib} MiB of GPU memory and {gpu.free_mib} MiB "
-            f"are free (of {gpu.total_mib} MiB); stop an engine or lower vram_margin_mib",
-            required_mib=need_mib, free_mib=gpu.free_mib, total_mib=gpu.total_mib,
-            running=[e.model_id for e in active])
+    if placement is not None and not placement.fits:
+        raise insufficient_gpu(model_id, need_mib, placement,
+                               running=[e.model_id for e in active])
+
+
+def insufficient_gpu(model_id: str, need_mib: int, placement: Placement, *,
+                     running: list[str], retry_after: int | None = None,
+                     prefix: str = "", held_by: str = "") -> InsufficientGpu:
+    """The refusal, with the free memory of every device (free_mib, total_mib: over the
+    devices the model may use)."""
+    where = ("" if len(placement.rooms) == 1 and not placement.named else
+             f" on {', '.join(f'GPU {d.index}' for d in placement.devices) or 'no device'}")
+    return InsufficientGpu(
+        f"{prefix}{model_id!r} needs about {need_mib} MiB of GPU memory and "
+        f"{placement.free_mib} MiB are free{where} (of {placement.total_mib} MiB)"
+        + (f"; held by {held_by}" if held_by else "")
+        + f". Per device: {placement.describe_devices()}. Stop an engine, or lower "
+        "vram_margin_mib", retry_after=retry_after,
+        required_mib=need_mib, free_mib=placement.free_mib, total_mib=placement.total_mib,
+        devices=placement.per_device(), running=running)

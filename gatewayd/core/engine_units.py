@@ -27,6 +27,7 @@ ENGINES_SLICE = "llm-engines.slice"
 SOCKET_NAME = "engine.sock"
 MODEL_ENV = "LLM_GATEWAY_MODEL"
 SOCKET_ENV = "LLM_GATEWAY_SOCKET"
+DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 MAX_INSTANCE = 64          # /run/llm-engine-<instance>/engine.sock stays < 108 bytes
 WHISPER_PORT = 8080        # inside the engine's private network namespace
 _UNIT_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:_.")
@@ -161,20 +162,26 @@ def engine_argv(model: Model, layout: EngineLayout, binary: str, *,
             "--port", str(WHISPER_PORT), "--", *argv]
 
 
-def engine_env(model: Model, layout: EngineLayout) -> dict[str, str]:
+def engine_env(model: Model, layout: EngineLayout,
+               visible_devices: str | None = None) -> dict[str, str]:
+    """The engine's environment. visible_devices: the GPUs placement chose (where the
+    model names none); not part of the engine's fingerprint, as any device will do."""
     env = {MODEL_ENV: model.id, SOCKET_ENV: layout.socket, **model.config.env}
-    if model.config.cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = model.config.cuda_visible_devices
+    named = model.config.cuda_visible_devices
+    devices = visible_devices if named is None else named
+    if devices is not None:
+        env[DEVICES_ENV] = devices
     return env
 
 
 def template_settings(model: Model, layout: EngineLayout, binary: str, *,
-                      slot_save_path: str | None = None) -> dict[str, object]:
+                      slot_save_path: str | None = None,
+                      visible_devices: str | None = None) -> dict[str, object]:
     """What llm-engine@<instance>.service reads (gatewayd.engine_launch --settings)."""
     return {"model": model.id, "backend": model.backend.value, "socket": layout.socket,
             "port": WHISPER_PORT,
             "argv": server_argv(model, layout, binary, slot_save_path=slot_save_path),
-            "env": engine_env(model, layout)}
+            "env": engine_env(model, layout, visible_devices)}
 
 
 def resource_limits(model: Model) -> list[tuple[str, str, object]]:
@@ -188,13 +195,14 @@ def resource_limits(model: Model) -> list[tuple[str, str, object]]:
 
 
 def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
-                   private_network: bool = True, slot_save_path: str | None = None) -> UnitSpec:
+                   private_network: bool = True, slot_save_path: str | None = None,
+                   visible_devices: str | None = None) -> UnitSpec:
     """The transient service unit that runs this model's engine.
 
     private_network: whisper engines get a network namespace of their own (their TCP
     port reachable by nobody); where systemd cannot set one up properly, they listen
     on a free loopback port behind the same unix socket (engine_launch)."""
-    env = engine_env(model, layout)
+    env = engine_env(model, layout, visible_devices)
     extra: dict[str, tuple[str, object]] = {
         # llama-server refuses to start on a leftover socket file; the runtime
         # directory is recreated on every start, and this makes sure regardless.

@@ -72,6 +72,7 @@ class Engine:
     # A signal (not our stop) said the unit ended. Until systemd confirms it, the slot
     # stays counted: a late or reordered signal must never let a start exceed max_engines.
     exit_unconfirmed: bool = False
+    devices: tuple[str, ...] = ()       # the GPUs it was placed on (UUIDs); (): all / none
 
     @property
     def restarting(self) -> bool:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gatewayd.core.budget import GpuMemory
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
+from gatewayd.core.placement import DeviceMemory
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class EngineUnitInfo:
     memory_bytes: int | None    # systemd's MemoryCurrent (cgroup accounting)
     started_at_us: int          # ExecMainStartTimestamp (µs since the epoch), 0 if never
     cpu_ns: int | None = None   # systemd's CPUUsageNSec (cgroup accounting)
+    visible_devices: str | None = None   # its CUDA_VISIBLE_DEVICES (placement), if any
 
 
 UnitWatcher = Callable[[str, Mapping[str, Any]], None]
@@ -41,8 +42,10 @@ class UnitControl(Protocol):
     manager: str     # "system" or "user"
 
     def layout(self, model_id: str) -> EngineLayout: ...
-    async def start_engine(self, model: Model) -> EngineLayout:
-        """Start the model's unit. Raises UnitAlreadyActive when systemd already runs a
+    async def start_engine(self, model: Model,
+                           visible_devices: str | None = None) -> EngineLayout:
+        """Start the model's unit (visible_devices: its CUDA_VISIBLE_DEVICES, where
+        placement chose among several GPUs). Raises UnitAlreadyActive when systemd already runs a
         unit of that name (the gateway lost track of it); waits out a previous instance
         that is still being collected."""
         ...
@@ -93,7 +96,11 @@ class GpuProbe(Protocol):
 
     description: str
 
-    def memory(self, devices: str | None = None) -> GpuMemory | None: ...
+    def devices(self) -> list[DeviceMemory] | None:
+        """Every device's total and free memory, read now; raises GpuUnavailable when
+        NVML fails on one."""
+        ...
+
     def process_mib(self) -> dict[int, int] | None:
         """MiB of GPU memory per process (NVML), or None where that is unknown."""
         ...

@@ -48,6 +48,11 @@ class Usage:
     restarting: bool = False  # failed, and systemd is starting it again
     draining: bool = False    # picked to make room: finishing its requests, then evicted
     exit_unconfirmed: bool = False   # a signal said it ended; systemd has not confirmed
+    devices: tuple[str, ...] = ()    # the GPUs it was placed on; (): all (or no GPU)
+
+    def on(self, devices: frozenset[str] | None) -> bool:
+        """Whether stopping it frees memory on any of these devices (None: any)."""
+        return devices is None or not self.devices or not devices.isdisjoint(self.devices)
 
     @property
     def holds_slot(self) -> bool:
@@ -133,11 +138,15 @@ Decision = Fits | Evict | Drain | Wait | Blocked | TryAnyway
 
 
 def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need_mib: int,
-               free_mib: int | None, ahead: int = 0) -> Decision:
+               free_mib: int | None, ahead: int = 0,
+               devices: frozenset[str] | None = None) -> Decision:
     """Can model_id's engine start now, and if not, what happens first?
 
-    free_mib is a fresh reading of free GPU memory (None: no GPU, memory not checked);
-    ahead is how many models are before this one in the line for room.
+    free_mib is a fresh reading of free GPU memory on the devices placement chose
+    (None: no GPU, memory not checked); devices: those devices (UUIDs), where memory
+    is made room on: short of memory only, victims are the engines on them (short
+    of slots, any engine); ahead is how many models are before this one in the line
+    for room.
     """
     others = [u for u in usages if u.model_id != model_id and u.holds_slot]
     free_slots = max_engines - len(others)
@@ -154,19 +163,21 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     limit = "engine_limit" if slots_short else "gpu_memory"
     why = ("max_engines reached" if slots_short else
            f"needs {need_mib} MiB, {free_mib} MiB free")
-    victims = sorted((u for u in others if u.why_not_evictable() is None),
+    # short of memory, only an engine on the chosen devices frees what is missing
+    candidates = others if slots_short else [u for u in others if u.on(devices)]
+    victims = sorted((u for u in candidates if u.why_not_evictable() is None),
                      key=lambda u: u.last_used)
     if victims:
         return Evict(victims[0].model_id, f"making room for {model_id}: {why}")
-    if any(u.draining for u in others):
+    if any(u.draining for u in candidates):
         return Wait("an engine is finishing its requests to make room")
-    if any(u.state in (EngineState.STOPPING,) for u in others):
+    if any(u.state in (EngineState.STOPPING,) for u in candidates):
         return Wait("an engine is stopping")
-    drainable = sorted((u for u in others if u.why_not_drainable() is None),
+    drainable = sorted((u for u in candidates if u.why_not_drainable() is None),
                        key=lambda u: u.last_used)
     if drainable:
         return Drain(drainable[0].model_id, f"making room for {model_id}: {why}")
-    if not others and memory_short:
+    if not candidates and memory_short:
         return TryAnyway()
     holders = tuple((u.model_id, u.why_not_evictable() or "running") for u in others)
     return Blocked(limit, holders)

@@ -20,7 +20,7 @@ from gatewayd.adapters import records
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.adapters.metrics import EngineFigures, Snapshot
-from gatewayd.core import scheduler
+from gatewayd.core import placement, scheduler
 from gatewayd.core.budget import MIB
 from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
@@ -183,12 +183,9 @@ async def metrics(request: web.Request) -> web.Response:
             memory_bytes=info.memory_bytes if info else None,
             cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None))
     with contextlib.suppress(GpuUnavailable):   # a lost GPU: no figures (status says why)
-        whole = mgr.gpu.memory()
-        for device in whole.devices if whole else ():
-            one = mgr.gpu.memory(device)
-            if one is not None:
-                snapshot.gpus.append((device, (one.total_mib - one.free_mib) * MIB,
-                                      one.total_mib * MIB))
+        for device in mgr.gpu.devices() or ():
+            snapshot.gpus.append((device.uuid, (device.total_mib - device.free_mib) * MIB,
+                                  device.total_mib * MIB))
     own = None
     if request.query.get("engines") in ("1", "true"):
         own = await _engine_metrics(front.upstreams, [
@@ -221,17 +218,27 @@ def _uses(request: web.Request) -> dict[str, scheduler.Usage]:
 
 
 def _gpu_memory(request: web.Request) -> dict[str, Any]:
-    """status's gpu_memory_mib (the ledger, from one fresh reading) and gpu_error (why
-    there is none when NVML fails)."""
-    dispatcher = request.app.get(DISPATCHER)
+    """status's gpu_memory_mib (the ledger), gpu_devices (each device and the engines
+    placed on it), both from one fresh reading, and gpu_error (why there is none when
+    NVML fails)."""
+    mgr = request.app[ENGINES]
     try:
-        ledger = dispatcher.ledger() if dispatcher is not None else None
+        devices = mgr.gpu.devices()
     except GpuUnavailable as e:
-        return {"gpu_memory_mib": None, "gpu_error": e.message}
-    return {"gpu_error": None, "gpu_memory_mib": None if ledger is None else {
+        return {"gpu_memory_mib": None, "gpu_devices": None, "gpu_error": e.message}
+    if devices is None:
+        return {"gpu_memory_mib": None, "gpu_devices": None, "gpu_error": None}
+    ledger = scheduler.memory_ledger(*placement.total(devices), _uses(request).values())
+    engines = [e for e in mgr.engines() if e.holds_slot]
+    return {"gpu_error": None, "gpu_memory_mib": {
         "total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines": ledger.held_mib,
         "pending_loads": ledger.pending_mib, "external": ledger.external_mib,
-        "free_for_planning": ledger.plan_free_mib}}
+        "free_for_planning": ledger.plan_free_mib},
+        "gpu_devices": [{"index": d.index, "uuid": d.uuid, "name": d.name,
+                         "total": d.total_mib, "free": d.free_mib,
+                         "engines": [e.model_id for e in engines
+                                     if not e.devices or d.uuid in e.devices]}
+                        for d in devices]}
 
 
 def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) -> None:
@@ -290,6 +297,7 @@ def engine_json(engine: Engine, info: EngineUnitInfo | None) -> dict[str, Any]:
         "uptime_s": uptime,
         "memory_bytes": info.memory_bytes if info else None,
         "adopted": engine.adopted,
+        "gpus": list(engine.devices),
         "failure": engine.failure.describe() if engine.failure else None,
     }
 

@@ -108,19 +108,14 @@ class Dispatcher:
                 idle_ttl_s=model.config.idle_ttl_s if model else None,
                 restarting=engine.restarting,
                 draining=bool(use and use.draining),
-                exit_unconfirmed=engine.exit_unconfirmed))
+                exit_unconfirmed=engine.exit_unconfirmed,
+                devices=engine.devices))
         return rows
 
     def serves(self, model_id: str) -> bool:
         """Requests in flight or queued for model_id."""
         use = self._slots.peek(model_id)
         return use is not None and (use.in_flight > 0 or bool(use.waiters))
-
-    def ledger(self) -> scheduler.Ledger | None:
-        gpu = self._gpu.memory()
-        if gpu is None:
-            return None
-        return scheduler.memory_ledger(gpu.total_mib, gpu.free_mib, self.usages())
 
     def subscribe_queue(self, listener: QueueListener) -> Callable[[], None]:
         """listener(model, depth) whenever a model's queue depth changes."""

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from gatewayd.core import budget
+from gatewayd.core import budget, placement
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engine_units import keeps_kv_cache, settings_stamp
@@ -166,14 +165,18 @@ class EngineManager:
         """
         model = self._model(model_id)
         async with self._lifecycle(model.id):
-            self._admit(model, force=force)
+            where = self._admit(model, force=force)
             self.stop_reasons.pop(model.id, None)
             layout = self.units.layout(model.id)
-            self._register(Engine(model.id, layout.unit, layout.socket))
+            self._register(Engine(model.id, layout.unit, layout.socket,
+                                  devices=where.uuids if where else ()))
             self._event(model.id, StartRequested(self._clock()))
-            log.info("starting %s as %s", model.id, layout.unit)
+            visible = where.visible_devices() if where else None
+            log.info("starting %s as %s%s", model.id, layout.unit,
+                     f" on {', '.join(f'GPU {d.index}' for d in where.devices)}"
+                     if where and visible else "")
             try:
-                await self.units.start_engine(model)
+                await self.units.start_engine(model, visible)
             except UnitAlreadyActive:
                 # systemd runs it already (we lost track): that is the truth, adopt it
                 log.warning("%s: %s is already running; adopting it", model.id, layout.unit)
@@ -284,7 +287,8 @@ class EngineManager:
         if current is not None and current.unit != info.unit:
             return None   # another unit for the same model: not ours to guess about
         self._register(Engine(info.model_id, info.unit, info.socket, adopted=True,
-                              restarts=info.n_restarts))
+                              restarts=info.n_restarts,
+                              devices=self._resolve_devices(info.visible_devices)))
         self._unit_props[info.unit] = {"ActiveState": info.active_state,
                                        "SubState": info.sub_state}
         self._apply_info(info.model_id, info)
@@ -362,24 +366,46 @@ class EngineManager:
                 changed.append(model.id)
         return changed
 
-    def _admit(self, model: Model, *, force: bool = False) -> None:
-        need = self.need_mib(model)
-        gpu = None if force else self.gpu.memory(model.config.cuda_visible_devices)
-        if gpu is not None and (loading := self._loading_mib()):
-            # loads in progress will take memory that NVML does not show as used yet
-            gpu = dataclasses.replace(gpu, free_mib=max(0, gpu.free_mib - loading))
-        budget.check_admission(model.id, self._engines.values(),
-                               max_engines=self.config.max_engines, need_mib=need, gpu=gpu)
-
-    def _loading_mib(self) -> int:
-        """GPU memory that engines holding a slot but not ready (loading, restarting,
-        stopping) may still take beyond what they hold now."""
+    def place(self, model: Model) -> placement.Placement | None:
+        """Where the model's engine would go now (core/placement.py), from a fresh
+        reading of every device; None: no GPU. Raises GpuUnavailable."""
+        devices = self.gpu.devices()
+        if devices is None:
+            return None
         per_process = self.gpu.process_mib() or {}
-        return sum(budget.still_to_load_mib(
-            engine.state, engine.holds_slot,
-            self.need_mib(model), per_process.get(engine.main_pid))
-            for engine in self._engines.values()
-            if (model := self.catalog.get(engine.model_id)) is not None)
+        placed = []
+        for engine in self._engines.values():
+            other = self.catalog.get(engine.model_id)
+            if other is None or not engine.holds_slot or engine.model_id == model.id:
+                continue
+            need, held = self.need_mib(other), per_process.get(engine.main_pid)
+            placed.append(placement.Placed(
+                engine.devices,
+                # loads in progress will take memory that NVML does not show as used yet
+                pending_mib=budget.still_to_load_mib(engine.state, True, need, held),
+                evictable_mib=(held or need) if engine.state is EngineState.READY
+                and not other.config.pin else 0))
+        return placement.place(self.need_mib(model), placement.rooms(devices, placed),
+                               model.config.cuda_visible_devices)
+
+    def _admit(self, model: Model, *, force: bool = False) -> placement.Placement | None:
+        """Admission (budget.check_admission); where the engine goes. force skips the
+        memory check, not the placement."""
+        where = self.place(model)
+        budget.check_admission(model.id, self._engines.values(),
+                               max_engines=self.config.max_engines, need_mib=self.need_mib(model),
+                               placement=None if force else where)
+        return where
+
+    def _resolve_devices(self, spec: str | None) -> tuple[str, ...]:
+        """An adopted unit's CUDA_VISIBLE_DEVICES as device UUIDs (): all or unknown."""
+        if spec is None:
+            return ()
+        try:
+            devices = self.gpu.devices() or []
+        except GatewayError:
+            return ()
+        return tuple(d.uuid for d in placement.select(spec, devices))
 
     @contextlib.asynccontextmanager
     async def _lifecycle(self, model_id: str) -> AsyncIterator[None]:

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 
 from gatewayd.core import scheduler
-from gatewayd.core.budget import model_need_mib
+from gatewayd.core.budget import insufficient_gpu, model_need_mib
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import EngineState
@@ -32,8 +32,8 @@ from gatewayd.core.errors import (
     EngineLimitReached,
     EngineNotRunning,
     GatewayError,
-    InsufficientGpu,
 )
+from gatewayd.core.placement import Placement, total
 from gatewayd.core.ports import GpuProbe
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.slots import Slots
@@ -167,13 +167,12 @@ class Loader:
                 continue
             if (left := engines.backoff_left(model.id)) > 0:
                 raise engines.failed_error(model.id, retry_after=math.ceil(left))
-            gpu = self._gpu.memory(model.config.cuda_visible_devices)
+            where = engines.place(model)
             usages = self._usages()
-            free = None if gpu is None else scheduler.memory_ledger(
-                gpu.total_mib, gpu.free_mib, usages).plan_free_mib
             decision = scheduler.plan_start(
                 model.id, usages, max_engines=self._config.max_engines, need_mib=need,
-                free_mib=free, ahead=self.ahead(model.id))
+                free_mib=None if where is None else where.free_mib, ahead=self.ahead(model.id),
+                devices=None if where is None else frozenset(where.uuids))
             match decision:
                 case scheduler.TryAnyway() if self._memory_coming_back():
                     # an engine just went away: its memory may not show as free yet, so
@@ -200,8 +199,7 @@ class Loader:
                     await self._wait(deadline, model, why)
                 case scheduler.Blocked(limit, holders):
                     if self._clock() >= deadline:
-                        raise self._no_room(model, limit, holders, need,
-                                            gpu.free_mib if gpu else None)
+                        raise self._no_room(model, limit, holders, need, where)
                     await self._changes.wait(deadline)
 
     def _memory_coming_back(self) -> bool:
@@ -218,19 +216,18 @@ class Loader:
         await self._changes.wait(deadline)
 
     def _no_room(self, model: Model, limit: str, holders: tuple[tuple[str, str], ...],
-                 need: int, free: int | None, why: str | None = None) -> GatewayError:
+                 need: int, where: Placement | None, why: str | None = None) -> GatewayError:
         held = ", ".join(f"{m} ({why})" for m, why in holders) or "nobody"
         wait_s = self._config.eviction_wait_s
-        if limit == "engine_limit":
+        if limit == "engine_limit" or where is None:
             return EngineLimitReached(
                 f"no engine slot for {model.id!r} within {wait_s:g}s"
                 + (f" ({why})" if why else "") + ": max_engines is "
                 f"{self._config.max_engines}, held by {held}",
                 retry_after=5, running=[m for m, _ in holders])
-        return InsufficientGpu(
-            f"not enough GPU memory for {model.id!r} within {wait_s:g}s: needs {need} MiB, "
-            f"{free if free is not None else '?'} MiB free; held by {held}",
-            retry_after=5, required_mib=need, free_mib=free, running=[m for m, _ in holders])
+        return insufficient_gpu(model.id, need, where, running=[m for m, _ in holders],
+                                retry_after=5, held_by=held,
+                                prefix=f"not enough GPU memory within {wait_s:g}s: ")
 
     async def _evict(self, victim: str, reason: str) -> None:
         before = self._room()
@@ -258,10 +255,10 @@ class Loader:
     def _room(self) -> int | None:
         """Free GPU memory less what loads in progress will still take (may be negative):
         it rises by what a stopped engine held, even while another engine loads."""
-        gpu = self._gpu.memory()
-        if gpu is None:
+        devices = self._gpu.devices()
+        if devices is None:
             return None
-        ledger = scheduler.memory_ledger(gpu.total_mib, gpu.free_mib, self._usages())
+        ledger = scheduler.memory_ledger(*total(devices), self._usages())
         return ledger.free_mib - ledger.pending_mib
 
     # -- more engines than max_engines (found by the reconciler) ------------------------

@@ -14,6 +14,7 @@ import pytest
 
 from tests.harness.fake_nvml import GPU_IS_LOST, FakeNvml, devices
 from tests.integration.conftest import GatewayFactory
+from tests.integration.gateway_helpers import GatewayService
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
 
@@ -113,3 +114,78 @@ def test_an_eviction_waits_for_the_memory_nvml_shows_late(
         ["systemctl", "show", "-p", "ExecMainStartTimestampMonotonic", "--value", beta_unit],
         capture_output=True, text=True, check=True).stdout)
     assert started_us / 1e6 >= freed_at[0] - 0.05, (started_us / 1e6, freed_at)
+
+
+def unit_env(unit: str) -> dict[str, str]:
+    out = subprocess.run(["systemctl", "show", "-p", "Environment", "--value", unit],
+                         capture_output=True, text=True, check=True).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def chat(gw: GatewayService, model: str) -> None:
+    code, answer = gw.api("POST", "/v1/chat/completions", {
+        "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    assert code == 200, answer
+
+
+def test_two_gpus_best_fit_and_eviction_on_the_device_that_needs_the_memory(
+        tmp_path: Path, gateway_factory: GatewayFactory, fake_nvml_dir: Path) -> None:
+    """Each engine goes to the device where it fits best (CUDA_VISIBLE_DEVICES=<UUID> in its
+    unit); when none has room, the engine stopped is one on the device that comes closest,
+    not the least recently used one elsewhere."""
+    fake = FakeNvml(tmp_path / "nvml.state", devices=devices(("NVIDIA Fake Small", 9000, 0),
+                                                             ("NVIDIA Fake Large", 9000, 0)))
+    fake.write()
+    gw = gateway_factory(env=fake.env(fake_nvml_dir))
+    need = {m: gw.api("GET", f"/v1/models/{m}")[1]["vram_estimate_mib"]
+            for m in ("tiny-alpha", "tiny-beta", "tiny-gamma")}
+    # alpha fits best on GPU 0 (less room left over); then beta fits on GPU 1 only; gamma
+    # fits nowhere, not even spread over both: GPU 1 comes closest once beta is gone
+    fake.devices[0].total_mib = need["tiny-alpha"] + 275
+    fake.devices[1].total_mib = max(need["tiny-alpha"] + 276,
+                                    need["tiny-beta"] + 475, need["tiny-gamma"])
+    fake.write()
+
+    def holds(model: str, device: int) -> tuple[str, int]:
+        engine = gw.engines()[model]
+        fake.processes.append((device, engine["pid"], need[model]))
+        fake.devices[device].used_mib += need[model]
+        fake.write()
+        return engine["unit"], engine["pid"]
+
+    chat(gw, "tiny-alpha")
+    alpha_unit, _ = holds("tiny-alpha", 0)
+    assert unit_env(alpha_unit)["CUDA_VISIBLE_DEVICES"] == "GPU-fake-0"
+    chat(gw, "tiny-beta")
+    beta_unit, beta_pid = holds("tiny-beta", 1)
+    assert unit_env(beta_unit)["CUDA_VISIBLE_DEVICES"] == "GPU-fake-1"
+    assert gw.engines()["tiny-beta"]["gpus"] == ["GPU-fake-1"]
+
+    def free_when_gone() -> None:     # NVML shows beta's memory free once its unit is gone
+        deadline = time.monotonic() + 60
+        while subprocess.run(["systemctl", "is-active", "--quiet", beta_unit]).returncode == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        fake.processes = [p for p in fake.processes if p[1] != beta_pid]
+        fake.devices[1].used_mib -= need["tiny-beta"]
+        fake.write()
+    freer = threading.Thread(target=free_when_gone)
+    freer.start()
+    chat(gw, "tiny-gamma")            # alpha is the least recently used, yet beta goes
+    freer.join()
+    holds("tiny-gamma", 1)
+    engines = gw.engines()
+    assert "tiny-beta" not in engines or engines["tiny-beta"]["state"] == "stopped"
+    assert engines["tiny-alpha"]["state"] == "ready"
+    assert unit_env(engines["tiny-gamma"]["unit"])["CUDA_VISIBLE_DEVICES"] == "GPU-fake-1"
+
+    _, status = gw.api("GET", "/admin/status")
+    assert [(d["uuid"], d["engines"]) for d in status["gpu_devices"]] == [
+        ("GPU-fake-0", ["tiny-alpha"]), ("GPU-fake-1", ["tiny-gamma"])]
+    assert "GPU 1 (NVIDIA Fake Large):" in gw.cli("status").stdout
+
+    # an operator's start does not evict: refused, with every device's free memory
+    code, refused = gw.api("POST", "/admin/engines/start", {"model": "tiny-beta"})
+    assert code == 503 and refused["error"]["code"] == "insufficient_gpu", refused
+    assert [d["uuid"] for d in refused["error"]["devices"]] == ["GPU-fake-0", "GPU-fake-1"]
+    assert "GPU 0 (NVIDIA Fake Small): 275 of" in refused["error"]["message"]

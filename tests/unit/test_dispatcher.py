@@ -9,15 +9,17 @@ from typing import Any
 
 import pytest
 
-from gatewayd.core.budget import GpuMemory
 from gatewayd.core.engines import EngineState
 from gatewayd.core.errors import (
     ConcurrencyLimit,
     EngineFailed,
     EngineLimitReached,
+    InsufficientGpu,
     ModelNotLoaded,
     QueueFull,
 )
+from gatewayd.core.placement import DeviceMemory
+from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from tests.fakes import FakeHealth, FakeUnits, dispatcher_for, engine_manager_on_fakes
@@ -32,10 +34,31 @@ class LedgerGpu:
         self.total = total_mib
         self.mgr: EngineManager | None = None
 
-    def memory(self, devices: str | None = None) -> GpuMemory:
+    def devices(self) -> list[DeviceMemory]:
         assert self.mgr is not None
         used = 103 * sum(1 for e in self.mgr.engines() if e.holds_slot)
-        return GpuMemory(total_mib=self.total, free_mib=self.total - used)
+        return [DeviceMemory(0, "GPU-0", "ledger", self.total, self.total - used)]
+
+    def process_mib(self) -> dict[int, int] | None:
+        return None
+
+
+class PlacedGpus:
+    """Several devices; each engine holds 103 MiB on the device(s) it was placed on."""
+
+    description = "placed"
+
+    def __init__(self, *totals: int) -> None:
+        self.totals = totals
+        self.mgr: EngineManager | None = None
+
+    def devices(self) -> list[DeviceMemory]:
+        assert self.mgr is not None
+        engines = [e for e in self.mgr.engines() if e.holds_slot]
+        return [DeviceMemory(i, f"GPU-{i}", f"Fake {i}", total,
+                             total - sum(103 // len(e.devices) for e in engines
+                                         if f"GPU-{i}" in e.devices))
+                for i, total in enumerate(self.totals)]
 
     def process_mib(self) -> dict[int, int] | None:
         return None
@@ -43,7 +66,7 @@ class LedgerGpu:
 
 def dispatcher_on_fakes(tmp_path: Path, **kw: Any) -> tuple[Dispatcher, FakeUnits, FakeHealth]:
     mgr, units, health = engine_manager_on_fakes(tmp_path, **kw)
-    if isinstance(kw.get("gpu"), LedgerGpu):
+    if isinstance(kw.get("gpu"), LedgerGpu | PlacedGpus):
         kw["gpu"].mgr = mgr
     return dispatcher_for(mgr), units, health
 
@@ -117,6 +140,56 @@ async def test_vram_budget_evicts_until_it_fits(tmp_path: Path,
     await use(d, "c")
     assert units.log == ["start a", "start b", "stop llm-engine-a.service", "start c"]
     assert any(m.startswith("evicting a") and "MiB free" in m for m in caplog.messages)
+
+
+async def test_engines_go_where_they_fit_best(tmp_path: Path) -> None:
+    d, units, _ = dispatcher_on_fakes(tmp_path, gpu=PlacedGpus(250, 120))
+    for model in ("a", "b", "c"):
+        await use(d, model)
+    # a: the 120 MiB device is the best fit; b: only the big one has room; c: still room there
+    assert units.visible_devices == {"a": "GPU-1", "b": "GPU-0", "c": "GPU-0"}
+    assert units.log == ["start a", "start b", "start c"]
+    placed = d._engines.get("a")
+    assert placed is not None and placed.devices == ("GPU-1",)
+
+
+async def test_eviction_frees_the_device_that_needs_the_memory(tmp_path: Path) -> None:
+    """c must run on GPU 1 (cuda_visible_devices): b is stopped there, not the least
+    recently used a on GPU 0, which would free nothing c can use."""
+    d, units, _ = dispatcher_on_fakes(tmp_path, gpu=PlacedGpus(120, 120),
+                                      models_config={"c": {"cuda_visible_devices": "1"}})
+    await use(d, "a")
+    await use(d, "b")
+    assert units.visible_devices == {"a": "GPU-0", "b": "GPU-1"}
+    await use(d, "c")
+    assert units.log == ["start a", "start b", "stop llm-engine-b.service", "start c"]
+    assert units.visible_devices["c"] is None     # its own setting is in its environment
+
+
+async def test_an_adopted_engine_is_counted_on_its_own_device(tmp_path: Path) -> None:
+    d, units, _ = dispatcher_on_fakes(tmp_path, gpu=PlacedGpus(120, 120))
+    adopted = d._engines.take_over(EngineUnitInfo(
+        unit="llm-engine-a.service", model_id="a", socket="/run/llm-engine-a/engine.sock",
+        active_state="active", sub_state="running", main_pid=55, n_restarts=0,
+        memory_bytes=None, started_at_us=0, visible_devices="0"))
+    assert adopted is not None and adopted.devices == ("GPU-0",)
+    await use(d, "b")
+    assert units.visible_devices == {"b": "GPU-1"}
+
+
+async def test_no_room_on_any_device_names_each_device(tmp_path: Path) -> None:
+    d, units, _ = dispatcher_on_fakes(
+        tmp_path, gpu=PlacedGpus(120, 120), eviction_wait_s=0.3,
+        models_config={"a": {"pin": True}, "b": {"pin": True}})
+    await use(d, "a")
+    await use(d, "b")
+    with pytest.raises(InsufficientGpu) as err:
+        await use(d, "c")
+    body = err.value.body()["error"]
+    assert [dev["free_mib"] for dev in body["devices"]] == [17, 17]
+    assert "GPU 0 (Fake 0): 17 of 120 MiB free; GPU 1 (Fake 1): 17 of 120 MiB free" \
+        in body["message"]
+    assert body["required_mib"] == 103 and units.log == ["start a", "start b"]
 
 
 async def test_too_big_with_nothing_else_running_is_tried_anyway(tmp_path: Path) -> None:

@@ -8,15 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.adapters.unit_control import manager_can_configure_networks
+from gatewayd.adapters.unit_control import info_from_properties, manager_can_configure_networks
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
 from gatewayd.core.engine_units import (
     MAX_INSTANCE,
     EngineLayout,
+    engine_env,
+    engine_fingerprint,
     engine_instance,
     escape_unit_component,
     server_argv,
+    template_settings,
     transient_spec,
 )
 from gatewayd.core.model_facts import GgufFacts
@@ -90,6 +93,26 @@ def test_llama_spec(tmp_path: Path) -> None:
     assert "CUDA_VISIBLE_DEVICES=1" in env and "A=b" in env
     assert "LLM_GATEWAY_MODEL=my model" in env and f"LLM_GATEWAY_SOCKET={layout.socket}" in env
     assert "PrivateNetwork" not in props
+
+
+def test_placement_sets_the_devices_unless_the_model_names_its_own(tmp_path: Path) -> None:
+    layout = EngineLayout.for_model("m")
+    placed = _model("m", tmp_path / "m.gguf")
+    env = engine_env(placed, layout, "GPU-abc")
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-abc"
+    assert "CUDA_VISIBLE_DEVICES" not in engine_env(placed, layout)
+    named = _model("m", tmp_path / "m.gguf", cuda_visible_devices="1")
+    assert engine_env(named, layout, "GPU-abc")["CUDA_VISIBLE_DEVICES"] == "1"
+    spec = transient_spec(placed, layout, "/opt/llama-server", visible_devices="GPU-abc")
+    props = {name: value for name, _, value in spec.properties()}
+    assert "CUDA_VISIBLE_DEVICES=GPU-abc" in props["Environment"]
+    settings = template_settings(placed, layout, "/opt/llama-server", visible_devices="GPU-abc")
+    assert settings["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-abc"    # type: ignore[index]
+    # the same setup wherever it runs: the learned memory and a reload see no change
+    assert "GPU-abc" not in repr(engine_fingerprint(placed, GatewayConfig()))
+    info = info_from_properties("u.service", {}, {"Environment": [
+        "LLM_GATEWAY_MODEL=m", "CUDA_VISIBLE_DEVICES=GPU-abc"]})
+    assert info.visible_devices == "GPU-abc" and info.model_id == "m"
 
 
 def test_whisper_spec_runs_the_launcher_in_a_private_network(tmp_path: Path) -> None:

@@ -16,12 +16,16 @@ from tests.harness.fake_nvml import GPU_IS_LOST, FakeNvml, devices
 PROBE = """
 import json, sys
 from gatewayd.adapters.gpu import open_gpu
+from gatewayd.core.placement import select, total
 gpu = open_gpu()
 out = {"description": gpu.description}
 try:
-    for devices in (None, "1", "GPU-fake-0"):
-        memory = gpu.memory(devices)
-        out[str(devices)] = memory and [memory.total_mib, memory.free_mib, list(memory.devices)]
+    found = gpu.devices()
+    out["devices"] = found and [[d.index, d.uuid, d.name, d.total_mib, d.free_mib]
+                                for d in found]
+    for spec in (None, "1", "GPU-fake-0"):
+        chosen = found and select(spec, found)
+        out[str(spec)] = chosen and [*total(chosen), [d.uuid for d in chosen]]
     out["processes"] = gpu.process_mib()
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {e}"
@@ -43,6 +47,8 @@ def test_memory_per_device_and_per_process(tmp_path: Path, fake_nvml_dir: Path) 
     out = probe(fake, fake_nvml_dir)
     assert out["description"] == ("NVML, 2 device(s): NVIDIA Fake H100 80GB, "
                                   "NVIDIA Fake L4")
+    assert out["devices"] == [[0, "GPU-fake-0", "NVIDIA Fake H100 80GB", 81920, 71680],
+                              [1, "GPU-fake-1", "NVIDIA Fake L4", 24576, 23552]]
     assert out["None"] == [106496, 95232, ["GPU-fake-0", "GPU-fake-1"]]
     assert out["1"] == [24576, 23552, ["GPU-fake-1"]]          # CUDA_VISIBLE_DEVICES=1
     assert out["GPU-fake-0"] == [81920, 71680, ["GPU-fake-0"]]  # ... or a UUID
@@ -82,7 +88,8 @@ def test_the_gpu_check_script_says_what_admission_would_decide(
                           env={**os.environ, **fake.env(fake_nvml_dir)})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["per_device_mib"]["GPU-fake-1"] == {"total": 8192, "free": 8192}
+    assert report["per_device_mib"]["GPU-fake-1"] == {"index": 1, "name": "NVIDIA Fake B",
+                                                      "total": 8192, "free": 8192}
     small, other = report["admission"]
     assert small.startswith("small: needs 1025 MiB; 1024 MiB free on GPU-fake-0: refused")
     assert other.startswith("other: needs 1025 MiB; 8192 MiB free on GPU-fake-1: admitted")
