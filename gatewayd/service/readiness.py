@@ -2,8 +2,10 @@
 
 llama-server binds its socket before loading and answers 503 until the model
 is loaded; whisper (behind systemd-socket-proxyd) resets connections until it
-listens. One poller per starting/loading engine, tight at first (a tiny model
-loads in ~15 ms), backing off to 500 ms, up to load_timeout_s.
+listens. One poller per starting/loading engine, every 2 ms for the first 100 ms
+(a tiny model loads in ~15-40 ms: a poll that backs off from the start would see
+it ready up to a third of its load time late), then backing off to 500 ms, up to
+load_timeout_s.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from gatewayd.core.ports import HealthProbe
 POLLED_STATES = (EngineState.STARTING, EngineState.LOADING)
 
 
-def poll_delays(first: float = 0.002, factor: float = 1.3, cap: float = 0.5) -> list[float]:
-    """Tight at first (small models load in milliseconds), then backing off."""
+def poll_delays(first: float = 0.002, tight_for: float = 0.1, factor: float = 1.3,
+                cap: float = 0.5) -> list[float]:
+    """Every `first` seconds for `tight_for` seconds (small models load in
+    milliseconds), then backing off by `factor` up to `cap`."""
     delays, delay, total = [], first, 0.0
     while total < 3600:
         delays.append(delay)
         total += delay
-        delay = min(delay * factor, cap)
+        if total >= tight_for:
+            delay = min(delay * factor, cap)
     return delays
 
 
