@@ -41,7 +41,7 @@ from gatewayd.core.config import GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
-from gatewayd.http import admin_api, openai_api
+from gatewayd.http import admin_api, client_tls, openai_api
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
 from gatewayd.http.proxy import Upstreams
 from gatewayd.service.dispatcher import Dispatcher
@@ -257,6 +257,7 @@ async def _serve(config: GatewayConfig) -> None:
     ready = sum(1 for e in app[admin_api.ENGINES].engines() if e.state is EngineState.READY)
     notifier.ready(f"serving on {where}; {ready} engine(s) ready")
     notifier.start_watchdog()
+    certificates = asyncio.create_task(_load_ca_certificates())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -265,6 +266,7 @@ async def _serve(config: GatewayConfig) -> None:
     loop.add_signal_handler(signal.SIGHUP, lambda: _track(
         reloads, loop.create_task(_reload_quietly(app[admin_api.RELOADER]))))
     await stop.wait()
+    await certificates
     for task in reloads:
         task.cancel()
     log.info("stopping: letting open requests finish (up to %gs)", config.shutdown_timeout_s)
@@ -280,6 +282,15 @@ async def _serve(config: GatewayConfig) -> None:
         _cancel_open_requests(app, runner)
         await _open_requests_end(runner, ABANDON_GRACE_S)
     await runner.cleanup()
+
+
+async def _load_ca_certificates() -> None:
+    """The CA certificates left out of the start-up (http/client_tls.py), now that the
+    gateway serves."""
+    try:
+        await asyncio.to_thread(client_tls.load_deferred)
+    except (OSError, ValueError) as e:   # ssl.SSLError is an OSError
+        log.warning("could not load the system's CA certificates: %s", e)
 
 
 async def _reload_quietly(reloader: Reloader) -> None:

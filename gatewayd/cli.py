@@ -76,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, required=args.config is not None)
         if args.command == "serve":
-            from gatewayd.app import serve
+            from gatewayd.http.client_tls import deferred_ca_loading
+            with deferred_ca_loading():   # the first import of aiohttp
+                from gatewayd.app import serve
             serve(config)
             return 0
         if args.command == "check":

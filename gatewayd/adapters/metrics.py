@@ -18,20 +18,17 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
-
-from prometheus_client import generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.parser import text_string_to_metric_families
+from typing import TYPE_CHECKING, Any
 
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.routing import CAPABILITY_OF_PATH, WHISPER_PATHS
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+# prometheus_client is imported where a scrape needs it, not here: it is ~50 ms of the
+# gateway's start-up (on the socket-activation path), and only a scrape uses it.
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # endpoint label values: the paths the gateway knows; anything else is "other", so a
@@ -59,6 +56,7 @@ class _Counts:
         self.values[key] = self.values.get(key, 0) + amount
 
     def family(self) -> Metric:
+        from prometheus_client.core import CounterMetricFamily
         family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
         for key, value in self.values.items():
             family.add_metric(list(key), value)
@@ -81,6 +79,7 @@ class _Histograms:
         found[1][0] += value
 
     def family(self) -> Metric:
+        from prometheus_client.core import HistogramMetricFamily
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         bounds = [*(_bound(b) for b in self.buckets), "+Inf"]
         for key, (counts, total) in self.values.items():
@@ -167,6 +166,7 @@ class GatewayMetrics:
                ) -> bytes:
         """The exposition: the counters, the snapshot's figures, and (if given) each
         engine's own metrics with a `model` label."""
+        from prometheus_client import generate_latest
         out = generate_latest(_Once([*self.families(), *snapshot.families()]))
         if engine_metrics:
             out += generate_latest(_Once(relabel(engine_metrics)))
@@ -195,6 +195,7 @@ class Snapshot:
     kv_cache: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def families(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         state = GaugeMetricFamily("llm_gateway_engine_state",
                                   "1 for the engine's current state", labels=["model", "state"])
         restarts = CounterMetricFamily("llm_gateway_engine_restarts",
@@ -254,6 +255,8 @@ def _bound(value: float) -> str:
 def relabel(engine_metrics: Mapping[str, str]) -> list[Metric]:
     """Each engine's own exposition (llama-server's /metrics), merged family by family
     with a `model` label, so one scrape covers every engine."""
+    from prometheus_client.core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
     merged: dict[str, Metric] = {}
     for model, text in engine_metrics.items():
         try:
