@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import resource
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.http import admin_api, client_tls, openai_api
+from gatewayd.http.auth import KEYS, Keys
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
 from gatewayd.http.proxy import Upstreams
 from gatewayd.service.dispatcher import Dispatcher
@@ -189,6 +192,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
 
     def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
         front.config = new
+        app[KEYS].current = new.api_keys
         if UNITS in app:
             app[UNITS].reconfigure(new)
     app[admin_api.RELOADER] = reloader = Reloader(
@@ -213,6 +217,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
+    app[KEYS] = Keys(config.api_keys)
     app[SHUTDOWN] = Shutdown()
     app[NOTIFIER] = notifier or Notifier()
     app[admin_api.EVENTS] = EventHub()
@@ -254,6 +259,7 @@ async def _serve(config: GatewayConfig) -> None:
         where = f"http://{config.listen_host}:{config.listen_port}"
     await site.start()
     log.info("serving on %s", where)
+    _warn_if_open(config, sock)
     ready = sum(1 for e in app[admin_api.ENGINES].engines() if e.state is EngineState.READY)
     notifier.ready(f"serving on {where}; {ready} engine(s) ready")
     notifier.start_watchdog()
@@ -282,6 +288,25 @@ async def _serve(config: GatewayConfig) -> None:
         _cancel_open_requests(app, runner)
         await _open_requests_end(runner, ABANDON_GRACE_S)
     await runner.cleanup()
+
+
+def _warn_if_open(config: GatewayConfig, sock: socket.socket | None) -> None:
+    """Anyone who can reach a non-loopback address can use every model and the admin API
+    when no API keys are configured: say so at start (it may be meant: a trusted LAN)."""
+    if config.api_keys is not None:
+        return
+    host = _sockname(sock) if sock is not None else config.listen_host
+    if sock is not None and sock.family == socket.AF_UNIX:
+        return
+    address = sock.getsockname()[0] if sock is not None else config.listen_host
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = address == "localhost"
+    if not loopback:
+        log.warning("listening on %s with no API keys: anyone who can reach it may use "
+                    "every model and the admin API; set [auth] keys_file (see README, "
+                    "\"API keys\")", host)
 
 
 async def _load_ca_certificates() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -21,6 +22,8 @@ from gatewayd import __version__
 from gatewayd.adapters.config_file import load_config
 from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
+
+API_KEY_ENV = "LLM_GATEWAY_API_KEY"
 
 
 class CliError(Exception):
@@ -64,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("logs", help="an engine's journal")
     p.add_argument("model")
     p.add_argument("-n", "--lines", type=int, default=50)
+    p = sub.add_parser("key", help="API keys ([auth] keys_file)")
+    keys = p.add_subparsers(dest="key_command", metavar="KEY_COMMAND", required=True)
+    p = keys.add_parser("new", help="make a key: prints it (once) and its [keys.NAME] table "
+                                    "for the keys file")
+    p.add_argument("name")
+    p.add_argument("--models", default="*", help="comma-separated model names (default: *)")
+    p.add_argument("--scopes", default="inference",
+                   help="comma-separated: inference, admin (default: inference)")
     return parser
 
 
@@ -74,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if args.command == "key":
+            return new_key(args)
         config = load_config(args.config, required=args.config is not None)
         if args.command == "serve":
             from gatewayd.http.client_tls import deferred_ca_loading
@@ -93,6 +106,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.hint:
             print(f"  hint: {e.hint}", file=sys.stderr)
         return 1
+
+
+def new_key(args: argparse.Namespace) -> int:
+    """A new random key and the keys-file table that admits it (the file keeps only its
+    SHA-256: the key itself is shown here once)."""
+    import secrets
+
+    from gatewayd.core.auth import KEY_PREFIX, SCOPES, digest
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+    if bad := set(scopes) - SCOPES:
+        raise CliError(f"unknown scope(s) {', '.join(sorted(bad))}; scopes are "
+                       f"{', '.join(sorted(SCOPES))}")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    table = (f"[keys.{json.dumps(args.name)}]\nsha256 = \"{digest(key)}\"\n"
+             f"models = {json.dumps(models)}\nscopes = {json.dumps(scopes)}\n")
+    if args.json:
+        print(json.dumps({"name": args.name, "key": key, "sha256": digest(key),
+                          "models": models, "scopes": scopes}))
+        return 0
+    print(f"API key for {args.name!r} (shown only now): {key}\n\n"
+          "Add this to the keys file ([auth] keys_file), then `systemctl reload "
+          f"llm-gateway`:\n\n{table}")
+    return 0
 
 
 def run_command(args: argparse.Namespace, url: str) -> int:
@@ -300,7 +337,11 @@ def model_lines(models: list[dict[str, Any]]) -> list[str]:
 
 def follow_events(url: str, *, as_json: bool) -> None:
     try:
-        with urllib.request.urlopen(url + "/admin/events", timeout=3600) as resp:
+        headers = {"Authorization": f"Bearer {key}"} if (key := os.environ.get(API_KEY_ENV)) \
+            else {}
+        with urllib.request.urlopen(urllib.request.Request(url + "/admin/events",
+                                                           headers=headers),
+                                    timeout=3600) as resp:
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data: "):
@@ -339,8 +380,10 @@ def since_epoch(text: str) -> float:
 def call(url: str, method: str, path: str, body: Any = None, *, text: bool = False) -> Any:
     """The admin API's JSON answer (text=True: the answer as text, e.g. /admin/metrics)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key := os.environ.get(API_KEY_ENV):   # an admin-scope key, where keys are on
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=600) as resp:
             answer = resp.read()

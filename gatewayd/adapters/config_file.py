@@ -8,10 +8,12 @@ directory for relative paths of a config given as text).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from pathlib import Path
 
+from gatewayd.core.auth import KeyRing, parse_keys
 from gatewayd.core.config import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_STATE_DIR,
@@ -34,7 +36,25 @@ def load_config(path: Path | None = None, *, required: bool = False) -> GatewayC
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
-    return parse_config(data, source=path, state_dir=default_state_dir())
+    config = parse_config(data, source=path, state_dir=default_state_dir())
+    if config.auth_keys_file is not None:
+        config = dataclasses.replace(config, api_keys=load_keys(config.auth_keys_file))
+    return config
+
+
+def load_keys(path: Path) -> KeyRing:
+    """The API keys file. Unreadable or invalid is a ConfigError: a gateway told to check
+    keys never starts (or reloads) without them."""
+    where = f"[auth] keys_file {path}"
+    try:
+        return parse_keys(tomllib.loads(path.read_text()), where)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file (create it with `llm-gateway key new "
+                          "NAME`, or remove [auth])") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: not valid TOML: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read: {e.strerror}") from e
 
 
 def default_state_dir() -> Path:

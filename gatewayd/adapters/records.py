@@ -49,6 +49,7 @@ MIGRATIONS = [
     )""",
     "CREATE INDEX calls_ts ON calls (ts)",
     "CREATE INDEX calls_model_ts ON calls (model, ts)",
+    "ALTER TABLE calls ADD COLUMN api_key TEXT",   # the name of the API key used (auth)
 ]
 
 
@@ -72,6 +73,7 @@ class CallRecord:
     disconnected: bool = False
     request_text: str | None = None
     response_text: str | None = None
+    api_key: str | None = None        # the name of the API key the call came with
 
 
 COLUMNS = [f.name for f in fields(CallRecord)]

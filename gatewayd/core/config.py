@@ -13,6 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from gatewayd.core.auth import KeyRing
 from gatewayd.core.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
@@ -100,6 +101,8 @@ class GatewayConfig:
     health_interval_s: float = 5.0
     health_timeout_s: float = 5.0
     health_misses: int = 3
+    auth_keys_file: Path | None = None   # [auth] keys_file: API keys on (core/auth.py)
+    api_keys: KeyRing | None = None      # read from it by the adapter (config_file)
     source: Path | None = None
 
     @property
@@ -115,7 +118,7 @@ _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_se
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
-             "kv_cache_max_mb"}
+             "kv_cache_max_mb", "auth"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -151,6 +154,9 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     health = data.get("health", {})
     _expect(health, dict, where, "health")
     _no_unknown(health, {"interval_s", "timeout_s", "misses"}, f"{where} [health]")
+    auth = data.get("auth", {})
+    _expect(auth, dict, where, "auth")
+    _no_unknown(auth, {"keys_file"}, f"{where} [auth]")
     port = _expect(listen.get("port", 8080), int, where, "listen.port")
     if not 0 < port < 65536:
         raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
@@ -193,6 +199,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         health_timeout_s=float(_positive(health.get("timeout_s", 5), where,
                                          "health.timeout_s")),
         health_misses=_non_negative(health.get("misses", 3), where, "health.misses"),
+        auth_keys_file=_path(auth.get("keys_file"), base, where, "auth.keys_file"),
         source=source,
     )
 

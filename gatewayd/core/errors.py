@@ -46,6 +46,7 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
+    headers: ClassVar[Mapping[str, str]] = {}   # sent with the error (WWW-Authenticate)
 
     def __init__(self, message: str, *, param: str | None = None,
                  retry_after: int | None = None, **extra: Any) -> None:
@@ -130,6 +131,24 @@ class ModelNotLoaded(GatewayError):
     """The model's engine is not running and the request said autoload=false."""
 
     status, type, code = 503, "server_error", "model_not_loaded"
+
+
+class MissingApiKey(GatewayError):
+    status, type, code = 401, "invalid_request_error", "missing_api_key"
+    headers: ClassVar[Mapping[str, str]] = {"WWW-Authenticate": 'Bearer realm="llm-gateway"'}
+
+
+class InvalidApiKey(GatewayError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+    headers: ClassVar[Mapping[str, str]] = {"WWW-Authenticate": 'Bearer realm="llm-gateway"'}
+
+
+class ScopeNotAllowed(GatewayError):
+    status, type, code = 403, "invalid_request_error", "scope_not_allowed"
+
+
+class ModelNotAllowed(GatewayError):
+    status, type, code = 403, "invalid_request_error", "model_not_allowed"
 
 
 class ShuttingDown(GatewayError):

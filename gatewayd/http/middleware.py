@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gatewayd.core.errors import GatewayError, ShuttingDown, anthropic_error_body, error_body
 from gatewayd.core.routing import speaks_anthropic
+from gatewayd.http.auth import check_key
 
 log = logging.getLogger("gatewayd")
 
@@ -37,11 +38,15 @@ def shutdown_error() -> ShuttingDown:
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as a JSON body in the caller's dialect (OpenAI's envelope, or
-    Anthropic's on /v1/messages*) with the same status; never a traceback or HTML."""
+    Anthropic's on /v1/messages*) with the same status; never a traceback or HTML.
+    The API key is checked here first (one middleware layer less on the hot path)."""
     try:
+        check_key(request)
         return await handler(request)
     except GatewayError as e:
-        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+        headers = dict(e.headers)
+        if e.retry_after is not None:
+            headers["Retry-After"] = str(e.retry_after)
         return web.json_response(_in_dialect(e, request.path), status=e.status,
                                  headers=headers)
     except web.HTTPException as e:

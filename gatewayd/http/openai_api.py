@@ -20,12 +20,14 @@ from aiohttp.streams import StreamReader
 
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
+from gatewayd.core.auth import check_model
 from gatewayd.core.budget import model_need_mib
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import BodyTooLarge, GatewayError, InvalidRequest
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
+from gatewayd.http.auth import CREDENTIAL_HEADERS, request_key
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
@@ -85,8 +87,10 @@ async def list_models(request: web.Request) -> web.Response:
     """Ready engines first, then the models that could be started."""
     front = request.app[FRONT]
     engines = {e.model_id: e for e in front.engines.engines()}
+    key = request_key(request)
     rows = [_model_object(front, model, engines.get(model.id))
-            for model in front.engines.catalog]
+            for model in front.engines.catalog
+            if key is None or key.may_use(model.id, model.names)]
     rows.sort(key=lambda r: not r["loaded"])
     return web.json_response({"object": "list", "data": rows})
 
@@ -96,6 +100,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     model_not_found otherwise."""
     front = request.app[FRONT]
     model = front.engines.catalog.resolve(request.match_info["model_id"])
+    check_model(request_key(request), model.id, model.names)
     return web.json_response(_model_object(front, model, front.engines.get(model.id)))
 
 
@@ -119,7 +124,9 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
 async def proxy_request(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     t0 = time.monotonic()
-    record = CallRecord(ts=time.time(), method=request.method, endpoint=request.path)
+    key = request_key(request)
+    record = CallRecord(ts=time.time(), method=request.method, endpoint=request.path,
+                        api_key=key.name if key is not None else None)
     try:
         if request.path in BLOCKED_PATHS:
             raise web.HTTPNotFound()
@@ -131,6 +138,12 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                                 engines=front.engines.engines(),
                                 default_model=front.config.default_model)
         record.model = model_id
+        headers = forward_headers(request.headers)
+        if key is not None:   # the key was ours to check; engines never see it
+            model_names = front.engines.catalog.get(model_id)
+            check_model(key, model_id, model_names.names if model_names else frozenset())
+            for name in CREDENTIAL_HEADERS:
+                headers.popall(name, None)
         # Inference (POST) may load a model and counts as use for eviction; polls such
         # as GET /props or /metrics?model= neither load one nor keep one alive.
         inference = request.method == "POST"
@@ -161,7 +174,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             record.engine = engine.unit
             response = await relay(request, front.upstreams, Outgoing(
                 socket=engine.socket, method=request.method, path_qs=path_qs,
-                body=body, headers=forward_headers(request.headers), stream=stream,
+                body=body, headers=headers, stream=stream,
                 drop_usage_event=drop_usage), record, t0)
         if front.config.records_store_text and isinstance(response, web.Response) \
                 and isinstance(response.body, bytes):

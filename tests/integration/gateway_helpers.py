@@ -28,6 +28,7 @@ class GatewayService:
     port: int
     unit: str = ""          # default: llm-gateway-test-<port>.service, own journal per test
     env: dict[str, str] = field(default_factory=dict)
+    api_key: str | None = None   # sent by api() and cli() where the gateway checks keys
 
     def __post_init__(self) -> None:
         self.unit = self.unit or f"llm-gateway-test-{self.port}.service"
@@ -57,7 +58,9 @@ class GatewayService:
 
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=120) as resp:
                 return resp.status, json.loads(resp.read())
@@ -65,8 +68,10 @@ class GatewayService:
             return e.code, json.loads(e.read())
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "LLM_GATEWAY_API_KEY": self.api_key} if self.api_key else None
         return subprocess.run([sys.executable, "-m", "gatewayd", "--config", str(self.config),
-                               *args], capture_output=True, text=True, check=False, timeout=300)
+                               *args], capture_output=True, text=True, check=False, timeout=300,
+                              env=env)
 
     def engines(self) -> dict[str, dict[str, Any]]:
         _, body = self.api("GET", "/admin/engines")

@@ -200,3 +200,52 @@ def test_metrics_from_systemd_and_the_engines_own(gateway: GatewayService) -> No
             assert (metric, model) not in samples, (metric, told)
     assert samples[("llm_gateway_engine_state", (*model, ("state", "ready")))] == 1
     assert samples[("llamacpp_prompt_tokens_total", model)] > 0     # llama-server's own
+
+
+def test_api_keys_with_both_sdks_the_cli_and_a_reload(
+        tmp_path: Path, gateway_factory: GatewayFactory) -> None:
+    """Keys on: each SDK's own header (OpenAI: Authorization: Bearer; Anthropic: x-api-key)
+    gets in, a wrong key or model is refused with the SDK's own exception, the CLI uses an
+    admin key from its environment, and a reload revokes one key and admits another."""
+    from gatewayd.core.auth import digest
+    app, ops, late = "sk-llmgw-app-e2e", "sk-llmgw-ops-e2e", "sk-llmgw-late-e2e"
+
+    def table(name: str, key: str, models: str, scopes: str) -> str:
+        return (f'[keys.{name}]\nsha256 = "{digest(key)}"\nmodels = {models}\n'
+                f"scopes = {scopes}\n")
+    keys = tmp_path / "keys.toml"
+    ops_table = table("ops", ops, '["*"]', '["admin"]')
+    keys.write_text(table("app", app, '["tiny-alpha"]', '["inference"]') + ops_table)
+    gw = gateway_factory(extra=f"[auth]\nkeys_file = {toml_str(str(keys))}\n")
+
+    sdk = openai.OpenAI(base_url=gw.url + "/v1", api_key=app, max_retries=0, timeout=120)
+    answer = sdk.chat.completions.create(model="tiny-alpha", max_tokens=2,
+                                         messages=[{"role": "user", "content": "hi"}])
+    assert answer.usage is not None and answer.usage.completion_tokens == 2
+    assert [m.id for m in sdk.models.list()] == ["tiny-alpha"]
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        sdk.chat.completions.create(model="tiny-beta", max_tokens=2,
+                                    messages=[{"role": "user", "content": "hi"}])
+    assert denied.value.code == "model_not_allowed"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+    message = anthropic.Anthropic(base_url=gw.url, api_key=app, max_retries=0).messages.create(
+        model="tiny-alpha", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert message.usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError):
+        claude(gw).messages.create(model="tiny-alpha", max_tokens=2,
+                                   messages=[{"role": "user", "content": "hi"}])
+
+    assert gw.cli("status").returncode == 1          # no key: the admin API says no
+    gw.api_key = ops
+    assert gw.cli("status").returncode == 0
+    keys.write_text(table("late", late, '["*"]', '["inference"]') + ops_table)
+    code, plan = gw.api("POST", "/admin/reload")
+    assert code == 200, plan
+    with pytest.raises(openai.AuthenticationError):
+        sdk.models.list()                              # revoked by the reload
+    late_sdk = openai.OpenAI(base_url=gw.url + "/v1", api_key=late, max_retries=0)
+    assert {m.id for m in late_sdk.models.list()} >= {"tiny-alpha", "tiny-beta"}
+    rows = records(gw, 3)
+    assert {r["api_key"] for r in rows if r["status"] in (200, 403)} >= {"app"}
