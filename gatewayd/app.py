@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gatewayd.adapters import admin_socket
 from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.events import EventHub
@@ -44,7 +45,7 @@ from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.http import admin_api, client_tls, openai_api
-from gatewayd.http.auth import KEYS, Keys
+from gatewayd.http.auth import ACCESS, Access
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
 from gatewayd.http.proxy import Upstreams
 from gatewayd.service.dispatcher import Dispatcher
@@ -192,7 +193,8 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
 
     def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
         front.config = new
-        app[KEYS].current = new.api_keys
+        app[ACCESS].keys = new.api_keys
+        app[ACCESS].admin_public = new.admin_public
         if UNITS in app:
             app[UNITS].reconfigure(new)
     app[admin_api.RELOADER] = reloader = Reloader(
@@ -217,7 +219,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
-    app[KEYS] = Keys(config.api_keys)
+    app[ACCESS] = Access(config.api_keys, config.admin_public)
     app[SHUTDOWN] = Shutdown()
     app[NOTIFIER] = notifier or Notifier()
     app[admin_api.EVENTS] = EventHub()
@@ -260,6 +262,7 @@ async def _serve(config: GatewayConfig) -> None:
     await site.start()
     log.info("serving on %s", where)
     _warn_if_open(config, sock)
+    admin_path = await _admin_site(app, runner, config)
     ready = sum(1 for e in app[admin_api.ENGINES].engines() if e.state is EngineState.READY)
     notifier.ready(f"serving on {where}; {ready} engine(s) ready")
     notifier.start_watchdog()
@@ -288,6 +291,32 @@ async def _serve(config: GatewayConfig) -> None:
         _cancel_open_requests(app, runner)
         await _open_requests_end(runner, ABANDON_GRACE_S)
     await runner.cleanup()
+    if admin_path is not None:
+        with contextlib.suppress(OSError):
+            admin_path.unlink()
+
+
+async def _admin_site(app: web.Application, runner: web.AppRunner,
+                      config: GatewayConfig) -> Path | None:
+    """The admin API on its unix socket (adapters/admin_socket.py); where it is, or None
+    when it cannot be bound (the gateway serves on without it, and says why)."""
+    path = config.admin_socket or admin_socket.default_path()
+    try:
+        sock = admin_socket.bind(path, config.admin_group)
+        # the socket's group may connect (0660): with no [admin] group, the gateway's own
+        gid = admin_socket.group_id(config.admin_group) if config.admin_group else os.getgid()
+    except KeyError:
+        log.warning("[admin] group = %r: no such group; no admin socket", config.admin_group)
+        return None
+    except OSError as e:
+        log.warning("no admin socket at %s (%s): the CLI reaches this gateway only with "
+                    "--url, through the public port's admin API", path, e)
+        return None
+    await web.SockSite(runner, sock).start()
+    app[ACCESS].admin_socket, app[ACCESS].admin_gid = str(path), gid
+    log.info("admin API on %s (root, this gateway's user and group %s)", path,
+             config.admin_group or gid)
+    return path
 
 
 def _warn_if_open(config: GatewayConfig, sock: socket.socket | None) -> None:

@@ -1,20 +1,22 @@
 """The `llm-gateway` command line.
 
 `serve` runs the gateway; the other commands talk to a running gateway's
-admin API (the address from the config's [listen] table, or --url).
+admin API: over its admin socket where they find one (no configuration file or
+key needed), else over the public port (the config's [listen], or --url).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import json
 import os
+import socket
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
 
 API_KEY_ENV = "LLM_GATEWAY_API_KEY"
+ADMIN_SOCKET_ENV = "LLM_GATEWAY_ADMIN_SOCKET"
 
 
 class CliError(Exception):
@@ -40,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llm-gateway {__version__}")
     parser.add_argument("--config", type=Path, help="config file "
                         "(default: $LLM_GATEWAY_CONFIG or /etc/llm-gateway/gateway.toml)")
-    parser.add_argument("--url", help="a running gateway (default: from the config)")
+    parser.add_argument("--url", help="a running gateway's public address (default: its "
+                                      "admin socket, else the config's [listen])")
+    parser.add_argument("--admin-socket", type=Path,
+                        help=f"a running gateway's admin socket (default: ${ADMIN_SOCKET_ENV},"
+                             " the config's [admin] socket, /run/llm-gateway/admin.sock)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("serve", help="run the gateway")
@@ -87,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "key":
             return new_key(args)
+        if args.command not in ("serve", "check"):
+            return run_command(args, gateway_address(args))
         config = load_config(args.config, required=args.config is not None)
         if args.command == "serve":
             from gatewayd.http.client_tls import deferred_ca_loading
@@ -94,10 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from gatewayd.app import serve
             serve(config)
             return 0
-        if args.command == "check":
-            return check(args, config)
-        url = args.url or f"http://{config.listen_host}:{config.listen_port}"
-        return run_command(args, url)
+        return check(args, config)
     except GatewayError as e:
         print(f"llm-gateway: {e.message}", file=sys.stderr)
         return 1
@@ -106,6 +112,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.hint:
             print(f"  hint: {e.hint}", file=sys.stderr)
         return 1
+
+
+def gateway_address(args: argparse.Namespace) -> str:
+    """Where the client commands reach the gateway: --url; else its admin socket
+    (--admin-socket, $LLM_GATEWAY_ADMIN_SOCKET, the one the config names, or, with no
+    --config, the system service's or the user service's); else the config's [listen]
+    address. The configuration is read only where it is needed and readable: a user
+    in the admin group needs neither it (/etc/llm-gateway is not theirs to read) nor a key."""
+    if args.url:
+        return str(args.url)
+    if explicit := args.admin_socket or os.environ.get(ADMIN_SOCKET_ENV):
+        return f"unix:{explicit}"
+    try:
+        config = load_config(args.config, required=args.config is not None)
+    except GatewayError:
+        if args.config is not None:
+            raise
+        config = None
+    from gatewayd.adapters.admin_socket import candidate_paths
+    if config is not None and config.admin_socket is not None:
+        candidates = [config.admin_socket]
+    else:   # with --config, only its own socket: another gateway's must not answer for it
+        candidates = [] if args.config is not None else candidate_paths()
+    for path in candidates:
+        if path.is_socket():
+            return f"unix:{path}"
+    if config is None:
+        raise CliError("no gateway admin socket found ("
+                       + ", ".join(str(p) for p in candidate_paths())
+                       + ") and the configuration is unreadable",
+                       hint="pass --admin-socket PATH or --url http://HOST:PORT")
+    return f"http://{config.listen_host}:{config.listen_port}"
 
 
 def new_key(args: argparse.Namespace) -> int:
@@ -337,19 +375,15 @@ def model_lines(models: list[dict[str, Any]]) -> list[str]:
 
 def follow_events(url: str, *, as_json: bool) -> None:
     try:
-        headers = {"Authorization": f"Bearer {key}"} if (key := os.environ.get(API_KEY_ENV)) \
-            else {}
-        with urllib.request.urlopen(urllib.request.Request(url + "/admin/events",
-                                                           headers=headers),
-                                    timeout=3600) as resp:
+        with _exchange(url, "GET", "/admin/events", timeout=3600) as resp:
+            if resp.status != 200:
+                _refused(resp, "GET", "/admin/events")
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data: "):
                     continue
                 event = json.loads(line[6:])
                 print(json.dumps(event) if as_json else describe_event(event), flush=True)
-    except urllib.error.URLError as e:
-        raise CliError(f"cannot reach the gateway at {url}: {e.reason}") from None
     except KeyboardInterrupt:
         pass
 
@@ -380,24 +414,67 @@ def since_epoch(text: str) -> float:
 def call(url: str, method: str, path: str, body: Any = None, *, text: bool = False) -> Any:
     """The admin API's JSON answer (text=True: the answer as text, e.g. /admin/metrics)."""
     data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
-    if key := os.environ.get(API_KEY_ENV):   # an admin-scope key, where keys are on
+    with _exchange(url, method, path, data, timeout=600) as resp:
+        if resp.status >= 400:
+            _refused(resp, method, path)
+        answer = resp.read()
+    return answer.decode() if text else json.loads(answer)
+
+
+@contextlib.contextmanager
+def _exchange(url: str, method: str, path: str, data: bytes | None = None, *,
+              timeout: float) -> Iterator[http.client.HTTPResponse]:
+    """One request to the gateway at url: http://HOST:PORT, or unix:PATH (its admin
+    socket). Sends $LLM_GATEWAY_API_KEY (an admin key, where keys are on) if set."""
+    headers = {"Content-Type": "application/json", "Host": "llm-gateway"}
+    if key := os.environ.get(API_KEY_ENV):
         headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    conn: http.client.HTTPConnection
+    if url.startswith("unix:"):
+        conn = _UnixConnection(url.removeprefix("unix:"), timeout)
+    else:
+        parsed = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80,
+                                          timeout=timeout)
     try:
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            answer = resp.read()
-            return answer.decode() if text else json.loads(answer)
-    except urllib.error.HTTPError as e:
         try:
-            error = json.loads(e.read())["error"]
-        except (ValueError, KeyError, TypeError):
-            raise CliError(f"{method} {path}: HTTP {e.code}") from None
-        raise CliError(error.get("message", f"HTTP {e.code}")) from None
-    except urllib.error.URLError as e:
-        raise CliError(f"cannot reach the gateway at {url}: {e.reason}",
-                       hint="is it running? (systemctl status llm-gateway, or "
-                            "llm-gateway serve); else pass --url") from None
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+        except PermissionError:
+            raise CliError(f"{url}: permission denied",
+                           hint="the admin socket is for root, the gateway's user and the "
+                                "[admin] group; or pass --url (the public port)") from None
+        except OSError as e:
+            raise CliError(f"cannot reach the gateway at {url}: {e.strerror or e}",
+                           hint="is it running? (systemctl status llm-gateway, or "
+                                "llm-gateway serve); else pass --url") from None
+        yield resp
+    finally:
+        conn.close()
+
+
+def _refused(resp: http.client.HTTPResponse, method: str, path: str) -> None:
+    try:
+        error = json.loads(resp.read())["error"]
+    except (ValueError, KeyError, TypeError):
+        raise CliError(f"{method} {path}: HTTP {resp.status}") from None
+    raise CliError(error.get("message", f"HTTP {resp.status}")) from None
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("llm-gateway", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 def show(args: argparse.Namespace, out: Any, lines: Any) -> None:

@@ -102,6 +102,12 @@ class GatewayConfig:
     health_timeout_s: float = 5.0
     health_misses: int = 3
     auth_keys_file: Path | None = None   # [auth] keys_file: API keys on (core/auth.py)
+    # [admin]: the admin API on its own unix socket (None: <runtime dir>/llm-gateway/
+    # admin.sock), for root, the gateway's user and admin_group; and on the public port
+    # too while admin_public (then behind an admin-scope key when keys are on)
+    admin_socket: Path | None = None
+    admin_group: str | None = None
+    admin_public: bool = True
     api_keys: KeyRing | None = None      # read from it by the adapter (config_file)
     source: Path | None = None
 
@@ -118,7 +124,7 @@ _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_se
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
-             "kv_cache_max_mb", "auth"}
+             "kv_cache_max_mb", "auth", "admin"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -157,6 +163,9 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     auth = data.get("auth", {})
     _expect(auth, dict, where, "auth")
     _no_unknown(auth, {"keys_file"}, f"{where} [auth]")
+    admin = data.get("admin", {})
+    _expect(admin, dict, where, "admin")
+    _no_unknown(admin, {"socket", "group", "public"}, f"{where} [admin]")
     port = _expect(listen.get("port", 8080), int, where, "listen.port")
     if not 0 < port < 65536:
         raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
@@ -200,6 +209,9 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
                                          "health.timeout_s")),
         health_misses=_non_negative(health.get("misses", 3), where, "health.misses"),
         auth_keys_file=_path(auth.get("keys_file"), base, where, "auth.keys_file"),
+        admin_socket=_path(admin.get("socket"), base, where, "admin.socket"),
+        admin_group=_optional(admin.get("group"), str, where, "admin.group"),
+        admin_public=_expect(admin.get("public", True), bool, where, "admin.public"),
         source=source,
     )
 

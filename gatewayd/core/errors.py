@@ -147,6 +147,10 @@ class ScopeNotAllowed(GatewayError):
     status, type, code = 403, "invalid_request_error", "scope_not_allowed"
 
 
+class AdminNotAllowed(GatewayError):
+    status, type, code = 403, "invalid_request_error", "admin_not_allowed"
+
+
 class ModelNotAllowed(GatewayError):
     status, type, code = 403, "invalid_request_error", "model_not_allowed"
 

@@ -21,7 +21,7 @@ from gatewayd.core.engine_units import engine_fingerprint
 RESTART_ONLY = ("listen_host", "listen_port", "bus", "unit_mode", "state_dir",
                 "records_enabled", "records_file", "max_body_bytes", "read_timeout_s",
                 "shutdown_timeout_s", "health_interval_s", "health_timeout_s",
-                "health_misses", "kv_cache_max_mb")
+                "health_misses", "kv_cache_max_mb", "admin_socket", "admin_group")
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,28 @@
-"""API keys at the HTTP edge (the rules are core/auth.py's).
+"""Who may call what, at the HTTP edge (the key rules are core/auth.py's).
 
-`check_key` runs first in the error middleware (so a refusal is rendered in the
-caller's dialect), before routing: with keys off it is one attribute read. The
-key found is kept on the request (`request[API_KEY]`) for the handler's model
-check and the call record. The keys in force live in `app[KEYS]`, replaced by a
+`check_access` runs first in the error middleware (so a refusal is rendered in
+the caller's dialect), before routing:
+- a request on the admin unix socket: `/admin/*` (and `/health`) only, for a peer
+  the kernel says is root, the gateway's user or in the admin group
+  (adapters/admin_socket.py); no key needed;
+- on the public port: `/admin/*` only while `[admin] public` (404 otherwise); with
+  keys on, a key with the path's scope (admin or inference). With keys off and the
+  admin API public, it costs a few attribute reads.
+The key found is kept on the request (`request[API_KEY]`) for the handler's model
+check and the call record. What is in force lives in `app[ACCESS]`, replaced by a
 configuration reload.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from gatewayd.adapters.admin_socket import may_administer, peer_of
 from gatewayd.core.auth import ADMIN, INFERENCE, ApiKey, KeyRing, presented_key
+from gatewayd.core.errors import AdminNotAllowed
 
 API_KEY = web.RequestKey("api_key", ApiKey)
 OPEN_PATHS = frozenset({"/health", "/favicon.ico"})   # liveness checks carry no key
@@ -21,24 +30,44 @@ CREDENTIAL_HEADERS = ("Authorization", "X-Api-Key")
 
 
 @dataclass
-class Keys:
-    current: KeyRing | None = None
+class Access:
+    keys: KeyRing | None = None
+    admin_public: bool = True
+    admin_socket: str | None = None    # the admin socket's path, once bound
+    admin_gid: int | None = None
+    own_uid: int = field(default_factory=os.getuid)
 
 
-KEYS = web.AppKey("api_keys", Keys)
+ACCESS = web.AppKey("access", Access)
 
 
-def check_key(request: web.Request) -> None:
-    """Raises MissingApiKey / InvalidApiKey (401) or ScopeNotAllowed (403)."""
-    holder = request.app.get(KEYS)   # (an app built without keys: admin API tests)
-    keys = holder.current if holder is not None else None
-    if keys is None or request.path in OPEN_PATHS:
+def check_access(request: web.Request) -> None:
+    """Raises MissingApiKey / InvalidApiKey (401), ScopeNotAllowed / AdminNotAllowed (403),
+    or HTTPNotFound (the admin API is not on this socket)."""
+    access = request.app.get(ACCESS)   # (an app built without it: admin API tests)
+    if access is None:
         return
     path = request.path
-    scope = ADMIN if path == "/admin" or path.startswith("/admin/") else INFERENCE
+    admin = path == "/admin" or path.startswith("/admin/")
+    if access.admin_socket is not None and request.transport is not None and \
+            request.transport.get_extra_info("sockname") == access.admin_socket:
+        if not admin and path not in OPEN_PATHS:
+            raise web.HTTPNotFound()   # the admin socket serves the admin API only
+        peer = peer_of(request.transport.get_extra_info("socket"))
+        if not may_administer(peer, access.own_uid, access.admin_gid):
+            raise AdminNotAllowed(
+                f"user {peer.uid if peer else '?'} may not use the admin API: it is for "
+                "root, the gateway's user and the admin group ([admin] group)")
+        return
+    if admin and not access.admin_public:
+        raise web.HTTPNotFound()   # on the admin socket only ([admin] public = false)
+    keys = access.keys
+    if keys is None or path in OPEN_PATHS:
+        return
     headers = request.headers
     request[API_KEY] = keys.identify(
-        presented_key(headers.get("Authorization"), headers.get("X-Api-Key")), scope)
+        presented_key(headers.get("Authorization"), headers.get("X-Api-Key")),
+        ADMIN if admin else INFERENCE)
 
 
 def request_key(request: web.Request) -> ApiKey | None:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from gatewayd.core.errors import GatewayError, ShuttingDown, anthropic_error_body, error_body
 from gatewayd.core.routing import speaks_anthropic
-from gatewayd.http.auth import check_key
+from gatewayd.http.auth import check_access
 
 log = logging.getLogger("gatewayd")
 
@@ -39,9 +39,10 @@ def shutdown_error() -> ShuttingDown:
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as a JSON body in the caller's dialect (OpenAI's envelope, or
     Anthropic's on /v1/messages*) with the same status; never a traceback or HTML.
-    The API key is checked here first (one middleware layer less on the hot path)."""
+    Access (the admin socket's peer, API keys) is checked here first: one middleware
+    layer less on the hot path."""
     try:
-        check_key(request)
+        check_access(request)
         return await handler(request)
     except GatewayError as e:
         headers = dict(e.headers)

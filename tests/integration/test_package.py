@@ -103,6 +103,15 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     assert "StatusText=serving on the socket from systemd" in show
     status = json.loads(box.shell("llm-gateway --url http://127.0.0.1:8080 --json status"))
     assert status["unit_mode"] == "template" and status["systemd_manager"] == "system"
+    # the admin socket: the CLI of a user in the llm-gateway group needs neither the
+    # configuration file nor a key; a user outside it is refused, clearly
+    sock = box.shell("stat -c '%a %U %G' /run/llm-gateway/admin.sock").strip()
+    assert sock == "660 llm-gateway llm-gateway", sock
+    box.shell("useradd -M -G llm-gateway alice && useradd -M bob")
+    status = json.loads(box.shell("runuser -u alice -- llm-gateway --json status"))
+    assert status["unit_mode"] == "template"
+    refused = box.exec("runuser", "-u", "bob", "--", "llm-gateway", "status", check=False)
+    assert refused.returncode == 1 and "permission denied" in refused.stderr, refused.stderr
 
     # a request autoloads an engine: an llm-engine@ instance running as llm-gateway
     answer = json.loads(box.shell(
