@@ -60,8 +60,10 @@ def test_engines_that_exit_at_once_or_never_load_end_in_clear_answers(
     status, body, took = complete(gw, "tiny-beta")             # never ready
     assert status == 502 and "not ready after 4s" in body["error"]["message"], body
     assert took < 15
-    beta = gw.wait_engine("tiny-beta", lambda e: e["state"] == "failed")
-    assert beta["pid"] in (0, None)                            # and its unit stopped
+    # failed first (LoadTimedOut), then its unit is stopped: wait for both, bounded
+    beta = gw.wait_engine("tiny-beta", lambda e: e["state"] == "failed"
+                          and e["pid"] in (0, None))
+    assert beta["failure"] is not None
     for model in ("tiny-gamma", "tiny-beta"):                  # asked again: answered again
         status, body, took = complete(gw, model)
         assert status in (502, 503) and took < 15, body
