@@ -322,10 +322,7 @@ async def _admin_site(app: web.Application, runner: web.AppRunner,
 def _warn_if_open(config: GatewayConfig, sock: socket.socket | None) -> None:
     """Anyone who can reach a non-loopback address can use every model and the admin API
     when no API keys are configured: say so at start (it may be meant: a trusted LAN)."""
-    if config.api_keys is not None:
-        return
-    host = _sockname(sock) if sock is not None else config.listen_host
-    if sock is not None and sock.family == socket.AF_UNIX:
+    if config.api_keys is not None or (sock is not None and sock.family == socket.AF_UNIX):
         return
     address = sock.getsockname()[0] if sock is not None else config.listen_host
     try:
@@ -335,7 +332,7 @@ def _warn_if_open(config: GatewayConfig, sock: socket.socket | None) -> None:
     if not loopback:
         log.warning("listening on %s with no API keys: anyone who can reach it may use "
                     "every model and the admin API; set [auth] keys_file (see README, "
-                    "\"API keys\")", host)
+                    "\"API keys\")", address)
 
 
 async def _load_ca_certificates() -> None:
