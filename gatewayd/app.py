@@ -47,7 +47,8 @@ from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.http import admin_api, client_tls, openai_api
 from gatewayd.http.auth import ACCESS, Access
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
-from gatewayd.http.proxy import Upstreams
+from gatewayd.http.proxy import EngineSessions
+from gatewayd.http.remotes import Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.liveness import Liveness
@@ -182,21 +183,24 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     dispatcher.subscribe_queue(lambda model, depth: hub.publish(
         {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file) if config.records_enabled else None
-    upstreams = Upstreams(config.read_timeout_s)
-    engines.subscribe(lambda old, new: upstreams.forget(new.socket)
+    sessions = EngineSessions(config.read_timeout_s)
+    engines.subscribe(lambda old, new: sessions.forget(new.socket)
                       if old.holds_slot and not new.holds_slot else None)
     metrics = GatewayMetrics()
     engines.subscribe(lambda old, new: metrics.on_engine_change(
         old, new, engines.stop_reasons.get(new.model_id)))
+    remotes = Remotes(config.upstreams, read_timeout_s=config.read_timeout_s)
+    await remotes.start()
     app[openai_api.FRONT] = front = openai_api.FrontDoor(
-        config, app[admin_api.ENGINES], app[DISPATCHER], upstreams, records, metrics)
+        config, app[admin_api.ENGINES], app[DISPATCHER], sessions, records, metrics, remotes)
 
-    def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
+    async def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
         front.config = new
         app[ACCESS].keys = new.api_keys
         app[ACCESS].admin_public = new.admin_public
         if UNITS in app:
             app[UNITS].reconfigure(new)
+        await remotes.reconfigure(new.upstreams)
     app[admin_api.RELOADER] = reloader = Reloader(
         read=lambda: read_config(config.source), engines=engines, dispatcher=dispatcher,
         apply=apply, notify=app[NOTIFIER].notify)
@@ -204,7 +208,8 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await reloader.close()
-        await upstreams.close()
+        await remotes.close()
+        await sessions.close()
         if records is not None:
             records.flush()
             await asyncio.to_thread(records.close)  # drains every queued record

@@ -266,7 +266,16 @@ def status_lines(out: dict[str, Any]) -> list[str]:
             f"GPU memory: {memory}", *per_device,
             f"restored after a reboot: {', '.join(out['desired']) or 'none'}",
             f"config: {out['config'] or '-'}",
-            f"records dropped: {out['records_dropped']}"]
+            f"records dropped: {out['records_dropped']}",
+            *(upstream_line(u) for u in out.get("upstreams") or [])]
+
+
+def upstream_line(u: dict[str, Any]) -> str:
+    state = u["state"] + (f" ({u['last_error']}; next try in {u['next_probe_s']:g}s)"
+                          if u["state"] == "down" else "")
+    limit = f"/{u['max_concurrency']}" if u["max_concurrency"] else ""
+    return (f"upstream {u['name']}: {u['url']} {state}; {u['in_flight']}{limit} in flight; "
+            f"models: {', '.join(u['models']) or 'none'}")
 
 
 def engine_lines(engines: list[dict[str, Any]]) -> list[str]:

@@ -21,6 +21,7 @@ from gatewayd.core.config import (
     parse_config,
 )
 from gatewayd.core.errors import ConfigError
+from gatewayd.core.upstreams import UpstreamConfig
 
 
 def load_config(path: Path | None = None, *, required: bool = False) -> GatewayConfig:
@@ -39,7 +40,39 @@ def load_config(path: Path | None = None, *, required: bool = False) -> GatewayC
     config = parse_config(data, source=path, state_dir=default_state_dir())
     if config.auth_keys_file is not None:
         config = dataclasses.replace(config, api_keys=load_keys(config.auth_keys_file))
+    if any(u.api_key_file or u.api_key_credential for u in config.upstreams):
+        config = dataclasses.replace(config, upstreams=tuple(
+            dataclasses.replace(u, api_key=upstream_key(u)) for u in config.upstreams))
     return config
+
+
+def upstream_key(upstream: UpstreamConfig) -> str | None:
+    """The key an upstream is called with: from its api_key_file, or from the systemd
+    credential named by api_key_credential ($CREDENTIALS_DIRECTORY/NAME, set up by
+    LoadCredential= or SetCredentialEncrypted=). Unreadable or empty is a ConfigError:
+    calling the upstream without it would only fail later, request by request."""
+    where = f"[upstreams.{upstream.name}]"
+    if upstream.api_key_credential is not None:
+        directory = os.environ.get("CREDENTIALS_DIRECTORY")
+        if not directory:
+            raise ConfigError(
+                f"{where} api_key_credential = {upstream.api_key_credential!r}: no systemd "
+                "credentials here ($CREDENTIALS_DIRECTORY is unset); add LoadCredential="
+                f"{upstream.api_key_credential}:/path/to/key to the service, or use "
+                "api_key_file")
+        path = Path(directory) / upstream.api_key_credential
+    elif upstream.api_key_file is not None:
+        path = upstream.api_key_file
+    else:
+        return None
+    try:
+        key = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read the API key {path}: "
+                          f"{e.strerror}") from e
+    if not key:
+        raise ConfigError(f"{where}: the API key file {path} is empty")
+    return key
 
 
 def load_keys(path: Path) -> KeyRing:

@@ -50,6 +50,7 @@ MIGRATIONS = [
     "CREATE INDEX calls_ts ON calls (ts)",
     "CREATE INDEX calls_model_ts ON calls (model, ts)",
     "ALTER TABLE calls ADD COLUMN api_key TEXT",   # the name of the API key used (auth)
+    "ALTER TABLE calls ADD COLUMN upstream TEXT",  # the remote upstream that answered
 ]
 
 
@@ -74,6 +75,7 @@ class CallRecord:
     request_text: str | None = None
     response_text: str | None = None
     api_key: str | None = None        # the name of the API key the call came with
+    upstream: str | None = None       # the remote upstream that answered (engine: None)
 
 
 COLUMNS = [f.name for f in fields(CallRecord)]

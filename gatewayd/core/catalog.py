@@ -122,6 +122,11 @@ class Catalog:
     def ids(self) -> list[str]:
         return list(self._models)
 
+    def find(self, name: str) -> Model | None:
+        """The model a name means, or None (no error: for names from elsewhere)."""
+        model_id = self._index.get(name.strip().casefold())
+        return None if model_id is None else self._models[model_id]
+
     def resolve(self, name: str) -> Model:
         """The model a client's name means; ModelNotFound says what exists."""
         key = name.strip().casefold()

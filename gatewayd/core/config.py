@@ -15,6 +15,7 @@ from typing import Any
 
 from gatewayd.core.auth import KeyRing
 from gatewayd.core.errors import ConfigError
+from gatewayd.core.upstreams import UpstreamConfig, parse_upstreams
 
 DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/llm-gateway")
@@ -68,6 +69,8 @@ class ModelConfig:
     queue_limit: int | None = None       # requests waiting for it; above: 503
     kv_cache_save: bool = True           # llama chat engines: slots saved at a stop,
                                          # restored at the next start (adapters/kv_cache)
+    spill_over: bool = False             # when it cannot take a request within its wait,
+                                         # an upstream serving one of its names does
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class GatewayConfig:
     admin_group: str | None = None
     admin_public: bool = True
     api_keys: KeyRing | None = None      # read from it by the adapter (config_file)
+    upstreams: tuple[UpstreamConfig, ...] = ()   # [upstreams.NAME] (core/upstreams.py)
     source: Path | None = None
 
     @property
@@ -119,12 +123,12 @@ class GatewayConfig:
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
                "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
                "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind",
-               "kv_cache_save"}
+               "kv_cache_save", "spill_over"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
-             "kv_cache_max_mb", "auth", "admin"}
+             "kv_cache_max_mb", "auth", "admin", "upstreams"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -166,6 +170,11 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     admin = data.get("admin", {})
     _expect(admin, dict, where, "admin")
     _no_unknown(admin, {"socket", "group", "public"}, f"{where} [admin]")
+    upstreams = parse_upstreams(data.get("upstreams", {}), base, where)
+    spilling = [m.name for m in models if m.spill_over]
+    if spilling and not upstreams:
+        raise ConfigError(f"{where}: spill_over is set for {', '.join(spilling)} but there is "
+                          "no [upstreams.NAME] table to spill over to")
     port = _expect(listen.get("port", 8080), int, where, "listen.port")
     if not 0 < port < 65536:
         raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
@@ -212,6 +221,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         admin_socket=_path(admin.get("socket"), base, where, "admin.socket"),
         admin_group=_optional(admin.get("group"), str, where, "admin.group"),
         admin_public=_expect(admin.get("public", True), bool, where, "admin.public"),
+        upstreams=upstreams,
         source=source,
     )
 
@@ -275,6 +285,7 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
             table["queue_limit"], where, f"{key}.queue_limit"),
         kv_cache_save=_expect(table.get("kv_cache_save", True), bool, where,
                               f"{key}.kv_cache_save"),
+        spill_over=_expect(table.get("spill_over", False), bool, where, f"{key}.spill_over"),
     )
 
 

@@ -127,6 +127,31 @@ class EngineUnavailable(GatewayError):
     status, type, code = 502, "server_error", "engine_unavailable"
 
 
+class UpstreamUnavailable(GatewayError):
+    """A remote upstream refused the connection, or dropped it before answering."""
+
+    status, type, code = 502, "server_error", "upstream_unavailable"
+
+
+class UpstreamUnreachable(GatewayError):
+    """Every upstream that serves the model is known to be down (its probes fail):
+    refused at once instead of waiting out a connection timeout."""
+
+    status, type, code = 503, "server_error", "upstream_unreachable"
+
+
+class UpstreamTimeout(GatewayError):
+    """A remote upstream took longer than its timeout to connect or to answer."""
+
+    status, type, code = 504, "server_error", "upstream_timeout"
+
+
+class UpstreamFailed(GatewayError):
+    """A remote upstream broke off an answer it had begun (told as a stream's error event)."""
+
+    status, type, code = 502, "server_error", "upstream_failed"
+
+
 class ModelNotLoaded(GatewayError):
     """The model's engine is not running and the request said autoload=false."""
 

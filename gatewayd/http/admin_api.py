@@ -27,7 +27,7 @@ from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GpuUnavailable, InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
-from gatewayd.http.proxy import Upstreams
+from gatewayd.http.proxy import EngineSessions
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -83,6 +83,7 @@ async def status(request: web.Request) -> web.Response:
         "config": str(mgr.config.source) if mgr.config.source else None,
         "records_dropped": front.records.dropped
         if (front := request.app.get(openai_api.FRONT)) and front.records else 0,
+        "upstreams": front.remotes.describe() if front else [],
     })
 
 
@@ -188,7 +189,7 @@ async def metrics(request: web.Request) -> web.Response:
                                   device.total_mib * MIB))
     own = None
     if request.query.get("engines") in ("1", "true"):
-        own = await _engine_metrics(front.upstreams, [
+        own = await _engine_metrics(front.sessions, [
             e for e in engines if e.state is EngineState.READY
             and (model := mgr.catalog.get(e.model_id)) is not None
             and model.backend is Backend.LLAMA])
@@ -196,12 +197,12 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-async def _engine_metrics(upstreams: Upstreams, engines: list[Engine]) -> dict[str, str]:
+async def _engine_metrics(sessions: EngineSessions, engines: list[Engine]) -> dict[str, str]:
     """Each engine's own /metrics text (llama-server --metrics); one that does not answer
     in time is left out, never the whole scrape."""
     async def one(engine: Engine) -> tuple[str, str | None]:
         try:
-            session = upstreams.session(engine.socket, stream=False)
+            session = sessions.session(engine.socket, stream=False)
             async with asyncio.timeout(ENGINE_METRICS_TIMEOUT_S), \
                     session.get("http://engine/metrics") as resp:
                 return engine.model_id, (await resp.text()) if resp.status == 200 else None

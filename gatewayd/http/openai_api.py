@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import MultipartReader, web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import parse_mimetype
 from aiohttp.streams import StreamReader
+from multidict import CIMultiDict
 
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
@@ -25,24 +28,47 @@ from gatewayd.core.budget import model_need_mib
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
-from gatewayd.core.errors import BodyTooLarge, GatewayError, InvalidRequest
+from gatewayd.core.errors import (
+    BodyTooLarge,
+    ConcurrencyLimit,
+    EngineFailed,
+    EngineLimitReached,
+    GatewayError,
+    GpuUnavailable,
+    InsufficientGpu,
+    InvalidRequest,
+    ModelNotFound,
+    ModelNotLoaded,
+    QueueFull,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    UpstreamUnreachable,
+)
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
+from gatewayd.core.upstreams import REMOTE_PREFIX
 from gatewayd.http.auth import CREDENTIAL_HEADERS, request_key
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
+    EngineSessions,
     Outgoing,
-    Upstreams,
     as_whisper_translation,
     forward_headers,
     relay,
 )
+from gatewayd.http.remotes import Remote, Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 
 # where llama-server honours stream_options.include_usage
 USAGE_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
                          "/completions"})
+# a local model with spill_over goes remote when it fails to get an engine with these:
+# it could not take the request within its wait (a request the engine began is never
+# sent elsewhere)
+SPILL_OVER = (QueueFull, ConcurrencyLimit, InsufficientGpu, EngineLimitReached,
+              GpuUnavailable, ModelNotLoaded, EngineFailed)
+log = logging.getLogger("gatewayd.front")
 # engine endpoints that must never be reachable through the gateway
 BLOCKED_PATHS = frozenset({"/load"})   # whisper-server: loads any path; a bad one kills it
 
@@ -52,9 +78,10 @@ class FrontDoor:
     config: GatewayConfig
     engines: EngineManager
     dispatcher: Dispatcher
-    upstreams: Upstreams
+    sessions: EngineSessions
     records: RecordWriter | None
     metrics: GatewayMetrics | None = None
+    remotes: Remotes = field(default_factory=lambda: Remotes((), read_timeout_s=600))
 
 
 FRONT = web.AppKey("front", FrontDoor)
@@ -84,14 +111,22 @@ async def admin_not_found(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """Ready engines first, then the models that could be started."""
+    """Ready engines first, then the models that could be started, then remote models."""
     front = request.app[FRONT]
     engines = {e.model_id: e for e in front.engines.engines()}
     key = request_key(request)
+    catalog = front.engines.catalog
     rows = [_model_object(front, model, engines.get(model.id))
-            for model in front.engines.catalog
+            for model in catalog
             if key is None or key.may_use(model.id, model.names)]
     rows.sort(key=lambda r: not r["loaded"])
+    seen = {row["id"].casefold() for row in rows}
+    for remote, model_id in front.remotes.serving():
+        if model_id.casefold() in seen or catalog.find(model_id) is not None:
+            continue   # a local model's name: it answers (and may spill over)
+        if key is None or key.may_use(model_id):
+            seen.add(model_id.casefold())
+            rows.append(_remote_object(remote, model_id))
     return web.json_response({"object": "list", "data": rows})
 
 
@@ -99,9 +134,25 @@ async def retrieve_model(request: web.Request) -> web.Response:
     """GET /v1/models/{id} (the SDKs' models.retrieve): any of the model's names; 404
     model_not_found otherwise."""
     front = request.app[FRONT]
-    model = front.engines.catalog.resolve(request.match_info["model_id"])
+    asked = request.match_info["model_id"]
+    try:
+        model = front.engines.catalog.resolve(asked)
+    except ModelNotFound as e:
+        remote = front.remotes.candidates((asked,))
+        if not remote:
+            e.extra["available_models"] = available_models(front)
+            raise
+        check_model(request_key(request), remote[0].id, frozenset())
+        upstream = next(r for r in front.remotes.remotes() if r.name == remote[0].upstream)
+        return web.json_response(_remote_object(upstream, remote[0].id))
     check_model(request_key(request), model.id, model.names)
     return web.json_response(_model_object(front, model, front.engines.get(model.id)))
+
+
+def _remote_object(remote: Remote, model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": remote.name,
+            "state": "remote" if remote.up else "unreachable", "loaded": remote.up,
+            "upstream": remote.name}
 
 
 def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict[str, Any]:
@@ -118,6 +169,8 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
         "context_length": info["context_length"], "quantization": info["quantization"],
         "parameter_count": info["parameter_count"], "architecture": info["architecture"],
         "aliases": info["aliases"],
+        "spill_over": [r.upstream for r in front.remotes.candidates(model.names)]
+        if model.config.spill_over else None,
     }
 
 
@@ -133,15 +186,23 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, front.config.max_body_bytes)
         record.bytes_in = len(body)
         model, payload, multipart = await model_of(request, body)
-        model_id = choose_model(request.path, model or request.query.get("model"),
-                                catalog=front.engines.catalog,
-                                engines=front.engines.engines(),
-                                default_model=front.config.default_model)
+        asked = model or request.query.get("model")
+        catalog = front.engines.catalog
+        try:
+            model_id = choose_model(request.path, asked, catalog=catalog,
+                                    engines=front.engines.engines(),
+                                    default_model=front.config.default_model)
+        except ModelNotFound as e:
+            if asked is None or not front.remotes.candidates((asked,)):
+                e.extra["available_models"] = available_models(front)
+                raise
+            model_id = asked    # a remote model: served by an upstream only
+        local = catalog.get(model_id)
+        names = local.names if local is not None else frozenset({model_id.casefold()})
         record.model = model_id
         headers = forward_headers(request.headers)
         if key is not None:   # the key was ours to check; engines never see it
-            model_names = front.engines.catalog.get(model_id)
-            check_model(key, model_id, model_names.names if model_names else frozenset())
+            check_model(key, model_id, names)
             for name in CREDENTIAL_HEADERS:
                 headers.popall(name, None)
         # Inference (POST) may load a model and counts as use for eviction; polls such
@@ -159,23 +220,28 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                                              "include_usage": True}
                 body = json.dumps(payload).encode()
                 drop_usage = True
-        path_qs = request.path_qs
-        if request.path in TRANSLATION_PATHS:
-            if not multipart:
-                raise InvalidRequest("a translation is a multipart/form-data upload with a "
-                                     "`file` and a `model` field")
-            body = as_whisper_translation(body, _boundary(request))
-            path_qs = WHISPER_INFERENCE_PATH + (f"?{request.query_string}"
-                                                if request.query_string else "")
+        if request.path in TRANSLATION_PATHS and not multipart:
+            raise InvalidRequest("a translation is a multipart/form-data upload with a "
+                                 "`file` and a `model` field")
         if front.config.records_store_text and not multipart:
             record.request_text = _capped(body, front.config.records_text_max_bytes)
-        async with front.dispatcher.serve(model_id, autoload=autoload,
-                                          counts_as_use=inference) as engine:
-            record.engine = engine.unit
-            response = await relay(request, front.upstreams, Outgoing(
-                socket=engine.socket, method=request.method, path_qs=path_qs,
-                body=body, headers=headers, stream=stream,
-                drop_usage_event=drop_usage), record, t0)
+        call = Call(request, record, t0, payload, body, headers, stream, drop_usage)
+        if local is None:
+            response = await relay_remote(front, call, names, model_id)
+        elif local.config.spill_over and front.remotes.candidates(names):
+            try:
+                engine = await front.dispatcher.acquire(model_id, autoload=autoload,
+                                                        counts_as_use=inference)
+            except SPILL_OVER as e:
+                log.info("%s cannot take the request here (%s): spilling over", model_id,
+                         e.code)
+                response = await relay_remote(front, call, names, model_id)
+            else:
+                response = await relay_local(front, call, engine, multipart, inference)
+        else:
+            engine = await front.dispatcher.acquire(model_id, autoload=autoload,
+                                                    counts_as_use=inference)
+            response = await relay_local(front, call, engine, multipart, inference)
         if front.config.records_store_text and isinstance(response, web.Response) \
                 and isinstance(response.body, bytes):
             record.response_text = _capped(response.body, front.config.records_text_max_bytes)
@@ -201,6 +267,82 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             front.records.add(record)
         if front.metrics is not None:
             front.metrics.observe_call(record)
+
+
+@dataclass
+class Call:
+    """One request on its way out, as parsed (the body with our changes)."""
+
+    request: web.Request
+    record: CallRecord
+    t0: float
+    payload: dict[str, Any] | None
+    body: bytes
+    headers: CIMultiDict[str]
+    stream: bool
+    drop_usage: bool
+
+
+async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: bool,
+                      inference: bool) -> web.StreamResponse:
+    """To the model's engine; its slot (taken by acquire) is given back at the end."""
+    request = call.request
+    try:
+        body, path_qs = call.body, request.path_qs
+        if multipart and request.path in TRANSLATION_PATHS:
+            body = as_whisper_translation(body, _boundary(request))
+            path_qs = WHISPER_INFERENCE_PATH + (f"?{request.query_string}"
+                                                if request.query_string else "")
+        call.record.engine = engine.unit
+        return await relay(request, Outgoing(
+            session=front.sessions.session(engine.socket, stream=call.stream),
+            url="http://engine" + path_qs, method=request.method, body=body,
+            headers=call.headers, stream=call.stream, drop_usage_event=call.drop_usage),
+            call.record, call.t0)
+    finally:
+        front.dispatcher.release(engine.model_id, counts_as_use=inference)
+
+
+async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
+                       asked: str) -> web.StreamResponse:
+    """To the first upstream serving one of names that is up and has room."""
+    request = call.request
+    if not request.path.startswith(REMOTE_PREFIX):
+        raise InvalidRequest(f"{asked!r} is served by a remote upstream, which is asked only "
+                             f"on {REMOTE_PREFIX} paths, not {request.path}", param="model")
+    try:
+        remote, target = front.remotes.take(names, asked)
+    except (UpstreamUnreachable, ConcurrencyLimit) as e:
+        call.record.upstream = ",".join(e.extra.get("upstreams", ()))   # the ones that said no
+        raise
+    call.record.upstream = remote.name
+    try:
+        body, payload = call.body, call.payload
+        if payload is not None and payload.get("model") != target.id:
+            payload["model"] = target.id     # the name the upstream knows it by
+            body = json.dumps(payload).encode()
+        headers = call.headers.copy()
+        for name in (*CREDENTIAL_HEADERS, "Accept-Encoding"):  # never the client's key;
+            headers.popall(name, None)                         # events must stay readable
+        headers.update(remote.auth_headers())
+        assert remote.session is not None
+        out = Outgoing(session=remote.session, url=remote.config.url_for(request.path_qs),
+                       method=request.method, body=body, headers=headers, stream=call.stream,
+                       drop_usage_event=call.drop_usage, upstream=remote.name)
+        try:
+            return await relay(request, out, call.record, call.t0)
+        except (UpstreamUnavailable, UpstreamTimeout) as e:
+            if isinstance(e.__cause__, (aiohttp.ClientConnectorError,
+                                        aiohttp.ConnectionTimeoutError)):
+                front.remotes.connect_failed(remote, str(e.__cause__))
+            raise
+    finally:
+        front.remotes.release(remote)
+
+
+def available_models(front: FrontDoor) -> list[str]:
+    ids = front.engines.catalog.ids
+    return [*ids, *(m for _, m in front.remotes.serving() if m not in ids)]
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

@@ -27,7 +27,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gatewayd.adapters.records import CallRecord
-from gatewayd.core.errors import EngineFailed, EngineUnavailable, anthropic_error_body
+from gatewayd.core.errors import (
+    EngineFailed,
+    EngineUnavailable,
+    GatewayError,
+    UpstreamFailed,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    anthropic_error_body,
+)
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
@@ -39,7 +47,7 @@ HOP_BY_HOP = frozenset({
 
 
 
-class Upstreams:
+class EngineSessions:
     """HTTP client sessions to engine sockets, created on first use."""
 
     def __init__(self, read_timeout_s: float) -> None:
@@ -83,15 +91,33 @@ class Upstreams:
 
 @dataclass
 class Outgoing:
-    """What to send the engine."""
+    """What to send the engine (or a remote upstream), and how."""
 
-    socket: str
+    session: aiohttp.ClientSession
+    url: str
     method: str
-    path_qs: str
     body: bytes
     headers: Mapping[str, str]
     stream: bool              # the client asked for a stream
     drop_usage_event: bool    # we added include_usage: hide the usage event again
+    upstream: str | None = None   # a remote upstream's name (None: a local engine)
+
+    def unavailable(self, e: BaseException, while_: str = "did not take the request"
+                    ) -> GatewayError:
+        if self.upstream is None:
+            return EngineUnavailable(f"the engine {while_}: {e}")
+        if isinstance(e, TimeoutError):
+            return UpstreamTimeout(f"upstream {self.upstream!r} {while_}: no answer in time "
+                                   f"({type(e).__name__})", upstream=self.upstream)
+        return UpstreamUnavailable(f"upstream {self.upstream!r} {while_}: "
+                                   f"{e or type(e).__name__}", upstream=self.upstream)
+
+    def broke_off(self, e: BaseException) -> GatewayError:
+        why = e or type(e).__name__
+        if self.upstream is None:
+            return EngineFailed(f"the engine stopped in the middle of the answer: {why}")
+        return UpstreamFailed(f"upstream {self.upstream!r} stopped in the middle of the "
+                              f"answer: {why}", upstream=self.upstream)
 
 
 def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
@@ -102,23 +128,22 @@ def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
-async def relay(request: web.Request, upstreams: Upstreams, out: Outgoing,
-                record: CallRecord, t0: float) -> web.StreamResponse:
-    session = upstreams.session(out.socket, stream=out.stream)
+async def relay(request: web.Request, out: Outgoing, record: CallRecord,
+                t0: float) -> web.StreamResponse:
     for attempt in (1, 2):
         try:
-            upstream = await session.request(out.method, "http://engine" + out.path_qs,
-                                             data=out.body or None, headers=out.headers,
-                                             allow_redirects=False)
+            upstream = await out.session.request(out.method, out.url, data=out.body or None,
+                                                 headers=out.headers, allow_redirects=False)
             break
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
             # A pooled keep-alive connection the engine had just closed (llama-server ends
             # them after its keep-alive timeout or max requests): the request did not get
             # through. Once more, on a new connection; a dead socket fails again at once.
-            if attempt == 2:
-                raise EngineUnavailable(f"the engine did not take the request: {e}") from e
+            # (A remote that refuses the connection itself is not asked twice.)
+            if attempt == 2 or isinstance(e, aiohttp.ClientConnectorError):
+                raise out.unavailable(e) from e
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
-            raise EngineUnavailable(f"the engine did not take the request: {e}") from e
+            raise out.unavailable(e) from e
     try:
         content_type = upstream.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
@@ -126,7 +151,7 @@ async def relay(request: web.Request, upstreams: Upstreams, out: Outgoing,
         try:
             data = await upstream.read()
         except (TimeoutError, aiohttp.ClientError) as e:
-            raise EngineUnavailable(f"the engine failed while answering: {e}") from e
+            raise out.unavailable(e, "failed while answering") from e
         if upstream.status == 200 and request.path in WHISPER_PATHS:
             data = normalise_transcription(data, content_type)
         record.status = upstream.status
@@ -169,10 +194,9 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
             delivered = True
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The engine died mid-stream. The status is sent: end with an error event.
-            record.outcome, record.error_code = "engine_failed", "engine_failed"
-            await _write(response, error_event(stream_format(request.path), EngineFailed(
-                f"the engine stopped in the middle of the answer: {e or type(e).__name__}"
-            )), record)
+            error = out.broke_off(e)
+            record.outcome = record.error_code = error.code
+            await _write(response, error_event(stream_format(request.path), error), record)
         await response.write_eof()
     except _ClientGone:
         if not delivered:

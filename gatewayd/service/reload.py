@@ -30,7 +30,7 @@ ReadConfig = Callable[[], tuple[GatewayConfig, Catalog]]
 
 class Reloader:
     def __init__(self, *, read: ReadConfig, engines: EngineManager, dispatcher: Dispatcher,
-                 apply: Callable[[GatewayConfig], None] = lambda _: None,
+                 apply: Callable[[GatewayConfig], Awaitable[None]] | None = None,
                  notify: Callable[[str], None] = lambda _: None) -> None:
         self._read = read
         self._engines = engines
@@ -69,7 +69,8 @@ class Reloader:
         engines.catalog.replace(catalog)   # shared: every holder sees the new models
         engines.reconfigure(config)
         await self._dispatcher.reconfigure(config)
-        self._apply(config)
+        if self._apply is not None:
+            await self._apply(config)
         for model_id in plan.restart:
             self._when_idle(model_id, self._restart, "its settings changed")
         for model_id in plan.removed:

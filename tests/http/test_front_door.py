@@ -448,11 +448,11 @@ async def test_a_get_never_autoloads(gw: Gateway) -> None:
 
 async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> None:
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
-    upstreams = gw.client.app[openai_api.FRONT].upstreams
+    sessions = gw.client.app[openai_api.FRONT].sessions
     socket = gw.units.layout("a").socket
-    assert upstreams.pooled(socket)
+    assert sessions.pooled(socket)
     await gw.engines.stop("a")
-    assert not upstreams.pooled(socket)
+    assert not sessions.pooled(socket)
 
 
 # -- the client's mistakes: a clear 4xx with the envelope, never a 500 -------------------
