@@ -307,8 +307,10 @@ class Driver:
             conf = Path("/etc/llm-gateway/gateway.toml")
             lines = [line for line in conf.read_text().splitlines()
                      if not line.startswith(("llama_server =", "max_engines ="))]
+            # the soak reads /admin/engines and /admin/events over the port
             conf.write_text("\n".join(['llama_server = "/usr/local/bin/llama-server"',
-                                       f"max_engines = {self.spec.slots}", *lines]) + "\n")
+                                       f"max_engines = {self.spec.slots}", *lines,
+                                       "[admin]", "public = true"]) + "\n")
             run("systemctl", "try-restart", self.unit)
         else:
             conf = Path("/var/lib/llm-soak/gateway.toml")
@@ -316,7 +318,8 @@ class Driver:
                 f"models_dir = {json.dumps(str(models))}\n"
                 f"llama_server = {json.dumps(self.spec.llama_server)}\n"
                 f"state_dir = {json.dumps('/var/lib/llm-soak/state')}\n"
-                f"max_engines = {self.spec.slots}\nload_timeout_s = 60\n")
+                f"max_engines = {self.spec.slots}\nload_timeout_s = 60\n"
+                "[admin]\npublic = true\n")
             src = self.spec.gateway_src
             run("systemd-run", "--quiet", f"--unit={self.unit}",
                 f"--socket-property=ListenStream=127.0.0.1:{self.port}",

@@ -426,7 +426,7 @@ def write_config(path: Path, models: Path, llama: str, state: Path, port: int,
                  extra: str = "") -> Path:
     path.write_text(f'models_dir = "{models}"\nllama_server = "{llama}"\n'
                     f'state_dir = "{state}"\nmax_engines = 2\n[listen]\nport = {port}\n'
-                    + extra)
+                    '[admin]\npublic = true\n' + extra)
     return path
 
 

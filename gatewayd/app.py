@@ -28,7 +28,7 @@ from gatewayd.adapters.kv_cache import SlotCache
 from gatewayd.adapters.learned_memory import LearnedMemory
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import load_catalog
-from gatewayd.adapters.notify import Notifier, inherited_socket
+from gatewayd.adapters.notify import Notifier, inherited_sockets
 from gatewayd.adapters.records import RecordWriter
 from gatewayd.adapters.systemd import Systemd
 from gatewayd.adapters.unit_control import (
@@ -198,6 +198,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         front.config = new
         app[ACCESS].keys = new.api_keys
         app[ACCESS].admin_public = new.admin_public
+        app[ACCESS].metrics_public = new.admin_public_metrics
         if UNITS in app:
             app[UNITS].reconfigure(new)
         await remotes.reconfigure(new.upstreams)
@@ -224,7 +225,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
-    app[ACCESS] = Access(config.api_keys, config.admin_public)
+    app[ACCESS] = Access(config.api_keys, config.admin_public, config.admin_public_metrics)
     app[SHUTDOWN] = Shutdown()
     app[NOTIFIER] = notifier or Notifier()
     app[admin_api.EVENTS] = EventHub()
@@ -256,7 +257,7 @@ async def _serve(config: GatewayConfig) -> None:
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            handler_cancellation=True, shutdown_timeout=ABANDON_GRACE_S)
     await runner.setup()
-    sock = inherited_socket()
+    sock, admin_sock = inherited_sockets()
     site: web.BaseSite
     if sock is not None:
         site = web.SockSite(runner, sock)
@@ -267,7 +268,7 @@ async def _serve(config: GatewayConfig) -> None:
     await site.start()
     log.info("serving on %s", where)
     _warn_if_open(config, sock)
-    admin_path = await _admin_site(app, runner, config)
+    admin_path = await _admin_site(app, runner, config, admin_sock)
     ready = sum(1 for e in app[admin_api.ENGINES].engines() if e.state is EngineState.READY)
     notifier.ready(f"serving on {where}; {ready} engine(s) ready")
     notifier.start_watchdog()
@@ -301,10 +302,26 @@ async def _serve(config: GatewayConfig) -> None:
             admin_path.unlink()
 
 
-async def _admin_site(app: web.Application, runner: web.AppRunner,
-                      config: GatewayConfig) -> Path | None:
-    """The admin API on its unix socket (adapters/admin_socket.py); where it is, or None
-    when it cannot be bound (the gateway serves on without it, and says why)."""
+async def _admin_site(app: web.Application, runner: web.AppRunner, config: GatewayConfig,
+                      inherited: socket.socket | None) -> Path | None:
+    """The admin API on its unix socket (adapters/admin_socket.py): systemd's
+    (llm-gateway-admin.socket: there through restarts, its mode and group the unit's),
+    else one bound here. Returns the path to remove at exit (None: systemd's, or none
+    could be bound: the gateway serves on without it, and says why)."""
+    if inherited is not None:
+        path = Path(inherited.getsockname())
+        try:
+            gid = (admin_socket.group_id(config.admin_group) if config.admin_group
+                   else path.stat().st_gid)
+        except (KeyError, OSError) as e:
+            log.warning("admin socket from systemd at %s: %s; admin API refused there",
+                        path, e)
+            gid = None
+        await web.SockSite(runner, inherited).start()
+        app[ACCESS].admin_socket, app[ACCESS].admin_gid = str(path), gid
+        log.info("admin API on %s (from systemd; root, this gateway's user and gid %s)",
+                 path, gid)
+        return None
     path = config.admin_socket or admin_socket.default_path()
     try:
         sock = admin_socket.bind(path, config.admin_group)
@@ -315,7 +332,7 @@ async def _admin_site(app: web.Application, runner: web.AppRunner,
         return None
     except OSError as e:
         log.warning("no admin socket at %s (%s): the CLI reaches this gateway only with "
-                    "--url, through the public port's admin API", path, e)
+                    "--url, through the public port's admin API ([admin] public)", path, e)
         return None
     await web.SockSite(runner, sock).start()
     app[ACCESS].admin_socket, app[ACCESS].admin_gid = str(path), gid

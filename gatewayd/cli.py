@@ -133,8 +133,10 @@ def gateway_address(args: argparse.Namespace) -> str:
     from gatewayd.adapters.admin_socket import candidate_paths
     if config is not None and config.admin_socket is not None:
         candidates = [config.admin_socket]
-    else:   # with --config, only its own socket: another gateway's must not answer for it
-        candidates = [] if args.config is not None else candidate_paths()
+    elif args.config is not None and config is not None and config.admin_public:
+        candidates = []   # its public port: another gateway's socket must not answer for it
+    else:   # the admin API is on the socket only: where that gateway binds it by default
+        candidates = candidate_paths()
     for path in candidates:
         if path.is_socket():
             return f"unix:{path}"
@@ -467,6 +469,9 @@ def _refused(resp: http.client.HTTPResponse, method: str, path: str) -> None:
         error = json.loads(resp.read())["error"]
     except (ValueError, KeyError, TypeError):
         raise CliError(f"{method} {path}: HTTP {resp.status}") from None
+    if error.get("code") == "admin_not_public":
+        raise CliError(f"{error.get('message')}", hint="run it where the admin socket is "
+                       "(--admin-socket PATH, or [admin] socket in --config)") from None
     raise CliError(error.get("message", f"HTTP {resp.status}")) from None
 
 

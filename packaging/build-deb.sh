@@ -28,7 +28,7 @@ for f in "$STAGE$PREFIX"/venv/bin/*; do
 done
 grep -rl "$STAGE" "$STAGE$PREFIX/venv/bin" | xargs -r sed -i "s|$STAGE$PREFIX|$PREFIX|g"
 
-install -Dm644 -t "$STAGE/lib/systemd/system" units/llm-gateway.socket units/llm-gateway.service \
+install -Dm644 -t "$STAGE/lib/systemd/system" units/llm-gateway.socket units/llm-gateway-admin.socket units/llm-gateway.service \
     units/llm-engine@.service units/llm-engines.slice
 install -Dm644 tmpfiles.d/llm-gateway.conf "$STAGE/usr/lib/tmpfiles.d/llm-gateway.conf"
 install -Dm644 packaging/sysusers.d/llm-gateway.conf "$STAGE/usr/lib/sysusers.d/llm-gateway.conf"

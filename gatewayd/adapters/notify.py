@@ -52,19 +52,32 @@ class Notifier:
             self._watchdog.cancel()
 
 
-def inherited_socket() -> socket.socket | None:
-    """The first socket passed by systemd socket activation, if it is meant for us."""
+ADMIN_FD_NAME = "admin"   # FileDescriptorName= of llm-gateway-admin.socket
+
+
+def inherited_sockets() -> tuple[socket.socket | None, socket.socket | None]:
+    """(public, admin): the sockets passed by systemd socket activation, if they are meant
+    for us. The admin API's is the one named "admin" (LISTEN_FDNAMES); the public one is
+    the first other."""
     if os.environ.get("LISTEN_PID") != str(os.getpid()):
-        return None
+        return None, None
     try:
         count = int(os.environ.get("LISTEN_FDS", "0"))
     except ValueError:
-        return None
-    if count < 1:
-        return None
+        return None, None
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
     for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(name, None)  # not for our children
-    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
-    with contextlib.suppress(OSError):
-        sock.setblocking(False)
-    return sock
+    public = admin = None
+    for index in range(max(count, 0)):
+        sock = socket.socket(fileno=SD_LISTEN_FDS_START + index)
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+        name = names[index] if index < len(names) else ""
+        if name == ADMIN_FD_NAME and admin is None:
+            admin = sock
+        elif public is None:
+            public = sock
+        else:
+            sock.close()   # not one we know what to do with
+    return public, admin

@@ -106,11 +106,13 @@ class GatewayConfig:
     health_misses: int = 3
     auth_keys_file: Path | None = None   # [auth] keys_file: API keys on (core/auth.py)
     # [admin]: the admin API on its own unix socket (None: <runtime dir>/llm-gateway/
-    # admin.sock), for root, the gateway's user and admin_group; and on the public port
-    # too while admin_public (then behind an admin-scope key when keys are on)
+    # admin.sock), for root, the gateway's user and admin_group; on the public port too
+    # only while admin_public (then behind an admin-scope key when keys are on), or just
+    # /admin/metrics, read-only and keyless, while admin_public_metrics
     admin_socket: Path | None = None
     admin_group: str | None = None
-    admin_public: bool = True
+    admin_public: bool = False
+    admin_public_metrics: bool = False
     api_keys: KeyRing | None = None      # read from it by the adapter (config_file)
     upstreams: tuple[UpstreamConfig, ...] = ()   # [upstreams.NAME] (core/upstreams.py)
     source: Path | None = None
@@ -169,7 +171,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     _no_unknown(auth, {"keys_file"}, f"{where} [auth]")
     admin = data.get("admin", {})
     _expect(admin, dict, where, "admin")
-    _no_unknown(admin, {"socket", "group", "public"}, f"{where} [admin]")
+    _no_unknown(admin, {"socket", "group", "public", "public_metrics"}, f"{where} [admin]")
     upstreams = parse_upstreams(data.get("upstreams", {}), base, where)
     spilling = [m.name for m in models if m.spill_over]
     if spilling and not upstreams:
@@ -220,7 +222,9 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         auth_keys_file=_path(auth.get("keys_file"), base, where, "auth.keys_file"),
         admin_socket=_path(admin.get("socket"), base, where, "admin.socket"),
         admin_group=_optional(admin.get("group"), str, where, "admin.group"),
-        admin_public=_expect(admin.get("public", True), bool, where, "admin.public"),
+        admin_public=_expect(admin.get("public", False), bool, where, "admin.public"),
+        admin_public_metrics=_expect(admin.get("public_metrics", False), bool, where,
+                                     "admin.public_metrics"),
         upstreams=upstreams,
         source=source,
     )

@@ -176,6 +176,11 @@ class AdminNotAllowed(GatewayError):
     status, type, code = 403, "invalid_request_error", "admin_not_allowed"
 
 
+class AdminNotPublic(GatewayError):
+    """/admin/* asked for on the public port while it is served on the admin socket only."""
+    status, type, code = 404, "invalid_request_error", "admin_not_public"
+
+
 class ModelNotAllowed(GatewayError):
     status, type, code = 403, "invalid_request_error", "model_not_allowed"
 

@@ -5,9 +5,10 @@ the caller's dialect), before routing:
 - a request on the admin unix socket: `/admin/*` (and `/health`) only, for a peer
   the kernel says is root, the gateway's user or in the admin group
   (adapters/admin_socket.py); no key needed;
-- on the public port: `/admin/*` only while `[admin] public` (404 otherwise); with
-  keys on, a key with the path's scope (admin or inference). With keys off and the
-  admin API public, it costs a few attribute reads.
+- on the public port: `/admin/*` only while `[admin] public` (404 admin_not_public
+  otherwise; `/admin/metrics` alone, keyless, while `[admin] public_metrics`); with
+  keys on, a key with the path's scope (admin or inference). With keys off, it costs a
+  few attribute reads.
 The key found is kept on the request (`request[API_KEY]`) for the handler's model
 check and the call record. What is in force lives in `app[ACCESS]`, replaced by a
 configuration reload.
@@ -22,17 +23,19 @@ from aiohttp import web
 
 from gatewayd.adapters.admin_socket import may_administer, peer_of
 from gatewayd.core.auth import ADMIN, INFERENCE, ApiKey, KeyRing, presented_key
-from gatewayd.core.errors import AdminNotAllowed
+from gatewayd.core.errors import AdminNotAllowed, AdminNotPublic
 
 API_KEY = web.RequestKey("api_key", ApiKey)
 OPEN_PATHS = frozenset({"/health", "/favicon.ico"})   # liveness checks carry no key
 CREDENTIAL_HEADERS = ("Authorization", "X-Api-Key")
+METRICS_PATH = "/admin/metrics"
 
 
 @dataclass
 class Access:
     keys: KeyRing | None = None
-    admin_public: bool = True
+    admin_public: bool = False
+    metrics_public: bool = False       # /admin/metrics on the public port, keyless
     admin_socket: str | None = None    # the admin socket's path, once bound
     admin_gid: int | None = None
     own_uid: int = field(default_factory=os.getuid)
@@ -60,7 +63,12 @@ def check_access(request: web.Request) -> None:
                 "root, the gateway's user and the admin group ([admin] group)")
         return
     if admin and not access.admin_public:
-        raise web.HTTPNotFound()   # on the admin socket only ([admin] public = false)
+        if access.metrics_public and path == METRICS_PATH and request.method == "GET":
+            return     # read-only figures for a scraper ([admin] public_metrics)
+        raise AdminNotPublic(
+            f"{path} is not served on this port: the admin API is on the gateway's admin "
+            "socket (the llm-gateway CLI finds it; set [admin] public = true to serve it "
+            "here too)")
     keys = access.keys
     if keys is None or path in OPEN_PATHS:
         return

@@ -18,6 +18,7 @@ from aiohttp import web
 from gatewayd.adapters import admin_socket
 from gatewayd.adapters.admin_socket import Peer, may_administer, peer_of
 from gatewayd.cli import CliError, call
+from gatewayd.core.config import GatewayConfig
 from gatewayd.http.auth import ACCESS
 from tests.http.test_front_door import Gateway, _gateway, chat
 
@@ -74,3 +75,24 @@ async def test_the_cli_reaches_the_admin_api_on_the_socket_only(gw: Gateway,
     assert resp.status == 200                                        # inference as ever
     with pytest.raises(CliError, match="Not Found"):   # no inference on the admin socket
         await asyncio.to_thread(call, f"unix:{sock_path}", "GET", "/v1/models")
+
+
+async def test_off_the_public_port_by_default_with_a_clear_answer_and_metrics_by_choice(
+        tmp_path: Path) -> None:
+    assert GatewayConfig().admin_public is False and not GatewayConfig().admin_public_metrics
+    async for g in _gateway(tmp_path, ("a",), admin_public=False):
+        resp = await g.client.get("/admin/status")
+        body = await resp.json()
+        assert resp.status == 404 and body["error"]["code"] == "admin_not_public"
+        assert "admin socket" in body["error"]["message"]
+        assert (await g.client.get("/admin/metrics")).status == 404
+        # the CLI pointed at the public port says where to go instead
+        url = str(g.client.make_url("")).rstrip("/")
+        with pytest.raises(CliError, match="not served on this port") as e:
+            await asyncio.to_thread(call, url, "GET", "/admin/status")
+        assert "--admin-socket" in (e.value.hint or "")
+    async for g in _gateway(tmp_path, ("a",), admin_public=False, admin_public_metrics=True):
+        resp = await g.client.get("/admin/metrics")
+        assert resp.status == 200 and "llm_gateway_requests_total" in await resp.text()
+        assert (await g.client.post("/admin/metrics")).status == 404
+        assert (await g.client.get("/admin/status")).status == 404

@@ -53,6 +53,7 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
                    ) -> AsyncIterator[Gateway]:
     run_root = tempfile.mkdtemp(prefix="fe", dir="/tmp")  # short: sun_path is 108 bytes
     config.setdefault("records_store_text", True)
+    config.setdefault("admin_public", True)   # the admin API tests use the public port
     mgr, units, _ = engine_manager_on_fakes(tmp_path, run_root=run_root, **config)
     fakes = {}
     for name in ("a", "b", "c"):

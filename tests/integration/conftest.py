@@ -11,6 +11,9 @@ import pytest
 from tests.integration.gateway_helpers import GatewayService, stop_all_engine_units, toml_str
 
 _ports = iter(range(18300, 18480))
+# the tests drive the admin API over the gateway's port (a loopback workstation's choice);
+# the admin socket alone, the default, is tested on its own (test_admin_socket_e2e)
+ADMIN_ON_PORT = "[admin]\npublic = true\n"
 
 
 class GatewayFactory(Protocol):
@@ -41,7 +44,7 @@ load_timeout_s = {load_timeout_s}
 {extra}
 [listen]
 port = {port}
-""")
+{"" if "[admin]" in extra else ADMIN_ON_PORT}""")
     return config, port
 
 

@@ -85,7 +85,8 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
               "'cpu_quota = \"150%\"' >> /etc/llm-gateway/gateway.toml")
     units = "/lib/systemd/system/"
     verify = box.exec("systemd-analyze", "verify", *(units + u for u in (
-        "llm-gateway.service", "llm-gateway.socket", "llm-engine@.service",
+        "llm-gateway.service", "llm-gateway.socket", "llm-gateway-admin.socket",
+        "llm-engine@.service",
         "llm-engines.slice")), check=False)
     assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
     security = box.shell("systemd-analyze security llm-gateway.service --no-pager | tail -1")
@@ -101,12 +102,20 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     show = box.shell("systemctl show -p TriggeredBy -p User -p StatusText llm-gateway.service")
     assert "TriggeredBy=llm-gateway.socket" in show and "User=llm-gateway" in show
     assert "StatusText=serving on the socket from systemd" in show
-    status = json.loads(box.shell("llm-gateway --url http://127.0.0.1:8080 --json status"))
+    # the admin API is not on the public port (the default) ...
+    assert "admin_not_public" in box.shell("curl -s http://127.0.0.1:8080/admin/status")
+    # ... but on the admin socket, which systemd holds (llm-gateway-admin.socket): there
+    # before the service runs, the same socket through a restart
+    sock = box.shell("stat -c '%a %U %G %i' /run/llm-gateway/admin.sock").split()
+    assert sock[:3] == ["660", "llm-gateway", "llm-gateway"], sock
+    status = json.loads(box.shell("llm-gateway --json status"))
     assert status["unit_mode"] == "template" and status["systemd_manager"] == "system"
-    # the admin socket: the CLI of a user in the llm-gateway group needs neither the
-    # configuration file nor a key; a user outside it is refused, clearly
-    sock = box.shell("stat -c '%a %U %G' /run/llm-gateway/admin.sock").strip()
-    assert sock == "660 llm-gateway llm-gateway", sock
+    box.shell("systemctl restart llm-gateway.service")
+    assert box.shell("stat -c %i /run/llm-gateway/admin.sock").strip() == sock[3]
+    assert "from systemd" in box.shell("journalctl -u llm-gateway.service -o cat --no-pager "
+                                       "| grep 'admin API on' | tail -1")
+    # the CLI of a user in the llm-gateway group needs neither the configuration file nor
+    # a key; a user outside it is refused, clearly
     box.shell("useradd -M -G llm-gateway alice && useradd -M bob")
     status = json.loads(box.shell("runuser -u alice -- llm-gateway --json status"))
     assert status["unit_mode"] == "template"
@@ -153,7 +162,7 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     box.shell("curl -sf http://127.0.0.1:8080/v1/completions -d "
               "'{\"model\":\"tiny-alpha\",\"prompt\":\"one two three\",\"max_tokens\":2}'")
     for verb in ("stop", "start"):
-        box.shell(f"llm-gateway --url http://127.0.0.1:8080 {verb} tiny-alpha")
+        box.shell(f"llm-gateway {verb} tiny-alpha")
     wait(box, "journalctl -u llm-gateway -o cat --no-pager | "
               "grep -q 'tiny-alpha: KV cache restored'")
     engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
@@ -214,3 +223,4 @@ PY
     assert box.exec("getent", "passwd", "llm-gateway", check=False).returncode != 0
     assert box.shell("systemctl list-units --no-legend --all 'llm-*'").strip() == ""
     assert ":8080 " not in box.shell("ss -ltn")
+    assert box.exec("test", "-e", "/run/llm-gateway/admin.sock", check=False).returncode != 0

@@ -69,6 +69,8 @@ state_dir = {toml_str(str(tmp_path / "peer-state"))}
 bus = "user"
 [listen]
 port = {PEER_PORT}
+[admin]
+public = true
 """)
     subprocess.run(["systemd-run", "--user", "--quiet", f"--unit={PEER_UNIT}",
                     "-p", f"WorkingDirectory={os.getcwd()}",

@@ -67,8 +67,10 @@ def test_user_install_runs_engines_under_the_users_manager(models: Path) -> None
         assert answer["usage"]["completion_tokens"] == 2
         units = as_alice("systemctl --user list-units --no-legend --plain 'llm-*'")
         assert "llm-gateway.service" in units and "llm-engine-tiny\\x2dalpha.service" in units
-        status = json.loads(as_alice(str(REPO / ".venv/bin/llm-gateway")
-                                     + " --url http://127.0.0.1:18700 --json status"))
+        # the CLI finds the user gateway's admin socket by itself (the admin API is not
+        # on the port by default)
+        status = json.loads(as_alice(str(REPO / ".venv/bin/llm-gateway") + " --json status"))
+        assert "admin_not_public" in as_alice("curl -s http://127.0.0.1:18700/admin/status")
         assert status["unit_mode"] == "transient" and status["systemd_manager"] == "user"
         pid = as_alice("systemctl --user show -p MainPID --value "
                        "'llm-engine-tiny\\x2dalpha.service'").strip()

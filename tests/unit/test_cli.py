@@ -62,3 +62,29 @@ def test_status_is_human_and_json_stays_exact(
     status["gpu_memory_mib"] = None
     assert cli.main(["--url", "http://gateway", "status"]) == 0
     assert "GPU memory: -" in capsys.readouterr().out
+
+
+def test_the_cli_goes_where_the_admin_api_is(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.delenv("LLM_GATEWAY_ADMIN_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "llm-gateway").mkdir()
+    own = tmp_path / "llm-gateway" / "admin.sock"
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(own))
+        config = tmp_path / "g.toml"
+
+        def where(text: str, *argv: str) -> str:
+            config.write_text(text)
+            return cli.gateway_address(cli.build_parser().parse_args(
+                ["--config", str(config), *argv, "status"]))
+        # the admin API is on the socket only (the default): where that gateway binds it
+        assert where("[listen]\nport = 8111\n") == f"unix:{own}"
+        # public: its own port, never another gateway's socket
+        assert where("[listen]\nport = 8111\n[admin]\npublic = true\n") == \
+            "http://127.0.0.1:8111"
+        assert where('[admin]\nsocket = "/nowhere/a.sock"\npublic = true\n'
+                     "[listen]\nport = 8112\n") == "http://127.0.0.1:8112"
+        assert where("", "--url", "http://h:1") == "http://h:1"
