@@ -100,7 +100,10 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     health = json.loads(box.shell("curl -sf http://127.0.0.1:8080/health"))
     assert health["status"] == "ok"
     show = box.shell("systemctl show -p TriggeredBy -p User -p StatusText llm-gateway.service")
-    assert "TriggeredBy=llm-gateway.socket" in show and "User=llm-gateway" in show
+    triggers = set(next(line for line in show.splitlines()
+                        if line.startswith("TriggeredBy=")).split("=", 1)[1].split())
+    assert triggers == {"llm-gateway.socket", "llm-gateway-admin.socket"}, show
+    assert "User=llm-gateway" in show
     assert "StatusText=serving on the socket from systemd" in show
     # the admin API is not on the public port (the default) ...
     assert "admin_not_public" in box.shell("curl -s http://127.0.0.1:8080/admin/status")
