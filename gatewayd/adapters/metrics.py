@@ -112,6 +112,9 @@ class GatewayMetrics:
                               ["model", "result"])
         self.load = _Histograms("llm_gateway_engine_load_seconds",
                                 "Time from an engine's start to ready", ["model"], LOAD_BUCKETS)
+        self.upstream_requests = _Counts("llm_gateway_upstream_requests",
+                                         "Requests sent to (or refused for) remote upstreams, "
+                                         "by status", ["upstream", "status"])
         self.evictions = _Counts("llm_gateway_evictions",
                                  "Engines stopped by the gateway to make room or when idle",
                                  ["reason"])
@@ -128,6 +131,8 @@ class GatewayMetrics:
         self.duration.observe((model, endpoint), record.latency_ms / 1000)
         if record.ttft_ms is not None:
             self.ttft.observe((model,), record.ttft_ms / 1000)
+        if record.upstream is not None:
+            self.upstream_requests.inc((record.upstream, str(status)))
         if record.prompt_tokens:
             self.tokens.inc((model, "prompt"), record.prompt_tokens)
         if record.completion_tokens:
@@ -160,7 +165,8 @@ class GatewayMetrics:
 
     def families(self) -> list[Metric]:
         return [m.family() for m in (self.requests, self.duration, self.ttft, self.tokens,
-                                     self.rejected, self.starts, self.load, self.evictions)]
+                                     self.rejected, self.starts, self.load, self.evictions,
+                                     self.upstream_requests)]
 
     def render(self, snapshot: Snapshot, engine_metrics: Mapping[str, str] | None = None
                ) -> bytes:
@@ -193,6 +199,7 @@ class Snapshot:
     records_dropped: int = 0
     max_engines: int = 0
     kv_cache: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    upstreams: list[tuple[str, bool, int]] = field(default_factory=list)  # (name, up, in flight)
 
     def families(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -245,6 +252,15 @@ class Snapshot:
             for result in ("ok", "failed"):
                 kv.add_metric([action, result], self.kv_cache.get((action, result), 0))
         yield kv
+        up = GaugeMetricFamily("llm_gateway_upstream_up",
+                               "1 while a remote upstream is not known to be down",
+                               labels=["upstream"])
+        busy = GaugeMetricFamily("llm_gateway_upstream_requests_in_flight",
+                                 "Requests a remote upstream is serving", labels=["upstream"])
+        for name, is_up, in_flight_ in self.upstreams:
+            up.add_metric([name], 1.0 if is_up else 0.0)
+            busy.add_metric([name], in_flight_)
+        yield from (up, busy)
 
 
 def _bound(value: float) -> str:

@@ -173,7 +173,8 @@ async def metrics(request: web.Request) -> web.Response:
     uses = _uses(request)
     snapshot = Snapshot(max_engines=mgr.config.max_engines,
                         records_dropped=front.records.dropped if front.records else 0,
-                        kv_cache=mgr.slots.counts if mgr.slots is not None else {})
+                        kv_cache=mgr.slots.counts if mgr.slots is not None else {},
+                        upstreams=[(r.name, r.up, r.in_flight) for r in front.remotes.remotes()])
     engines = mgr.engines()
     infos = await asyncio.gather(*(mgr.info(e) for e in engines))
     for engine, info in zip(engines, infos, strict=True):

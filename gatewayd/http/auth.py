@@ -29,6 +29,7 @@ API_KEY = web.RequestKey("api_key", ApiKey)
 OPEN_PATHS = frozenset({"/health", "/favicon.ico"})   # liveness checks carry no key
 CREDENTIAL_HEADERS = ("Authorization", "X-Api-Key")
 METRICS_PATH = "/admin/metrics"
+STATUS_PAGE_PATHS = frozenset({"/admin", "/admin/"})
 
 
 @dataclass
@@ -70,8 +71,9 @@ def check_access(request: web.Request) -> None:
             "socket (the llm-gateway CLI finds it; set [admin] public = true to serve it "
             "here too)")
     keys = access.keys
-    if keys is None or path in OPEN_PATHS:
-        return
+    if keys is None or path in OPEN_PATHS or (path in STATUS_PAGE_PATHS
+                                              and request.method == "GET"):
+        return   # the status page holds no data: it asks for a key, then calls the API
     headers = request.headers
     request[API_KEY] = keys.identify(
         presented_key(headers.get("Authorization"), headers.get("X-Api-Key")),

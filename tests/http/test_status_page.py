@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from gatewayd.core.auth import digest, parse_keys
+from gatewayd.core.upstreams import UpstreamConfig
 from tests.browser import browser_page, png_size
+from tests.fake_upstream import FakeUpstream
 from tests.http.test_front_door import _gateway, chat
 
 pytestmark = pytest.mark.slow
@@ -72,3 +75,49 @@ async def test_status_page_fits_a_phone(tmp_path: Path) -> None:
             # wide tables scroll inside their box; the page itself never scrolls sideways
             assert await page.evaluate("document.documentElement.scrollWidth") <= 390
             assert page.errors == []
+
+
+async def test_status_page_with_api_keys_asks_for_an_admin_key_and_shows_upstreams(
+        tmp_path: Path) -> None:
+    ring = parse_keys({"keys": {"ops": {"sha256": digest("k-ops"), "scopes": ["admin"]},
+                                "app": {"sha256": digest("k-app")}}}, "test")
+    fake = FakeUpstream("far-box", models=["far-model"])
+    await fake.start()
+    try:
+        async for gw in _gateway(tmp_path, ("a",), api_keys=ring, upstreams=(UpstreamConfig(
+                name="far-box", url=fake.url, models=("far-model",)),)):
+            # the page loads without a key; the data behind it does not
+            assert (await gw.client.get("/admin/")).status == 200
+            assert (await gw.client.get("/admin/status")).status == 401
+            async with browser_page() as page:
+                await page.goto(str(gw.client.make_url("/admin/")))
+                await page.wait_for("!document.getElementById('key-form').hidden",
+                                    what="the key form")
+                assert await page.evaluate(
+                    "document.querySelectorAll('#engines tbody tr').length") == 0
+                for key, then in (("k-app", "the form again (an inference key)"),
+                                  ("k-ops", "the engines")):
+                    await page.evaluate(
+                        f"document.getElementById('key').value = {json.dumps(key)}; "
+                        "document.getElementById('key-form').requestSubmit()")
+                    if key == "k-app":
+                        await page.wait_for(
+                            "!document.getElementById('key-form').hidden && document."
+                            "getElementById('error').textContent.includes('scope')", what=then)
+                        continue
+                    await page.wait_for(f"{state_of('a')} === 'ready'", what=then)
+                await page.wait_for("document.getElementById('live').textContent === 'live'",
+                                    what="the event feed, read with the key")
+                await page.wait_for(
+                    "document.querySelector('#upstreams tr[data-upstream=\"far-box\"]') && "
+                    "!document.getElementById('upstreams-box').hidden", what="the upstream")
+                row = await page.evaluate("document.querySelector('#upstreams tr[data-upstream"
+                                          "=\"far-box\"]').textContent")
+                assert "far-model" in row and fake.url in row
+                # live over the fetched feed: a stop made elsewhere arrives
+                await gw.client.post("/admin/engines/stop", json={"model": "a"},
+                                     headers={"Authorization": "Bearer k-ops"})
+                await page.wait_for(f"{state_of('a')} === 'stopped'", what="a's stop, live")
+                assert page.errors == []
+    finally:
+        await fake.stop()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import trustme
+from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.core.auth import digest, parse_keys
 from gatewayd.core.upstreams import UpstreamConfig
@@ -203,6 +204,14 @@ async def test_an_upstream_down_is_a_fast_clear_answer_and_comes_back(
         assert sorted(r["error_code"] or "" for r in rows) == [
             "", "upstream_unavailable", "upstream_unreachable"]
         assert all(r["upstream"] == "gone" for r in rows)
+        figures = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(
+                       await (await gw.client.get("/admin/metrics")).text())
+                   for s in f.samples}
+        assert figures[("llm_gateway_upstream_up", (("upstream", "gone"),))] == 1.0
+        for status in ("200", "502", "503"):
+            assert figures[("llm_gateway_upstream_requests_total",
+                            (("status", status), ("upstream", "gone")))] == 1.0
     await fake.stop()
 
 
