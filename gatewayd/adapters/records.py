@@ -19,6 +19,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, fields
+from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,14 @@ class CallRecord:
 COLUMNS = [f.name for f in fields(CallRecord)]
 _ROW = attrgetter(*COLUMNS)   # a record as its row, in column order (asdict: ~10x slower)
 _INSERT = f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_ONE_ROW = f"({', '.join('?' * len(COLUMNS))})"
+
+
+def _insert_rows(n: int) -> str:
+    """One INSERT of n rows: SQLite runs it in one step with the GIL released, where
+    executemany released and took back the GIL once per row (under load each of those was
+    a hand-over with the event loop: ~25 µs per call on the loop vs ~4 µs this way)."""
+    return f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES " + ", ".join([_ONE_ROW] * n)
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -128,6 +137,10 @@ class RecordWriter:
             log.error("the records database %s is damaged (%s): set aside as %s, recording "
                       "into a new one", path, e, aside)
             self._db = connect(path)
+        # SQLite caps the parameters of one statement (32766 since 3.32, 999 before)
+        self._rows_per_statement = max(1, min(
+            self.BATCH, self._db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(COLUMNS)))
+        self._statements: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="records", daemon=True)
         self._thread.start()
 
@@ -177,16 +190,32 @@ class RecordWriter:
                 else:
                     batch += more
             if batch:
-                self._write(batch)
+                try:
+                    self._write(batch)
+                except Exception:   # never the end of the thread: later calls are recorded
+                    self.dropped += len(batch)
+                    log.exception("dropped %d call records", len(batch))
             if stopping:
                 return
 
+    def _statement(self, n: int) -> str:
+        sql = self._statements.get(n)
+        if sql is None:
+            if len(self._statements) > 64:   # batch sizes vary: keep the texts bounded
+                self._statements.clear()
+            sql = self._statements[n] = _insert_rows(n)
+        return sql
+
     def _write(self, batch: list[CallRecord]) -> None:
         rows = [_ROW(r) for r in batch]
+        per_statement = self._rows_per_statement
         for attempt in range(3):
             try:
                 with self._db:
-                    self._db.executemany(_INSERT, rows)
+                    for at in range(0, len(rows), per_statement):
+                        chunk = rows[at:at + per_statement]
+                        self._db.execute(self._statement(len(chunk)),
+                                         list(chain.from_iterable(chunk)))
                 return
             except sqlite3.Error as e:
                 log.warning("writing %d call records failed (%s), attempt %d", len(rows), e,

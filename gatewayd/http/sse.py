@@ -95,9 +95,11 @@ class SseRelay:
         self._pending = data[end + 2:]
         complete = data[:end + 2]
         self._last = complete
-        if b'"usage"' not in complete and not self.drop_usage_event:
-            self._count(complete)
-            return complete  # the common case: forward as is
+        if b'"usage"' not in complete:
+            # the common case, whether or not a usage event is to be dropped (only an event
+            # that names usage can be one): forward as is
+            self.content_events += complete.count(b"data: {")
+            return complete
         kept = [event for event in complete.split(b"\n\n")[:-1] if self._keep(event)]
         return b"".join(event + b"\n\n" for event in kept)
 

@@ -98,3 +98,14 @@ def test_an_error_ends_each_stream_in_its_own_format() -> None:
     assert name == "error" and data["type"] == "error"
     assert data["error"] == {"type": "api_error", "message": "the engine stopped",
                              "code": "engine_failed"}
+
+
+def test_events_without_usage_pass_as_the_very_bytes_read_even_when_usage_is_dropped(
+        ) -> None:
+    """The hot path of a stream: a chunk that does not name usage is forwarded as it came
+    (no split, no re-join, no JSON), also when the gateway hides a usage event it asked for."""
+    for drop in (False, True):
+        sse = SseRelay(drop_usage_event=drop)
+        chunk = b'data: {"choices":[{"delta":{"content":" w"}}]}\n\n' * 2
+        assert sse.feed(chunk) is chunk
+        assert sse.content_events == 2
