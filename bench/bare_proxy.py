@@ -3,7 +3,8 @@
 Like the gateway, it sends a request once more on a new connection when the pooled
 keep-alive connection it took had just been closed by llama-server (it ends them after
 its keep-alive limit): without that, the floor failed runs with HTTP 500 now and then.
-The retries are counted (GET /bare/retries), so the benchmark can report them.
+The retries are counted (GET /bare/retries), so the benchmark can report them. It runs
+on the event loop the gateway runs on (uvloop where installed).
 
     python -m bench.bare_proxy --socket /run/llm-engine-x/engine.sock --port 18602
 """
@@ -79,4 +80,8 @@ if __name__ == "__main__":
     ap.add_argument("--socket", required=True)
     ap.add_argument("--port", type=int, required=True)
     a = ap.parse_args()
-    web.run_app(build(a.socket), host="127.0.0.1", port=a.port, access_log=None, print=None)
+    # the gateway's event loop, so the floor stays the floor (gatewayd.app.event_loop_factory)
+    from gatewayd.app import event_loop_factory
+    factory = event_loop_factory()
+    web.run_app(build(a.socket), host="127.0.0.1", port=a.port, access_log=None, print=None,
+                loop=factory() if factory else None)

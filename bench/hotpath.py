@@ -229,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             kinds += [(f"{n}-uv", js, "uvloop") for n, js, _ in list(kinds)]
         for i, (name, settings, loop) in enumerate(kinds):
             ports[name] = 18701 + i
-            install = "import uvloop; uvloop.install(); " if loop == "uvloop" else ""
+            # the gateway and the bare proxy choose uvloop themselves where it is installed;
+            # in this harness the gateway runs under asyncio.run: install says which loop
+            install = ("import uvloop; uvloop.install(); " if loop == "uvloop" else
+                       "import os; os.environ['LLM_GATEWAY_EVENT_LOOP'] = 'asyncio'; ")
             if not settings:   # the bare proxy
                 code = (f"{install}import sys, runpy; sys.argv[1:] = ['--socket', {socket!r}, "
                         f"'--port', '{ports[name]}']; runpy.run_module('bench.bare_proxy', "

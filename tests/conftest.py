@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,17 @@ import make_tiny_model
 import make_tiny_whisper
 
 TINY_MODEL_NAMES = ("alpha", "beta", "gamma")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                  ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Tests marked asyncio(loop_factories=["asyncio", "uvloop"]) run on each: the gateway
+    runs on uvloop where it is installed; the rest of the suite on asyncio's own loop."""
+    marker = item.get_closest_marker("asyncio")
+    if marker is None or "loop_factories" not in marker.kwargs:
+        return {"asyncio": asyncio.new_event_loop}
+    import uvloop
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import time
 from importlib import resources
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from gatewayd.adapters import records
@@ -27,7 +26,7 @@ from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GpuUnavailable, InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
-from gatewayd.http.proxy import EngineSessions
+from gatewayd.http.engine_client import EngineClient, EngineConnectionError
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -190,7 +189,7 @@ async def metrics(request: web.Request) -> web.Response:
                                   device.total_mib * MIB))
     own = None
     if request.query.get("engines") in ("1", "true"):
-        own = await _engine_metrics(front.sessions, [
+        own = await _engine_metrics(front.engine_client, [
             e for e in engines if e.state is EngineState.READY
             and (model := mgr.catalog.get(e.model_id)) is not None
             and model.backend is Backend.LLAMA])
@@ -198,16 +197,20 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-async def _engine_metrics(sessions: EngineSessions, engines: list[Engine]) -> dict[str, str]:
+async def _engine_metrics(client: EngineClient, engines: list[Engine]) -> dict[str, str]:
     """Each engine's own /metrics text (llama-server --metrics); one that does not answer
     in time is left out, never the whole scrape."""
     async def one(engine: Engine) -> tuple[str, str | None]:
         try:
-            session = sessions.session(engine.socket, stream=False)
-            async with asyncio.timeout(ENGINE_METRICS_TIMEOUT_S), \
-                    session.get("http://engine/metrics") as resp:
-                return engine.model_id, (await resp.text()) if resp.status == 200 else None
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            async with asyncio.timeout(ENGINE_METRICS_TIMEOUT_S):
+                resp = await client.request(engine.socket, "GET", "/metrics", (), b"")
+                try:
+                    body = await resp.read()
+                finally:
+                    resp.release()
+            return engine.model_id, body.decode(errors="replace") if resp.status == 200 \
+                else None
+        except (TimeoutError, EngineConnectionError, OSError):
             return engine.model_id, None
     found = await asyncio.gather(*(one(e) for e in engines))
     return {model: text for model, text in found if text is not None}

@@ -47,14 +47,16 @@ from gatewayd.core.errors import (
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
 from gatewayd.http.auth import CREDENTIAL_HEADERS, request_key
+from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
-    EngineSessions,
     Outgoing,
     as_whisper_translation,
     forward_headers,
     relay,
+    to_engine,
+    to_remote,
 )
 from gatewayd.http.remotes import Remote, Remotes
 from gatewayd.service.dispatcher import Dispatcher
@@ -78,7 +80,7 @@ class FrontDoor:
     config: GatewayConfig
     engines: EngineManager
     dispatcher: Dispatcher
-    sessions: EngineSessions
+    engine_client: EngineClient
     records: RecordWriter | None
     metrics: GatewayMetrics | None = None
     remotes: Remotes = field(default_factory=lambda: Remotes((), read_timeout_s=600))
@@ -288,17 +290,17 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: b
     """To the model's engine; its slot (taken by acquire) is given back at the end."""
     request = call.request
     try:
-        body, path_qs = call.body, request.path_qs
+        body, target = call.body, request.rel_url.raw_path_qs   # as the client encoded it
         if multipart and request.path in TRANSLATION_PATHS:
             body = as_whisper_translation(body, _boundary(request))
-            path_qs = WHISPER_INFERENCE_PATH + (f"?{request.query_string}"
-                                                if request.query_string else "")
+            query = request.rel_url.raw_query_string
+            target = WHISPER_INFERENCE_PATH + (f"?{query}" if query else "")
         call.record.engine = engine.unit
-        return await relay(request, Outgoing(
-            session=front.sessions.session(engine.socket, stream=call.stream),
-            url="http://engine" + path_qs, method=request.method, body=body,
-            headers=call.headers, stream=call.stream, drop_usage_event=call.drop_usage),
-            call.record, call.t0)
+        send = to_engine(front.engine_client, engine.socket, request.method, target,
+                         call.headers, body, stream=call.stream)
+        return await relay(request, Outgoing(send=send, stream=call.stream,
+                                             drop_usage_event=call.drop_usage),
+                           call.record, call.t0)
     finally:
         front.dispatcher.release(engine.model_id, counts_as_use=inference)
 
@@ -326,9 +328,10 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
             headers.popall(name, None)                         # events must stay readable
         headers.update(remote.auth_headers())
         assert remote.session is not None
-        out = Outgoing(session=remote.session, url=remote.config.url_for(request.path_qs),
-                       method=request.method, body=body, headers=headers, stream=call.stream,
-                       drop_usage_event=call.drop_usage, upstream=remote.name)
+        send = to_remote(remote.session, request.method, remote.config.url_for(request.path_qs),
+                         headers, body)
+        out = Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
+                       upstream=remote.name)
         try:
             return await relay(request, out, call.record, call.t0)
         except (UpstreamUnavailable, UpstreamTimeout) as e:

@@ -1,10 +1,11 @@
-"""Relaying a request to an engine over its unix socket, and the answer back.
+"""Relaying a request to an engine over its unix socket (or to a remote upstream), and
+the answer back.
 
 The hot path. What it costs is paid per request, so:
-- one pooled keep-alive session per engine socket for ordinary answers, and a
-  separate no-reuse session for streams: llama-server closes the connection
-  after every SSE answer although it says keep-alive, so a stream's connection
-  must never go back to a pool;
+- local engines are spoken to by http/engine_client (keep-alive pool per socket, a
+  connection of its own for a stream: llama-server closes the connection after every
+  SSE answer although it says keep-alive); remote upstreams by their aiohttp session;
+  both answer as an `Answer`, so one relay serves both;
 - non-streamed answers are read whole and sent as one web.Response (cheaper
   than a StreamResponse);
 - streamed answers go through SseRelay event by event, each written (and so
@@ -19,8 +20,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -37,67 +39,47 @@ from gatewayd.core.errors import (
     anthropic_error_body,
 )
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
+from gatewayd.http.engine_client import EngineClient, EngineConnectionError
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    "expect",   # the gateway has read the whole body: nothing for the next hop to expect
 })
 
 
 
-class EngineSessions:
-    """HTTP client sessions to engine sockets, created on first use."""
+class Answer(Protocol):
+    """An answer on its way back: an engine's (http/engine_client) or a remote upstream's
+    (aiohttp's ClientResponse, through _ClientAnswer)."""
 
-    def __init__(self, read_timeout_s: float) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
-                                              sock_read=read_timeout_s)
-        self._pooled: dict[str, aiohttp.ClientSession] = {}
-        self._oneshot: dict[str, aiohttp.ClientSession] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+    @property
+    def status(self) -> int: ...
 
-    def session(self, socket: str, *, stream: bool) -> aiohttp.ClientSession:
-        sessions = self._oneshot if stream else self._pooled
-        session = sessions.get(socket)
-        if session is None or session.closed:
-            connector = (aiohttp.UnixConnector(path=socket, force_close=True, limit=0)
-                         if stream else
-                         aiohttp.UnixConnector(path=socket, limit=0, keepalive_timeout=4))
-            session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                            auto_decompress=False, skip_auto_headers=(
-                                                "User-Agent", "Accept-Encoding"))
-            sessions[socket] = session
-        return session
+    @property
+    def headers(self) -> Mapping[str, str]: ...
 
-    def pooled(self, socket: str) -> bool:
-        return socket in self._pooled
+    async def read(self) -> bytes: ...
 
-    def forget(self, socket: str) -> None:
-        """The engine behind socket is gone: close its pooled keep-alive connections now
-        (they would otherwise hold descriptors until the next use of that socket)."""
-        session = self._pooled.pop(socket, None)
-        if session is not None and not session.closed:
-            task = asyncio.get_running_loop().create_task(session.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+    def iter_any(self) -> AsyncIterator[bytes]: ...
 
-    async def close(self) -> None:
-        for session in [*self._pooled.values(), *self._oneshot.values()]:
-            await session.close()
-        self._pooled.clear()
-        self._oneshot.clear()
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# what sending a request or reading its answer raises when the other side is not there,
+# breaks off or is silent for too long
+TRANSPORT_ERRORS = (TimeoutError, EngineConnectionError, aiohttp.ClientError, OSError)
 
 
 @dataclass
 class Outgoing:
     """What to send the engine (or a remote upstream), and how."""
 
-    session: aiohttp.ClientSession
-    url: str
-    method: str
-    body: bytes
-    headers: Mapping[str, str]
+    send: Callable[[], Awaitable[Answer]]   # sends it; returns once the answer's head is in
     stream: bool              # the client asked for a stream
     drop_usage_event: bool    # we added include_usage: hide the usage event again
     upstream: str | None = None   # a remote upstream's name (None: a local engine)
@@ -120,6 +102,53 @@ class Outgoing:
                               f"answer: {why}", upstream=self.upstream)
 
 
+def to_engine(client: EngineClient, socket: str, method: str, target: str,
+              headers: CIMultiDict[str], body: bytes, *, stream: bool
+              ) -> Callable[[], Awaitable[Answer]]:
+    """Outgoing.send for a local engine. A stream's connection is its own: llama-server
+    closes the connection after every SSE answer although it says keep-alive."""
+    return lambda: client.request(socket, method, target, headers.items(), body,
+                                  reuse=not stream)
+
+
+def to_remote(session: aiohttp.ClientSession, method: str, url: str,
+              headers: Mapping[str, str], body: bytes) -> Callable[[], Awaitable[Answer]]:
+    """Outgoing.send for a remote upstream, through its aiohttp session."""
+    async def send() -> Answer:
+        for attempt in (1, 2):
+            try:
+                return _ClientAnswer(await session.request(
+                    method, url, data=body or None, headers=headers, allow_redirects=False))
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+                # a pooled keep-alive connection the upstream had just closed: once more,
+                # on a new connection (a refused connect is not asked twice)
+                if attempt == 2 or isinstance(e, aiohttp.ClientConnectorError):
+                    raise
+        raise AssertionError("unreachable")
+    return send
+
+
+class _ClientAnswer:
+    """aiohttp's ClientResponse as an Answer."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status = response.status
+        self.headers: Mapping[str, str] = response.headers
+
+    async def read(self) -> bytes:
+        return await self._response.read()
+
+    def iter_any(self) -> AsyncIterator[bytes]:
+        return self._response.content.iter_any()
+
+    def release(self) -> None:
+        self._response.release()
+
+    def close(self) -> None:
+        self._response.close()
+
+
 def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
@@ -130,27 +159,17 @@ def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
 
 async def relay(request: web.Request, out: Outgoing, record: CallRecord,
                 t0: float) -> web.StreamResponse:
-    for attempt in (1, 2):
-        try:
-            upstream = await out.session.request(out.method, out.url, data=out.body or None,
-                                                 headers=out.headers, allow_redirects=False)
-            break
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
-            # A pooled keep-alive connection the engine had just closed (llama-server ends
-            # them after its keep-alive timeout or max requests): the request did not get
-            # through. Once more, on a new connection; a dead socket fails again at once.
-            # (A remote that refuses the connection itself is not asked twice.)
-            if attempt == 2 or isinstance(e, aiohttp.ClientConnectorError):
-                raise out.unavailable(e) from e
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
-            raise out.unavailable(e) from e
+    try:
+        upstream = await out.send()
+    except TRANSPORT_ERRORS as e:
+        raise out.unavailable(e) from e
     try:
         content_type = upstream.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
             return await _relay_stream(request, upstream, out, record, t0)
         try:
             data = await upstream.read()
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except TRANSPORT_ERRORS as e:
             raise out.unavailable(e, "failed while answering") from e
         if upstream.status == 200 and request.path in WHISPER_PATHS:
             data = normalise_transcription(data, content_type)
@@ -170,7 +189,7 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
         upstream.release()
 
 
-async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
+async def _relay_stream(request: web.Request, upstream: Answer,
                         out: Outgoing, record: CallRecord, t0: float) -> web.StreamResponse:
     record.stream = True
     record.status = upstream.status
@@ -180,7 +199,7 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
     delivered = False  # the final event written: a client closing now has everything
     try:
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.iter_any():
                 data = sse.feed(chunk)
                 if data:
                     if record.ttft_ms is None:
@@ -192,7 +211,7 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
             if not sse.ended:
                 raise aiohttp.ClientPayloadError("the stream ended without its final event")
             delivered = True
-        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        except TRANSPORT_ERRORS as e:
             # The engine died mid-stream. The status is sent: end with an error event.
             error = out.broke_off(e)
             record.outcome = record.error_code = error.code
@@ -224,7 +243,7 @@ class _ClientGone(Exception):
     pass
 
 
-def _client_left(record: CallRecord, upstream: aiohttp.ClientResponse) -> None:
+def _client_left(record: CallRecord, upstream: Answer) -> None:
     record.disconnected = True
     record.outcome = "disconnected"
     upstream.close()  # drop the engine connection: it stops generating for nobody

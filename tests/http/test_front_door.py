@@ -27,7 +27,10 @@ from gatewayd.core.config import Backend, ModelKind
 from gatewayd.http import admin_api, openai_api
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
-from tests.fakes import FakeUnits, dispatcher_for, engine_manager_on_fakes
+from tests.fakes import FakeHealth, FakeUnits, dispatcher_for, engine_manager_on_fakes
+
+# the gateway runs on uvloop where installed: the front door is tested on both loops
+pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Gateway:
     fakes: dict[str, FakeEngine]
     records_file: Path
     units: FakeUnits
+    health: FakeHealth
 
     async def records(self, count: int, timeout: float = 5) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -54,7 +58,7 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
     run_root = tempfile.mkdtemp(prefix="fe", dir="/tmp")  # short: sun_path is 108 bytes
     config.setdefault("records_store_text", True)
     config.setdefault("admin_public", True)   # the admin API tests use the public port
-    mgr, units, _ = engine_manager_on_fakes(tmp_path, run_root=run_root, **config)
+    mgr, units, health = engine_manager_on_fakes(tmp_path, run_root=run_root, **config)
     fakes = {}
     for name in ("a", "b", "c"):
         fakes[name] = FakeEngine(name)
@@ -71,7 +75,7 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
     async with TestClient(TestServer(app)) as client:
         for name in start:
             await mgr.start(name)
-        yield Gateway(client, mgr, fakes, mgr.config.records_file, units)
+        yield Gateway(client, mgr, fakes, mgr.config.records_file, units, health)
     for fake in fakes.values():
         await fake.stop()
     shutil.rmtree(run_root, ignore_errors=True)
@@ -414,9 +418,15 @@ async def test_events_follow_autoload_queue_and_eviction(tmp_path: Path) -> None
         seen: list[dict[str, Any]] = []
 
         follower = asyncio.ensure_future(_follow_until(resp, seen, "c"))
-        await asyncio.sleep(0.05)
-        answers = await asyncio.gather(*(gw.client.post("/v1/chat/completions",
-                                                        json=chat("c")) for _ in range(3)))
+        gw.health.all_ready = False    # c loads until all three requests wait for it
+        asks = [asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=chat("c")))
+                for _ in range(3)]
+        deadline = time.monotonic() + 5
+        while not any(e.get("model") == "c" and e.get("depth") == 3 for e in seen):
+            assert time.monotonic() < deadline, seen
+            await asyncio.sleep(0.01)
+        gw.health.all_ready = True
+        answers = await asyncio.gather(*asks)
         assert all(r.status == 200 for r in answers)
         await asyncio.wait_for(follower, 5)
         resp.close()
@@ -449,11 +459,11 @@ async def test_a_get_never_autoloads(gw: Gateway) -> None:
 
 async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> None:
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
-    sessions = gw.client.app[openai_api.FRONT].sessions
+    client = gw.client.app[openai_api.FRONT].engine_client
     socket = gw.units.layout("a").socket
-    assert sessions.pooled(socket)
+    assert client.pooled(socket)
     await gw.engines.stop("a")
-    assert not sessions.pooled(socket)
+    assert not client.pooled(socket)
 
 
 # -- the client's mistakes: a clear 4xx with the envelope, never a 500 -------------------

@@ -1,0 +1,337 @@
+"""The engine client against a scripted engine: every framing an engine may answer with,
+split at any byte; keep-alive reuse and its limits; the retry of a reused connection the
+engine closed; timeouts; flow control; the per-socket connection limit. On both event
+loops the gateway can run on (asyncio, and uvloop, which it uses where installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from gatewayd.http.engine_client import HIGH_WATER, EngineClient, EngineConnectionError
+
+pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Engine:
+    """A unix socket server; each connection is served by `handler` (replaceable)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.handler: Handler = answer_each(ok(b"hi"))
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.AbstractServer | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            task = asyncio.current_task()
+            assert task is not None
+            self.tasks.add(task)
+            try:
+                await self.handler(reader, writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+                self.tasks.discard(task)
+        self.server = await asyncio.start_unix_server(serve, self.path)
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return head + body
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra +
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def answer_each(answer: bytes) -> Handler:
+    """Keep-alive: the same answer to every request on the connection."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await ENGINE.read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+    return handle
+
+
+ENGINE: Engine   # the current test's (handlers reach it through this)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    global ENGINE
+    with tempfile.TemporaryDirectory(prefix="ec", dir="/tmp") as d:   # short: sun_path
+        ENGINE = Engine(str(Path(d) / "engine.sock"))
+        await ENGINE.start()
+        yield ENGINE
+        await ENGINE.stop()
+
+
+async def get(client: EngineClient, engine: Engine, *, reuse: bool = True,
+              body: bytes = b"{}") -> tuple[int, bytes]:
+    resp = await client.request(engine.path, "POST", "/v1/chat/completions",
+                                [("Content-Type", "application/json")], body, reuse=reuse)
+    try:
+        return resp.status, await resp.read()
+    finally:
+        resp.release()
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_what_it_was_given(
+        engine: Engine) -> None:
+    client = EngineClient(read_timeout_s=5)
+    for _ in range(3):
+        assert await get(client, engine, body=b'{"model": "x"}') == (200, b"hi")
+    assert engine.connections == 1
+    first = engine.requests[0]
+    assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\n")
+    assert b"Content-Type: application/json\r\n" in first
+    assert first.endswith(b'Content-Length: 14\r\n\r\n{"model": "x"}')
+    assert client.pooled(engine.path)
+    await client.close()
+
+
+CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n"
+           b"b\r\ndata: one\n\n\r\n" b"B;ext=1\r\ndata: two\n\n\r\n" b"0\r\nX-Trailer: t\r\n\r\n")
+
+
+@pytest.mark.parametrize("answer", [ok(b"x" * 300), CHUNKED], ids=["length", "chunked"])
+async def test_an_answer_split_at_every_byte_reads_the_same(engine: Engine,
+                                                            answer: bytes) -> None:
+    """However the engine's writes are cut, the body is the same, and the connection is
+    reused after it."""
+    whole = b"x" * 300 if answer is not CHUNKED else b"data: one\n\ndata: two\n\n"
+    for cut in range(1, len(answer)):
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         cut: int = cut) -> None:
+            while True:
+                await engine.read_request(reader)
+                writer.write(answer[:cut])
+                await writer.drain()
+                await asyncio.sleep(0)
+                writer.write(answer[cut:])
+                await writer.drain()
+        engine.handler = handle
+        client = EngineClient(read_timeout_s=5)
+        assert await get(client, engine) == (200, whole), cut
+        assert await get(client, engine) == (200, whole), cut   # the same connection
+        await client.close()
+    assert engine.connections == len(answer) - 1
+
+
+async def test_a_stream_comes_in_pieces_as_the_engine_writes_them(engine: Engine) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for i in range(3):
+            event = b"data: %d\n\n" % i
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+    engine.handler = handle
+    client = EngineClient(read_timeout_s=5)
+    resp = await client.request(engine.path, "POST", "/v1/chat/completions", [], b"{}",
+                                reuse=False)
+    assert resp.headers["Content-Type"] == "text/event-stream"
+    pieces = [piece async for piece in resp.iter_any()]
+    resp.release()
+    assert pieces == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+    assert not client.pooled(engine.path)     # a stream's connection is never reused
+    await client.close()
+
+
+async def test_an_answer_until_close_a_1xx_first_and_no_body_answers(engine: Engine) -> None:
+    script = [b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"after continue"),
+              b"HTTP/1.1 204 No Content\r\nX-A: b\r\n\r\n",
+              b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil close"]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(script.pop(0))
+        await writer.drain()   # then close (each answer on its own connection here)
+    engine.handler = handle
+    client = EngineClient(read_timeout_s=5)
+    assert await get(client, engine) == (200, b"after continue")
+    assert await get(client, engine) == (204, b"")
+    assert await get(client, engine) == (200, b"until close")
+    await client.close()
+
+
+async def test_connection_close_and_a_stale_connection_are_not_reused(engine: Engine) -> None:
+    engine.handler = answer_each(ok(b"bye", b"Connection: close\r\n"))
+    client = EngineClient(read_timeout_s=5, keepalive_s=0.05)
+    await get(client, engine)
+    await get(client, engine)
+    assert engine.connections == 2          # the engine said close
+    engine.handler = answer_each(ok(b"hi"))
+    await get(client, engine)
+    await asyncio.sleep(0.1)                # past keepalive_s: not trusted any more
+    await get(client, engine)
+    assert engine.connections == 4
+    await client.close()
+
+
+async def test_a_reused_connection_closed_before_answering_is_retried_once(
+        engine: Engine) -> None:
+    """The engine closes an idle keep-alive connection just as the next request is sent
+    on it (llama-server: its keep-alive timeout and request limit): sent once more, on a
+    new connection; an answer cut short is not retried."""
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        await engine.read_request(reader)
+        served += 1
+        writer.write(ok(b"hi"))
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")   # the next request: closed unanswered
+    engine.handler = handle
+    client = EngineClient(read_timeout_s=5)
+    assert await get(client, engine) == (200, b"hi")
+    assert await get(client, engine) == (200, b"hi")
+    assert (served, engine.connections) == (2, 2)
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(ok(b"hello")[:-2])        # dies in the middle of the body
+        await writer.drain()
+    engine.handler = cut
+    with pytest.raises(EngineConnectionError, match="in the middle") as err:
+        await get(client, engine, reuse=False)
+    assert not err.value.fresh
+    await client.close()
+
+
+async def test_nothing_there_fails_at_once_as_a_connect_error(tmp_path: Path) -> None:
+    client = EngineClient(read_timeout_s=5)
+    with pytest.raises(EngineConnectionError) as err:
+        await client.request(str(tmp_path / "none.sock"), "GET", "/health", [], b"")
+    assert err.value.connect and err.value.fresh
+    assert client.in_use(str(tmp_path / "none.sock")) == 0    # its slot was given back
+    await client.close()
+
+
+async def test_a_silent_engine_times_out_before_the_head_and_in_the_body(
+        engine: Engine) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        await asyncio.sleep(30)
+    engine.handler = silent
+    client = EngineClient(read_timeout_s=0.2)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(TimeoutError):
+        await get(client, engine)
+    assert 0.15 < loop.time() - t0 < 2
+
+    async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        for _ in range(4):                 # bytes keep coming for a while: no timeout
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\nd\r\n")
+        await asyncio.sleep(30)
+    engine.handler = stalls
+    resp = await client.request(engine.path, "POST", "/", [], b"", reuse=False)
+    got = b""
+    with pytest.raises(TimeoutError):
+        async for piece in resp.iter_any():
+            got += piece
+    resp.close()
+    assert got == b"abcdddd"
+    assert client.in_use(engine.path) == 0
+    await client.close()
+
+
+async def test_reading_pauses_for_a_slow_reader_and_resumes(engine: Engine) -> None:
+    size = HIGH_WATER * 8
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(ok(b"y" * size))
+        await writer.drain()
+    engine.handler = big
+    client = EngineClient(read_timeout_s=0.3)
+    resp = await client.request(engine.path, "POST", "/", [], b"")
+    await asyncio.sleep(0.6)       # a slow client: longer than the read timeout
+    conn = resp._conn
+    assert conn._buffered <= HIGH_WATER * 2    # reading stopped near the high-water mark
+    body = await resp.read()       # ... and this is no timeout: we were the slow ones
+    resp.release()
+    assert len(body) == size
+    await client.close()
+
+
+async def test_at_most_limit_connections_the_rest_wait_in_order(engine: Engine) -> None:
+    release = asyncio.Event()
+    order: list[int] = []
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            request = await engine.read_request(reader)
+            order.append(int(request.rsplit(b"\r\n\r\n", 1)[1]))
+            await release.wait()
+            writer.write(ok(b"done"))
+            await writer.drain()
+    engine.handler = slow
+    client = EngineClient(read_timeout_s=5)
+    client.set_limit(engine.path, 2)
+    tasks = [asyncio.ensure_future(get(client, engine, body=b"%d" % i)) for i in range(6)]
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if client.waiting(engine.path) == 4:
+            break
+    assert (client.in_use(engine.path), client.waiting(engine.path)) == (2, 4)
+    assert engine.connections == 2
+    tasks[3].cancel()                     # a waiter whose client left just leaves
+    release.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[3], asyncio.CancelledError)
+    assert all(r == (200, b"done") for i, r in enumerate(results) if i != 3)
+    # first come, first served (the first two raced each other to the engine)
+    assert sorted(order[:2]) == [0, 1] and order[2:] == [2, 4, 5]
+    assert engine.connections == 2       # the two connections served everyone
+    assert client.in_use(engine.path) == 0 and client.waiting(engine.path) == 0
+    await client.close()
+
+
+async def test_nonsense_from_the_engine_is_an_error_not_a_hang(engine: Engine) -> None:
+    client = EngineClient(read_timeout_s=5)
+    for answer, match in ((b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP answer"),
+                          (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "Content-Length"),
+                          (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                           "chunked")):
+        engine.handler = answer_each(answer)
+        with pytest.raises(EngineConnectionError, match=match):
+            await get(client, engine, reuse=False)
+    assert client.in_use(engine.path) == 0
+    await client.close()
