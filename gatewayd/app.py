@@ -40,7 +40,7 @@ from gatewayd.adapters.unit_control import (
 )
 from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Catalog
-from gatewayd.core.config import GatewayConfig, UnitMode
+from gatewayd.core.config import Backend, GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
@@ -48,6 +48,7 @@ from gatewayd.http import admin_api, client_tls, openai_api
 from gatewayd.http.auth import ACCESS, Access
 from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
+from gatewayd.http.proxy import learn_engine_slots
 from gatewayd.http.remotes import Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -184,8 +185,17 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file) if config.records_enabled else None
     engine_client = EngineClient(config.read_timeout_s)
-    engines.subscribe(lambda old, new: engine_client.forget(new.socket)
-                      if old.holds_slot and not new.holds_slot else None)
+    learning: set[asyncio.Task[Any]] = set()
+
+    def connections_follow(old: Engine, new: Engine) -> None:
+        if old.holds_slot and not new.holds_slot:
+            engine_client.forget(new.socket)
+        elif new.state is EngineState.READY and old.state is not EngineState.READY \
+                and (model := engines.catalog.get(new.model_id)) is not None \
+                and model.backend is Backend.LLAMA:
+            _track(learning, asyncio.get_running_loop().create_task(
+                learn_engine_slots(engine_client, new.socket)))
+    engines.subscribe(connections_follow)
     metrics = GatewayMetrics()
     engines.subscribe(lambda old, new: metrics.on_engine_change(
         old, new, engines.stop_reasons.get(new.model_id)))
@@ -392,7 +402,7 @@ async def _reload_quietly(reloader: Reloader) -> None:
         log.exception("reload failed")
 
 
-def _track(tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:
+def _track(tasks: set[asyncio.Task[Any]], task: asyncio.Task[Any]) -> None:
     tasks.add(task)
     task.add_done_callback(tasks.discard)
 

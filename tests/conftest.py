@@ -32,8 +32,9 @@ TINY_MODEL_NAMES = ("alpha", "beta", "gamma")
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
                                   ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
-    """Tests marked asyncio(loop_factories=["asyncio", "uvloop"]) run on each: the gateway
-    runs on uvloop where it is installed; the rest of the suite on asyncio's own loop."""
+    """Tests marked asyncio(loop_factories=[...]) run on each loop named ("asyncio",
+    "uvloop"): the gateway runs on uvloop where it is installed; the rest of the suite on
+    asyncio's own loop."""
     marker = item.get_closest_marker("asyncio")
     if marker is None or "loop_factories" not in marker.kwargs:
         return {"asyncio": asyncio.new_event_loop}

@@ -20,6 +20,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ class FakeEngine:
     requests: list[Seen] = field(default_factory=list)
     disconnects: int = 0      # streams whose reader (the gateway) went away mid-way
     events_sent: int = 0
+    slots: int = 4            # /props total_slots (llama-server's default: 4)
+    in_flight: int = 0        # chat and completions requests being answered
+    peak_in_flight: int = 0
     runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -73,7 +77,8 @@ class FakeEngine:
 
     async def _seen(self, request: web.Request) -> bytes:
         body = await request.read()
-        self.requests.append(Seen(request.path_qs, body, dict(request.headers)))
+        if request.headers.get("User-Agent") != "llm-gateway":   # a client's, relayed
+            self.requests.append(Seen(request.path_qs, body, dict(request.headers)))
         return body
 
     async def health(self, request: web.Request) -> web.Response:
@@ -81,7 +86,8 @@ class FakeEngine:
 
     async def props(self, request: web.Request) -> web.Response:
         await self._seen(request)
-        return web.json_response({"model_path": f"/models/{self.name}.gguf", "fake": self.name})
+        return web.json_response({"model_path": f"/models/{self.name}.gguf", "fake": self.name,
+                                  "total_slots": self.slots})
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self._seen(request)
@@ -101,11 +107,20 @@ class FakeEngine:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))
         prompt = " ".join(str(m.get("content")) for m in payload.get("messages", []))
-        return await self._answer(request, payload, prompt, chat=True)
+        return await self._counted(self._answer(request, payload, prompt, chat=True))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))
-        return await self._answer(request, payload, str(payload.get("prompt", "")), chat=False)
+        return await self._counted(self._answer(request, payload,
+                                                str(payload.get("prompt", "")), chat=False))
+
+    async def _counted(self, answer: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            return await answer
+        finally:
+            self.in_flight -= 1
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))

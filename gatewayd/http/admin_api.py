@@ -27,6 +27,7 @@ from gatewayd.core.errors import GpuUnavailable, InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
 from gatewayd.http.engine_client import EngineClient, EngineConnectionError
+from gatewayd.http.proxy import OWN_REQUEST
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -203,7 +204,8 @@ async def _engine_metrics(client: EngineClient, engines: list[Engine]) -> dict[s
     async def one(engine: Engine) -> tuple[str, str | None]:
         try:
             async with asyncio.timeout(ENGINE_METRICS_TIMEOUT_S):
-                resp = await client.request(engine.socket, "GET", "/metrics", (), b"")
+                resp = await client.request(engine.socket, "GET", "/metrics", OWN_REQUEST,
+                                            b"", queue=False)
                 try:
                     body = await resp.read()
                 finally:

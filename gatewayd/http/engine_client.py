@@ -105,8 +105,11 @@ class EngineClient:
         self._pools: dict[str, _Pool] = {}
 
     def set_limit(self, socket: str, limit: int | None) -> None:
-        """At most limit connections to socket at once (None: no limit)."""
-        self._pool(socket).limit = limit
+        """At most limit connections to socket at once (None: no limit); requests beyond
+        it wait here, first come first served."""
+        pool = self._pool(socket)
+        pool.limit = None if limit is None else max(1, limit)
+        pool.admit()
 
     def in_use(self, socket: str) -> int:
         pool = self._pools.get(socket)
@@ -123,13 +126,19 @@ class EngineClient:
 
     async def request(self, socket: str, method: str, target: str,
                       headers: Iterable[tuple[str, str]], body: bytes, *,
-                      reuse: bool = True) -> EngineResponse:
+                      reuse: bool = True, queue: bool = True) -> EngineResponse:
         """Send one request and wait for the answer's head. reuse=False: a connection of
         its own, closed at the end (llama-server closes after every stream anyway).
-        Raises EngineConnectionError, or TimeoutError when no byte came in time."""
+        queue=False: not counted against the limit (an operator's look at the engine, such
+        as its /metrics, must not wait behind inference; the engine keeps spare HTTP
+        threads for those). Raises EngineConnectionError, or TimeoutError when no byte
+        came in time."""
         pool = self._pool(socket)
         head = _request_head(method, target, headers, len(body),
                              body_expected=bool(body) or method in ("POST", "PUT", "PATCH"))
+        if not queue:
+            pool = _Pool(self.keepalive_s, None)    # a pool of its own: no slot, no reuse
+            reuse = False
         await pool.acquire()
         try:
             for attempt in (1, 2):
@@ -199,13 +208,13 @@ class _Pool:
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def acquire(self) -> None:
-        if self.limit is None or (self.busy < self.limit and not self.waiters):
+        if not self.waiters and (self.limit is None or self.busy < self.limit):
             self.busy += 1
             return
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
         try:
-            await waiter       # the slot is handed over with the result: busy counts it
+            await waiter       # _admit counted the slot as ours before waking us
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self.release_slot()   # handed a slot just as we were cancelled: pass it on
@@ -214,12 +223,16 @@ class _Pool:
             raise
 
     def release_slot(self) -> None:
-        while self.waiters:
+        self.busy -= 1
+        self.admit()
+
+    def admit(self) -> None:
+        """Hand free slots to the first waiters (after a release, or a higher limit)."""
+        while self.waiters and (self.limit is None or self.busy < self.limit):
             waiter = self.waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)    # the slot goes to it (busy unchanged)
-                return
-        self.busy -= 1
+                self.busy += 1
+                waiter.set_result(None)
 
     def idle_connection(self) -> _Connection | None:
         now = time.monotonic()

@@ -111,6 +111,33 @@ def to_engine(client: EngineClient, socket: str, method: str, target: str,
                                   reuse=not stream)
 
 
+SLOTS_TIMEOUT_S = 5.0
+OWN_REQUEST = (("User-Agent", "llm-gateway"),)   # the gateway's own, not a client's
+
+
+async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
+    """How many requests a llama engine serves at once (GET /props: total_slots), made
+    the limit of the gateway's connections to it: more would only queue inside
+    llama-server, where idle keep-alive connections hold its HTTP threads (at c=64 its
+    p99 went to seconds); the queue is then the gateway's, first come first served.
+    None, and no limit, when the engine does not say (an old build, whisper)."""
+    try:
+        async with asyncio.timeout(SLOTS_TIMEOUT_S):
+            resp = await client.request(socket, "GET", "/props", OWN_REQUEST, b"",
+                                        queue=False)
+            try:
+                body = await resp.read()
+            finally:
+                resp.release()
+        slots = json.loads(body).get("total_slots") if resp.status == 200 else None
+    except (TimeoutError, EngineConnectionError, OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        return None
+    client.set_limit(socket, slots)
+    return slots
+
+
 def to_remote(session: aiohttp.ClientSession, method: str, url: str,
               headers: Mapping[str, str], body: bytes) -> Callable[[], Awaitable[Answer]]:
     """Outgoing.send for a remote upstream, through its aiohttp session."""

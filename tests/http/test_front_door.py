@@ -29,8 +29,9 @@ from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
 from tests.fakes import FakeHealth, FakeUnits, dispatcher_for, engine_manager_on_fakes
 
-# the gateway runs on uvloop where installed: the front door is tested on both loops
-pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+# the gateway runs on uvloop where installed: the front door is tested on it (the admin
+# API, keys and upstreams tests, on the same app, run on asyncio's loop)
+pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
 
 
 @dataclass
@@ -455,6 +456,31 @@ async def test_a_get_never_autoloads(gw: Gateway) -> None:
     resp = await gw.client.get("/props", params={"model": "c"})
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "model_not_loaded"
     assert "start c" not in gw.units.log
+
+
+async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_here(
+        gw: Gateway) -> None:
+    """Once ready, an engine's /props total_slots bounds the gateway's connections to it:
+    llama-server would queue the rest itself, its HTTP threads held by idle keep-alive
+    connections (p99 of seconds at c=64); here they wait in order, and all are answered."""
+    client = gw.client.app[openai_api.FRONT].engine_client
+    socket = gw.units.layout("c").socket
+    gw.fakes["c"].slots = 2
+    assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
+    deadline = time.monotonic() + 5
+    while client._pool(socket).limit != 2:   # learned in the background once ready
+        assert time.monotonic() < deadline, "the engine's slots were never learned"
+        await asyncio.sleep(0.01)
+    gw.fakes["c"].peak_in_flight = 0
+    answers = await asyncio.gather(*(gw.client.post(
+        "/v1/chat/completions", json=chat("c", prompt="slow 20", stream=True))
+        for _ in range(8)))
+    assert [r.status for r in answers] == [200] * 8
+    bodies = [await r.read() for r in answers]
+    assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    assert gw.fakes["c"].peak_in_flight == 2
+    # an operator's look at the engine does not queue behind inference
+    assert (await gw.client.get("/admin/metrics", params={"engines": "1"})).status == 200
 
 
 async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> None:
