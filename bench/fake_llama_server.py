@@ -14,8 +14,8 @@ import os
 from tests.fake_engine import FakeEngine
 
 
-async def serve(socket: str, name: str) -> None:
-    engine = FakeEngine(name)
+async def serve(socket: str, name: str, slots: int) -> None:
+    engine = FakeEngine(name, slots=slots)
     if os.path.exists(socket):
         os.unlink(socket)
     await engine.start(socket)
@@ -27,8 +27,11 @@ def main() -> None:
     ap.add_argument("--host", required=True)
     ap.add_argument("-m", "--model", default="fake")
     ap.add_argument("--alias", default="fake")
+    # it answers at once, so it takes any number of requests together: its /props says 64
+    # (the ceiling's concurrency), where llama-server says how many slots it has
+    ap.add_argument("-np", "--parallel", type=int, default=64)
     args, _ignored = ap.parse_known_args()   # -t, -c, --mmproj ...: accepted, ignored
-    asyncio.run(serve(args.host, args.alias))
+    asyncio.run(serve(args.host, args.alias, args.parallel))
 
 
 if __name__ == "__main__":

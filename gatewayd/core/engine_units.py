@@ -204,9 +204,12 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
     on a free loopback port behind the same unix socket (engine_launch)."""
     env = engine_env(model, layout, visible_devices)
     extra: dict[str, tuple[str, object]] = {
-        # llama-server refuses to start on a leftover socket file; the runtime
-        # directory is recreated on every start, and this makes sure regardless.
-        "ExecStartPre": ("a(sasb)", [["/bin/rm", exec_args(["/bin/rm", "-f", "--", layout.socket]),
+        # llama-server refuses to start on a leftover socket file. The runtime directory
+        # is recreated on every start, but not for systemd's own restart of a crashed
+        # engine after a daemon-reexec: the file goes when the process does. After the
+        # stop rather than before the start (ExecStartPre): one process less, ~6 ms, on
+        # the cold start a client waits for.
+        "ExecStopPost": ("a(sasb)", [["/bin/rm", exec_args(["/bin/rm", "-f", "--", layout.socket]),
                                       False]]),
         "LogExtraFields": ("aay", [f"{MODEL_ENV}={model.id}".encode()]),
         "MemoryAccounting": ("b", True),   # memory per engine, from systemd
