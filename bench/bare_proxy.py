@@ -60,8 +60,11 @@ def build(socket: str) -> web.Application:
                 resp = web.StreamResponse(status=up.status,
                                           headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
+                try:
+                    async for chunk in up.content.iter_any():
+                        await resp.write(chunk)
+                except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                    pass   # the client left (the gateway does the same, quietly)
                 return resp
             data = await up.read()
             return web.Response(body=data, status=up.status, headers={

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -35,7 +36,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
 # the proxies on the last core, engine and client on the others: less noise from sharing
 CORES = os.cpu_count() or 1
 PIN_PROXY: list[str] = []   # (pinned to one core, its records thread would share it)
@@ -156,10 +156,14 @@ async def _serve_gateway(socket_dir: str, port: int) -> None:
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """The process's CPU time, or one thread's (tid == pid: the event loop's)."""
-    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """The process's CPU time, or one thread's (tid == pid: the event loop's), from
+    schedstat: nanoseconds on the CPU (/proc's stat counts in 10 ms ticks)."""
+    tasks = [tid] if tid else [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    total = 0
+    for task in tasks:
+        with contextlib.suppress(FileNotFoundError):   # a thread that just ended
+            total += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def wait_port(port: int, timeout: float = 30) -> None:

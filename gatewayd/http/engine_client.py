@@ -70,9 +70,13 @@ class EngineResponse:
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    async def read_some(self) -> bytes:
+        """The next piece of the body: whatever has arrived since the last (one streamed
+        event per piece while the engine writes them one at a time); b"" at its end."""
+        return await self._conn.read_some()
+
     async def iter_any(self) -> AsyncIterator[bytes]:
-        """The body in pieces, each whatever has arrived since the last (one streamed
-        event per piece while the engine writes them one at a time)."""
+        """The body in pieces (read_some until the end)."""
         while data := await self._conn.read_some():
             yield data
 
@@ -344,7 +348,7 @@ class _Connection(asyncio.Protocol):
         self._buffer = b""
         self._got_bytes = False
         self._head = None
-        self._body = []
+        self._body.clear()
         self._buffered = 0
         self._error = None
         self._need_crlf = self._trailers = False
@@ -363,18 +367,20 @@ class _Connection(asyncio.Protocol):
 
     async def read_some(self) -> bytes:
         """What has arrived of the body, waiting for something; b"" at its end."""
-        while not self._body:
+        body = self._body
+        while not body:
             if self._error is not None:
                 raise self._error
             if self._state == _DONE:
                 return b""
             await self._wait()
-        body, self._body = self._body, []
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
         self._buffered = 0
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
-        return body[0] if len(body) == 1 else b"".join(body)
+        return data
 
     def finish(self) -> None:
         """The caller is done: back to the pool if the answer was whole and the connection
