@@ -206,10 +206,10 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
     extra: dict[str, tuple[str, object]] = {
         # llama-server refuses to start on a leftover socket file. The runtime directory
         # is recreated on every start, but not for systemd's own restart of a crashed
-        # engine after a daemon-reexec: the file goes when the process does. After the
-        # stop rather than before the start (ExecStartPre): one process less, ~6 ms, on
-        # the cold start a client waits for.
-        "ExecStopPost": ("a(sasb)", [["/bin/rm", exec_args(["/bin/rm", "-f", "--", layout.socket]),
+        # engine after a daemon-reexec. (As ExecStopPost it would cost the cold start
+        # nothing, but a crash then passes through deactivating/stop-post, which reads
+        # as a stop: the slot freed while systemd restarts the engine. Tried, reverted.)
+        "ExecStartPre": ("a(sasb)", [["/bin/rm", exec_args(["/bin/rm", "-f", "--", layout.socket]),
                                       False]]),
         "LogExtraFields": ("aay", [f"{MODEL_ENV}={model.id}".encode()]),
         "MemoryAccounting": ("b", True),   # memory per engine, from systemd

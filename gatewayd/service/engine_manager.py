@@ -104,6 +104,7 @@ class EngineManager:
         self._in_lifecycle: dict[str, int] = {}     # operations holding or awaiting the lock
         self._versions: dict[str, int] = {}         # bumped by every event and operation
         self._failures: dict[str, tuple[int, float]] = {}   # model -> (in a row, retry at)
+        self._state_since: dict[str, float] = {}   # model -> when it entered its state
         self.stop_reasons: dict[str, str] = {}   # why each engine was last stopped
         self.last_release: float | None = None   # when an engine last gave up its slot
         self._readiness = Readiness(health, load_timeout_s=config.load_timeout_s, clock=clock,
@@ -470,7 +471,13 @@ class EngineManager:
         if new.state is old.state:
             return
         failure = new.failure
-        log.info("%s: %s -> %s%s", new.model_id, old.state.value, new.state.value,
+        now = self._clock()
+        since = self._state_since.get(new.model_id)
+        self._state_since[new.model_id] = now
+        # how long the unit took to start and the model to load: where a cold start went
+        took = (f" after {(now - since) * 1000:.0f} ms" if since is not None and old.state in
+                (EngineState.STARTING, EngineState.LOADING) else "")
+        log.info("%s: %s -> %s%s%s", new.model_id, old.state.value, new.state.value, took,
                  f" ({failure.reason})" if failure and new.state is EngineState.FAILED else "")
         if new.state is EngineState.READY:
             for fut in self._waiters.pop(new.model_id, []):

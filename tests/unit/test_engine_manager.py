@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import signal
 from pathlib import Path
 
@@ -31,6 +33,24 @@ async def test_start_waits_until_ready(tmp_path: Path) -> None:
     assert engine.state is EngineState.READY and engine.main_pid == 101
     assert units.log == ["start a"]
     assert DesiredEngines(tmp_path / "state").ids == ["a"]  # persisted
+
+
+async def test_the_journal_says_how_long_the_unit_and_the_model_took(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Where a cold start went, in the engine's two transitions: unit start, model load."""
+    mgr, _, health = engine_manager_on_fakes(tmp_path)
+    health.all_ready = False
+    with caplog.at_level(logging.INFO, logger="gatewayd.engines"):
+        start = asyncio.ensure_future(mgr.start("a"))
+        await asyncio.sleep(0.05)                  # the model "loads" for 50 ms
+        health.all_ready = True
+        await start
+    lines = caplog.text
+    assert re.search(r"a: starting -> loading after \d+ ms", lines), lines
+    took = re.search(r"a: loading -> ready after (\d+) ms", lines)
+    assert took and int(took.group(1)) >= 45, lines
+    assert "stopped -> starting after" not in lines   # only the phases a start waits on
+    await mgr.close()
 
 
 async def test_concurrent_starts_of_one_model_start_one_unit(tmp_path: Path) -> None:

@@ -84,8 +84,8 @@ def test_llama_spec(tmp_path: Path) -> None:
                          "--alias", "my model", "-t", "2", "--metrics",
                          "--mmproj", str(tmp_path / "p.gguf"), "-c", "4096", "--flash-attn", "on"]
     props = {name: (sig, value) for name, sig, value in spec.properties()}
-    assert props["ExecStopPost"][1][0][1] == ["/bin/rm", "-f", "--", layout.socket]
-    assert "ExecStartPre" not in props     # nothing between a start and the engine
+    assert props["ExecStartPre"][1][0][1] == ["/bin/rm", "-f", "--", layout.socket]
+    assert "ExecStopPost" not in props   # a crash must not pass through stop-post (design.md)
     assert props["MemoryMax"] == ("t", 8 << 30)
     assert props["CPUQuotaPerSecUSec"] == ("t", 1_500_000)
     assert props["Slice"] == ("s", "llm-engines.slice")
