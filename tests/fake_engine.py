@@ -6,7 +6,8 @@ connection closed after every stream), the Responses API and Anthropic messages
 (plain and streamed, in their own event formats), embeddings refused with llama-server's
 501, a whisper-style transcription answer padded with whitespace. Behaviour is
 chosen by the prompt text: "die after N" drops the connection mid-stream,
-"slow N" waits N ms between tokens. It never replaces the real engine in the
+"slow N" waits N ms between tokens, "pad N" makes each token N bytes longer. It
+never replaces the real engine in the
 end-to-end tests.
 
 Run standalone: python -m tests.fake_engine SOCKET_PATH
@@ -194,7 +195,8 @@ class FakeEngine:
     async def _answer(self, request: web.Request, payload: dict[str, Any], prompt: str,
                       chat: bool) -> web.StreamResponse:
         n = int(payload.get("max_tokens", 4))
-        words = [f" w{i}" for i in range(n)]
+        pad = re.search(r"pad (\d+)", prompt)    # "pad N": each token N bytes longer
+        words = [f" w{i}" + ("x" * int(pad.group(1)) if pad else "") for i in range(n)]
         usage = {"prompt_tokens": len(prompt.split()) + 10, "completion_tokens": n,
                  "total_tokens": len(prompt.split()) + 10 + n}
         base = {"id": "fake-1", "created": int(time.time()), "model": self.name}

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
 from gatewayd.adapters.records import CallRecord
@@ -39,7 +40,7 @@ from gatewayd.core.errors import (
     anthropic_error_body,
 )
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
-from gatewayd.http.engine_client import EngineClient, EngineConnectionError
+from gatewayd.http.engine_client import EngineClient, EngineConnectionError, EngineResponse
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
@@ -223,7 +224,10 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     record.stream = True
     record.status = upstream.status
     response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
-    await response.prepare(request)
+    chunked = request.version >= aiohttp.HttpVersion11
+    if chunked:
+        response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
+    writer = await response.prepare(request)
     sse = SseRelay(drop_usage_event=out.drop_usage_event)
     delivered = False  # the final event written: a client closing now has everything
     try:
@@ -240,6 +244,11 @@ async def _relay_stream(request: web.Request, upstream: Answer,
                     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
                         raise _ClientGone() from e
                     record.bytes_out += len(data)
+                    if isinstance(upstream, EngineResponse) and writer is not None \
+                            and request.method != "HEAD":
+                        # the head and the first event are out: the rest is pushed
+                        await _relay_pushed(request, upstream, writer, sse, record, chunked)
+                        break
             tail = sse.flush()
             if tail:
                 await _write(response, tail, record)
@@ -276,6 +285,53 @@ async def _relay_stream(request: web.Request, upstream: Answer,
 
 class _ClientGone(Exception):
     pass
+
+
+PUSH_HIGH_WATER = 64 * 1024   # bytes unsent to a slow client before the engine is held
+
+
+async def _relay_pushed(request: web.Request, upstream: EngineResponse,
+                        writer: AbstractStreamWriter, sse: SseRelay, record: CallRecord,
+                        chunked: bool) -> None:
+    """The rest of an engine's stream, each event written to the client from the engine
+    connection's data_received (EngineResponse.relay_to): no task wakes up per event, the
+    relay's CPU per event is ~a third less. The bytes go straight to the client's
+    transport, framed as the chunks aiohttp would write (the response was made chunked
+    for it: write_eof then ends it as usual). A client that stops reading holds the engine
+    until its buffer drains; one that left ends the engine's answer (_ClientGone)."""
+    transport = request.transport
+    if transport is None:
+        raise _ClientGone()
+    feed, write, buffered = sse.feed, transport.write, transport.get_write_buffer_size
+    gone = False
+
+    def push(piece: bytes) -> None:
+        nonlocal gone
+        data = feed(piece)
+        if not data or gone:
+            return
+        if transport.is_closing():
+            gone = True
+            upstream.close()   # the engine stops generating for nobody
+            return
+        write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+        record.bytes_out += len(data)
+        if buffered() > PUSH_HIGH_WATER:
+            upstream.hold()
+
+    upstream.relay_to(push)
+    try:
+        while not await upstream.wait_end():   # held: let the client catch up
+            await writer.drain()
+            if transport.is_closing():
+                raise _ClientGone()
+            upstream.resume()
+    except TRANSPORT_ERRORS:
+        if gone:
+            raise _ClientGone() from None
+        raise
+    if gone:
+        raise _ClientGone()
 
 
 def _client_left(record: CallRecord, upstream: Answer) -> None:

@@ -293,9 +293,12 @@ async def test_multipart_without_model_field_is_model_required(gw: Gateway) -> N
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "model_required"
 
 
-async def test_engine_dies_mid_stream_ends_with_an_error_event(gw: Gateway) -> None:
+@pytest.mark.parametrize("prompt", ["die after 2", "slow 10 die after 2"],
+                         ids=["at-once", "paced"])   # paced: the events after the first pushed
+async def test_engine_dies_mid_stream_ends_with_an_error_event(gw: Gateway,
+                                                               prompt: str) -> None:
     resp = await gw.client.post("/v1/chat/completions", json=chat(
-        "a", stream=True, prompt="die after 2", max_tokens=6))
+        "a", stream=True, prompt=prompt, max_tokens=6))
     assert resp.status == 200               # sent before the engine died: it stays 200
     got = events(await resp.read())
     assert got[-1]["error"]["code"] == "engine_failed"
@@ -321,6 +324,46 @@ async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
         await asyncio.sleep(0.02)
     assert engine.disconnects == 1 and engine.events_sent < 20
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+
+
+async def test_a_client_that_stops_reading_holds_the_engine_and_gets_everything(
+        gw: Gateway) -> None:
+    """Events are pushed to the client from the engine connection's callback; a client
+    that does not read makes the gateway stop reading from the engine (the engine is
+    held, the gateway buffers ~64 KiB, not the whole answer), and when it reads again
+    it gets every event, in order, and the end."""
+    n, pad = 6000, 4000    # 24 MB: more than the socket buffers on the way hold (~10 MB)
+    resp = await gw.client.post("/v1/chat/completions", json=chat(
+        "a", stream=True, prompt=f"pad {pad}", max_tokens=n))
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")
+    await asyncio.sleep(0.5)                   # a slow reader
+    engine = gw.fakes["a"]
+    assert engine.events_sent < n * 0.75, engine.events_sent   # held, not read to the end
+    got = events(await resp.read())
+    tokens = [e["choices"][0]["delta"].get("content") for e in got[:-1]
+              if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert len(tokens) == n and tokens[-1].startswith(f" w{n - 1}x")
+    assert got[-1] == "[DONE]"
+    (row,) = await gw.records(1)
+    assert row["outcome"] == "ok" and row["completion_tokens"] == n
+
+
+async def test_an_http_1_0_client_gets_its_stream_unframed_until_the_close(
+        gw: Gateway) -> None:
+    """No chunked transfer coding for HTTP/1.0: the pushed events go out as they are and
+    the connection's close ends the answer."""
+    body = json.dumps(chat("a", stream=True, max_tokens=5, prompt="slow 10")).encode()
+    reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    answer = await asyncio.wait_for(reader.read(), 10)   # to the close
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0]
+    assert b"chunked" not in head.lower()
+    got = events(payload)
+    assert got[-1] == "[DONE]" and sum(1 for e in got[:-1] if e["choices"]) == 7  # role, 5, end
 
 
 async def test_engine_errors_pass_through(tmp_path: Path) -> None:
