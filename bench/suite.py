@@ -224,14 +224,15 @@ class Plan:
     streams: int
     cycles: int
     open_streams: int
+    activations: int   # socket-activated starts (one process start each: noisy)
 
 
 # streams: rounds of the 256-token stream (and of cold starts, KV restores); a single
 # stream's rate moved by +-25% between runs at 5, so it takes more
 PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, streams=12,
-                      cycles=4, open_streams=1000),
+                      cycles=4, open_streams=1000, activations=7),
          "smoke": Plan(rounds=1, n_seq=20, n_c8=40, n_c64=64, n_ceiling=200, streams=1,
-                       cycles=1, open_streams=100)}
+                       cycles=1, open_streams=100, activations=2)}
 
 
 async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
@@ -420,7 +421,7 @@ async def footprint(plan: Plan, fake_cfg: Path) -> dict[str, Any]:
         errors = sum(1 for t in tasks if t.exception() is not None)
     # socket activation to the first answer
     activation = []
-    for i in range(3):
+    for i in range(plan.activations):
         unit = f"bench-sa{i}"
         Path(f"/run/systemd/system/{unit}.socket").write_text(
             f"[Socket]\nListenStream=127.0.0.1:{18620 + i}\n")
