@@ -41,10 +41,11 @@ class Target:
     base: str
     socket: str | None = None
 
-    def session(self, limit: int = 100) -> aiohttp.ClientSession:
+    def session(self, limit: int = 100, fresh: bool = False) -> aiohttp.ClientSession:
+        """fresh: a new connection for every request."""
         connector: aiohttp.BaseConnector = (
-            aiohttp.UnixConnector(path=self.socket, limit=limit) if self.socket
-            else aiohttp.TCPConnector(limit=limit))
+            aiohttp.UnixConnector(path=self.socket, limit=limit, force_close=fresh)
+            if self.socket else aiohttp.TCPConnector(limit=limit, force_close=fresh))
         return aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=300))
 
@@ -89,7 +90,8 @@ def chat(model: str, max_tokens: int = 1, stream: bool = False, prompt: str = "h
 async def load(target: Target, body: dict[str, Any], n: int, concurrency: int,
                samples: Samples, cpu_pid: int | None = None) -> None:
     """n requests, `concurrency` at a time; latency of each, throughput of the whole."""
-    async with target.session(limit=concurrency) as session:
+    async with target.session(limit=concurrency) as session, \
+            target.session(limit=concurrency, fresh=True) as fresh:
         payload = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         per_worker = [n // concurrency + (1 if i < n % concurrency else 0)
@@ -100,16 +102,18 @@ async def load(target: Target, body: dict[str, Any], n: int, concurrency: int,
                 t0 = time.perf_counter()
                 for attempt in (1, 2):
                     try:
-                        async with session.post(target.base + CHAT, data=payload,
-                                                headers=headers) as resp:
+                        async with (session if attempt == 1 else fresh).post(
+                                target.base + CHAT, data=payload, headers=headers) as resp:
                             answer = await resp.read()
                         break
-                    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-                        # llama-server closes a keep-alive connection after 100 requests:
-                        # like any client, try again on a new one (counted)
+                    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+                        # llama-server closes keep-alive connections (after 100 requests,
+                        # or idle ones at high concurrency): like any client, try again,
+                        # on a new connection, not another pooled one (counted)
                         samples.retries += 1
                         if attempt == 2:
-                            raise
+                            raise RuntimeError(f"{target.name}: failed twice, the second "
+                                               f"time on a new connection: {e}") from e
                 if resp.status != 200:   # which path, and what it said
                     raise RuntimeError(f"{target.name}: HTTP {resp.status}: "
                                        f"{answer[:300].decode(errors='replace')}")
@@ -438,7 +442,8 @@ async def footprint(plan: Plan, fake_cfg: Path) -> dict[str, Any]:
         sh("systemctl", "stop", f"{unit}.socket", f"{unit}.service")
     return {"rss_idle_mib": round(idle, 1), "rss_peak_open_streams_mib": round(peak, 1),
             "open_streams": plan.open_streams, "open_stream_errors": errors,
-            "socket_activation_to_first_answer_ms": round(statistics.median(activation), 1)}
+            "socket_activation_to_first_answer_ms": round(statistics.median(activation), 1),
+            "socket_activation_samples_ms": [round(a, 1) for a in activation]}
 
 
 def write_config(path: Path, models: Path, llama: str, state: Path, port: int,

@@ -119,11 +119,14 @@ OWN_REQUEST = (("User-Agent", "llm-gateway"),)   # the gateway's own, not a clie
 
 
 async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
-    """How many requests a llama engine serves at once (GET /props: total_slots), made
-    the limit of the gateway's connections to it: more would only queue inside
-    llama-server, where idle keep-alive connections hold its HTTP threads (at c=64 its
-    p99 went to seconds); the queue is then the gateway's, first come first served.
-    None, and no limit, when the engine does not say (an old build, whisper)."""
+    """How many requests a llama engine serves at once (GET /props: total_slots); one more
+    than that is the limit of the gateway's connections to it. More would only queue
+    inside llama-server, where idle keep-alive connections hold its HTTP threads (at c=64
+    its p99 went to seconds); the queue is then the gateway's, first come first served.
+    The one more keeps a request waiting inside, so a slot that frees starts the next at
+    once instead of idling a round trip; llama-server has slots + 2 HTTP threads, so one
+    stays free for /health, /metrics and /slots. None, and no limit, when the engine does
+    not say (an old build, whisper)."""
     try:
         async with asyncio.timeout(SLOTS_TIMEOUT_S):
             resp = await client.request(socket, "GET", "/props", OWN_REQUEST, b"",
@@ -137,7 +140,7 @@ async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
         return None
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         return None
-    client.set_limit(socket, slots)
+    client.set_limit(socket, slots + 1)
     return slots
 
 

@@ -503,15 +503,15 @@ async def test_a_get_never_autoloads(gw: Gateway) -> None:
 
 async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_here(
         gw: Gateway) -> None:
-    """Once ready, an engine's /props total_slots bounds the gateway's connections to it:
-    llama-server would queue the rest itself, its HTTP threads held by idle keep-alive
+    """Once ready, an engine's /props total_slots (+ 1) bounds the gateway's connections to
+    it: llama-server would queue the rest itself, its HTTP threads held by idle keep-alive
     connections (p99 of seconds at c=64); here they wait in order, and all are answered."""
     client = gw.client.app[openai_api.FRONT].engine_client
     socket = gw.units.layout("c").socket
     gw.fakes["c"].slots = 2
     assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
     deadline = time.monotonic() + 5
-    while client._pool(socket).limit != 2:   # learned in the background once ready
+    while client._pool(socket).limit != 3:   # slots + 1, learned once it is ready
         assert time.monotonic() < deadline, "the engine's slots were never learned"
         await asyncio.sleep(0.01)
     gw.fakes["c"].peak_in_flight = 0
@@ -521,7 +521,7 @@ async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_
     assert [r.status for r in answers] == [200] * 8
     bodies = [await r.read() for r in answers]
     assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
-    assert gw.fakes["c"].peak_in_flight == 2
+    assert gw.fakes["c"].peak_in_flight == 3
     # an operator's look at the engine does not queue behind inference
     assert (await gw.client.get("/admin/metrics", params={"engines": "1"})).status == 200
 
