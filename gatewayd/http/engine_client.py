@@ -415,8 +415,13 @@ class _Connection(asyncio.Protocol):
         self._sink = sink
         pending = list(body)
         body.clear()
-        for piece in pending:
-            sink(piece)
+        try:
+            for piece in pending:
+                self._push(piece)
+        except EngineConnectionError as e:
+            self._fail(e)
+            self.abort()
+            self._wake()
 
     def hold(self) -> None:
         if not self._held:
@@ -563,7 +568,11 @@ class _Connection(asyncio.Protocol):
 
     def _push(self, data: bytes) -> None:
         if self._sink is not None:
-            self._sink(data)
+            try:
+                self._sink(data)
+            except Exception as e:   # never out of data_received: the answer ends, clearly
+                self._sink = None
+                raise EngineConnectionError(f"relaying the answer failed: {e!r}") from e
             return
         self._body.append(data)
         self._buffered += len(data)

@@ -335,3 +335,34 @@ async def test_nonsense_from_the_engine_is_an_error_not_a_hang(engine: Engine) -
             await get(client, engine, reuse=False)
     assert client.in_use(engine.path) == 0
     await client.close()
+
+
+async def test_a_sink_gets_each_piece_as_it_arrives_and_its_failure_ends_the_answer(
+        engine: Engine) -> None:
+    async def paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(4):
+            writer.write(b"1\r\n%d\r\n" % i)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+    engine.handler = paced
+    client = EngineClient(read_timeout_s=5)
+    got: list[bytes] = []
+    resp = await client.request(engine.path, "POST", "/", [], b"", reuse=False)
+    resp.relay_to(got.append)
+    assert await resp.wait_end() is True
+    resp.release()
+    assert got == [b"0", b"1", b"2", b"3"]          # one call per piece, in order
+
+    def breaks(piece: bytes) -> None:
+        if piece == b"2":
+            raise ValueError("the client side broke")
+    resp = await client.request(engine.path, "POST", "/", [], b"", reuse=False)
+    resp.relay_to(breaks)
+    with pytest.raises(EngineConnectionError, match="relaying the answer failed"):
+        await resp.wait_end()
+    resp.close()
+    assert client.in_use(engine.path) == 0
+    await client.close()
