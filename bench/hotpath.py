@@ -130,23 +130,14 @@ async def _serve_gateway(socket_dir: str, port: int) -> None:
     systemd, its one engine 'tiny-alpha' at the instant engine's socket."""
     from aiohttp import web
 
-    from gatewayd.app import DISPATCHER, build_app
-    from gatewayd.http import admin_api
-    from tests.fakes import dispatcher_for, engine_manager_on_fakes
+    from gatewayd.app import build_app
+    from tests.fakes import engine_layer_on, engine_manager_on_fakes
 
     work = Path(tempfile.mkdtemp(prefix="hotpath-"))
     settings = json.loads(os.environ.get("HOTPATH_CONFIG", "{}"))   # GatewayConfig fields
     os.environ.update(settings.pop("_env", {}))     # and environment variables
     mgr, _units, _ = engine_manager_on_fakes(work, run_root=socket_dir, **settings)
-
-    async def engines_ctx(app: web.Application) -> Any:
-        app[admin_api.ENGINES] = mgr
-        app[DISPATCHER] = dispatcher_for(mgr)
-        yield
-        await app[DISPATCHER].close()
-        await mgr.close()
-
-    app = build_app(mgr.config, engines_ctx=engines_ctx)
+    app = build_app(mgr.config, engines_ctx=engine_layer_on(mgr))
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()

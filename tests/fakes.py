@@ -3,9 +3,11 @@ systemd for engine units, a health probe, a journal, and an EngineManager built 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+
+from aiohttp import web
 
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.gpu import NoGpu
@@ -123,3 +125,17 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: Any = None, max_engines: int
 def dispatcher_for(mgr: EngineManager) -> Dispatcher:
     """A dispatcher over mgr, given what it uses as the gateway's app.py does."""
     return Dispatcher(mgr, catalog=mgr.catalog, gpu=mgr.gpu, config=mgr.config)
+
+
+def engine_layer_on(mgr: EngineManager) -> Callable[[web.Application], AsyncIterator[None]]:
+    """build_app's engines_ctx for an EngineManager on fakes: it and its dispatcher."""
+    from gatewayd.app import DISPATCHER
+    from gatewayd.http import admin_api
+
+    async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[admin_api.ENGINES] = mgr
+        app[DISPATCHER] = dispatcher_for(mgr)
+        yield
+        await app[DISPATCHER].close()
+        await mgr.close()
+    return engines_ctx

@@ -22,12 +22,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.adapters import records
-from gatewayd.app import DISPATCHER, build_app
+from gatewayd.app import build_app
 from gatewayd.core.config import Backend, ModelKind
-from gatewayd.http import admin_api, openai_api
+from gatewayd.http import openai_api
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
-from tests.fakes import FakeHealth, FakeUnits, dispatcher_for, engine_manager_on_fakes
+from tests.fakes import FakeHealth, FakeUnits, engine_layer_on, engine_manager_on_fakes
 
 # the gateway runs on uvloop where installed: the front door is tested on it (the admin
 # API, keys and upstreams tests, on the same app, run on asyncio's loop)
@@ -65,14 +65,7 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
         fakes[name] = FakeEngine(name)
         await fakes[name].start(units.layout(name).socket)
 
-    async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[admin_api.ENGINES] = mgr
-        app[DISPATCHER] = dispatcher_for(mgr)
-        yield
-        await app[DISPATCHER].close()
-        await mgr.close()
-
-    app = build_app(mgr.config, engines_ctx=engines_ctx)
+    app = build_app(mgr.config, engines_ctx=engine_layer_on(mgr))
     async with TestClient(TestServer(app)) as client:
         for name in start:
             await mgr.start(name)
