@@ -81,7 +81,6 @@ class CallRecord:
 
 COLUMNS = [f.name for f in fields(CallRecord)]
 _ROW = attrgetter(*COLUMNS)   # a record as its row, in column order (asdict: ~10x slower)
-_INSERT = f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _ONE_ROW = f"({', '.join('?' * len(COLUMNS))})"
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 from multidict import CIMultiDict
@@ -75,11 +75,6 @@ class EngineResponse:
         event per piece while the engine writes them one at a time); b"" at its end."""
         return await self._conn.read_some()
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        """The body in pieces (read_some until the end)."""
-        while data := await self._conn.read_some():
-            yield data
-
     def relay_to(self, sink: Callable[[bytes], None]) -> None:
         """From now on each piece of the body goes to sink the moment it arrives, from the
         connection's data_received: no task wakes up per piece (a streamed event costs
@@ -120,11 +115,10 @@ class EngineClient:
     """Connections to engine sockets, created on first use."""
 
     def __init__(self, read_timeout_s: float, *, connect_timeout_s: float = 10.0,
-                 keepalive_s: float = 4.0, limit: int | None = None) -> None:
+                 keepalive_s: float = 4.0) -> None:
         self.read_timeout_s = read_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
-        self.default_limit = limit
         self._pools: dict[str, _Pool] = {}
 
     def set_limit(self, socket: str, limit: int | None) -> None:
@@ -133,6 +127,10 @@ class EngineClient:
         pool = self._pool(socket)
         pool.limit = None if limit is None else max(1, limit)
         pool.admit()
+
+    def limit(self, socket: str) -> int | None:
+        pool = self._pools.get(socket)
+        return pool.limit if pool else None
 
     def in_use(self, socket: str) -> int:
         pool = self._pools.get(socket)
@@ -204,7 +202,7 @@ class EngineClient:
     def _pool(self, socket: str) -> _Pool:
         pool = self._pools.get(socket)
         if pool is None:
-            pool = self._pools[socket] = _Pool(self.keepalive_s, self.default_limit)
+            pool = self._pools[socket] = _Pool(self.keepalive_s, None)
         return pool
 
     def forget(self, socket: str) -> None:
@@ -353,12 +351,6 @@ class _Connection(asyncio.Protocol):
         if self._sink is None or self._state == _DONE or self._error is not None:
             self._wake()   # (a sink takes the pieces itself: nobody to wake per piece)
 
-    def pause_writing(self) -> None:    # a large request body: the transport buffers it
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- the request -----------------------------------------------------------------
 
     def send(self, head: bytes, body: bytes, method: str) -> None:
@@ -401,17 +393,13 @@ class _Connection(asyncio.Protocol):
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         self._buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self._resume_reading()
         return data
 
     def set_sink(self, sink: Callable[[bytes], None]) -> None:
         body = self._body
         self._buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self._resume_reading()
         self._sink = sink
         pending = list(body)
         body.clear()
@@ -424,15 +412,20 @@ class _Connection(asyncio.Protocol):
             self._wake()
 
     def hold(self) -> None:
-        if not self._held:
-            self._held = True
-            if self.transport is not None and not self._paused:
-                self._paused = True
-                self.transport.pause_reading()
+        self._held = True
+        self._pause_reading()
         self._wake()
 
     def resume(self) -> None:
         self._held = False
+        self._resume_reading()
+
+    def _pause_reading(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
@@ -576,9 +569,8 @@ class _Connection(asyncio.Protocol):
             return
         self._body.append(data)
         self._buffered += len(data)
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        if self._buffered > HIGH_WATER:
+            self._pause_reading()
 
     # -- waiting ---------------------------------------------------------------------
 

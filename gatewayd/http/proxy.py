@@ -235,18 +235,12 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     delivered = False  # the final event written: a client closing now has everything
     try:
         try:
-            # per event, the hot loop: no async generator, no helper coroutine
-            read, feed, write = upstream.read_some, sse.feed, response.write
-            while chunk := await read():
-                data = feed(chunk)
+            while chunk := await upstream.read_some():
+                data = sse.feed(chunk)
                 if data:
                     if record.ttft_ms is None:
                         record.ttft_ms = (time.monotonic() - t0) * 1000
-                    try:
-                        await write(data)
-                    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-                        raise _ClientGone() from e
-                    record.bytes_out += len(data)
+                    await _write(response, data, record)
                     if isinstance(upstream, EngineResponse) and writer is not None \
                             and request.method != "HEAD":
                         # the head and the first event are out: the rest is pushed

@@ -98,7 +98,7 @@ class SseRelay:
         if b'"usage"' not in complete:
             # the common case, whether or not a usage event is to be dropped (only an event
             # that names usage can be one): forward as is
-            self.content_events += complete.count(b"data: {")
+            self._count(complete)
             return complete
         kept = [event for event in complete.split(b"\n\n")[:-1] if self._keep(event)]
         return b"".join(event + b"\n\n" for event in kept)

@@ -504,7 +504,7 @@ async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_
     gw.fakes["c"].slots = 2
     assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
     deadline = time.monotonic() + 5
-    while client._pool(socket).limit != 3:   # slots + 1, learned once it is ready
+    while client.limit(socket) != 3:   # slots + 1, learned once it is ready
         assert time.monotonic() < deadline, "the engine's slots were never learned"
         await asyncio.sleep(0.01)
     gw.fakes["c"].peak_in_flight = 0
