@@ -37,12 +37,26 @@ def write_report(r: dict[str, Any], out: Path) -> None:
     if ce["bare"].get("req_per_s"):
         lines.append(f"\ngateway ÷ bare proxy throughput: "
                      f"{ce['gateway']['req_per_s'] / ce['bare']['req_per_s']:.2f}")
-    lines += ["", "## Streaming (256 tokens; tokens/s from the first token to the last)", "",
-              "| path | tokens/s | first token ms | gap p50 ms | gap p99 ms | events per read |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Streaming (256 tokens)", "",
+              "tokens/s: from the first token to the last; answer tokens/s: from the request "
+              "to the last token. CPU: the proxy process's own, per event. router_engine: the "
+              "router's child llama-server, read directly (the router's hop is router ÷ "
+              "router_engine; the others' is ÷ direct).", "",
+              "| path | tokens/s | answer tokens/s | first token ms | gap p50 ms | gap p99 ms | "
+              "events per read | CPU µs/event | stalled starts re-run |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for path, s in r["streaming"].items():
-        lines.append(f"| {path} | {s['tokens_per_s']} | {s.get('first_token_ms', '-')} | "
-                     f"{s['gap_p50_ms']} | {s['gap_p99_ms']} | {s['events_per_read']} |")
+        lines.append(f"| {path} | {s['tokens_per_s']} | {s.get('answer_tokens_per_s', '-')} | "
+                     f"{s.get('first_token_ms', '-')} | {s['gap_p50_ms']} | {s['gap_p99_ms']} | "
+                     f"{s['events_per_read']} | {s.get('cpu_us_per_event', '-')} | "
+                     f"{s.get('stalled_starts_rerun', '-')} |")
+    st = r["streaming"]
+    if "router_engine" in st:
+        def hop(path: str, engine: str) -> str:
+            return f"{st[path]['tokens_per_s'] / st[engine]['tokens_per_s']:.2f}"
+        lines.append(f"\nthe hop, tokens/s ÷ the path's own engine read directly: gateway "
+                     f"{hop('gateway', 'direct')}, router {hop('router', 'router_engine')}, "
+                     f"bare {hop('bare', 'direct')}")
     cs = r["cold_swap"]
     lines += ["", "## Cold start and swap (first byte, ms; 2 slots, 3 models)", "",
               "| | gateway | router |", "|---|---|---|",
