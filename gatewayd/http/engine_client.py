@@ -75,12 +75,19 @@ class EngineResponse:
         event per piece while the engine writes them one at a time); b"" at its end."""
         return await self._conn.read_some()
 
-    def relay_to(self, sink: Callable[[bytes], None]) -> None:
+    def relay_to(self, sink: Callable[[bytes], None],
+                 chunk_sink: Callable[[bytes, int], bool] | None = None) -> None:
         """From now on each piece of the body goes to sink the moment it arrives, from the
         connection's data_received: no task wakes up per piece (a streamed event costs
         the relay ~a third less CPU). What was buffered goes to it first. sink must not
-        raise; it calls hold() to stop the flow while its own output drains."""
-        self._conn.set_sink(sink)
+        raise; it calls hold() to stop the flow while its own output drains.
+
+        chunk_sink, if given, is offered each read that is exactly one whole chunk of a
+        chunked body, framing and all, with its data's size (a stream's usual read: one
+        event, one chunk). It returns True if it took the chunk, False to have its data go
+        to sink as any other piece. A relay whose output is framed the same way sends it
+        on as it came, instead of taking the framing off here and putting it back on."""
+        self._conn.set_sink(sink, chunk_sink)
 
     def hold(self) -> None:
         """Stop reading from the engine, and wake wait_end (sink's output is full)."""
@@ -304,6 +311,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._error: BaseException | None = None
         self._sink: Callable[[bytes], None] | None = None
+        self._chunk_sink: Callable[[bytes, int], bool] | None = None
         self._held = False            # the sink asked for a pause (its output is full)
         self._waiter: asyncio.Future[None] | None = None
         self._last_io = 0.0
@@ -333,6 +341,27 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._last_io = self._loop.time()
         self._got_bytes = True
+        if self._chunk_sink is not None and self._state == _BODY and self._at_chunk_start():
+            # a read that is one whole chunk: offered as it is (relay_to), if its size is
+            # written plainly (lowercase hex, as llama-server's), since it goes on as written
+            eol = data.find(b"\r\n", 0, MAX_CHUNK_LINE)
+            if eol > 0:
+                line = data[:eol]
+                try:
+                    size = int(line, 16)
+                except ValueError:   # an extension, or bad: the parser below says which
+                    size = 0
+                if size > 0 and len(data) == eol + size + 4 and data.endswith(b"\r\n") \
+                        and b"%x" % size == line:
+                    try:
+                        if self._chunk_sink(data, size):
+                            return
+                    except Exception as e:   # never out of data_received (as in _push)
+                        self._chunk_sink = self._sink = None
+                        self._fail(EngineConnectionError(f"relaying the answer failed: {e!r}"))
+                        self.abort()
+                        self._wake()
+                        return
         try:
             if self._state == _HEAD:
                 data = self._parse_head(data)
@@ -365,7 +394,7 @@ class _Connection(asyncio.Protocol):
         self._body.clear()
         self._buffered = 0
         self._error = None
-        self._sink = None
+        self._sink = self._chunk_sink = None
         self._held = False
         self._need_crlf = self._trailers = False
         self._last_io = self._loop.time()
@@ -396,11 +425,13 @@ class _Connection(asyncio.Protocol):
         self._resume_reading()
         return data
 
-    def set_sink(self, sink: Callable[[bytes], None]) -> None:
+    def set_sink(self, sink: Callable[[bytes], None],
+                 chunk_sink: Callable[[bytes, int], bool] | None = None) -> None:
         body = self._body
         self._buffered = 0
         self._resume_reading()
         self._sink = sink
+        self._chunk_sink = chunk_sink
         pending = list(body)
         body.clear()
         try:
@@ -511,6 +542,11 @@ class _Connection(asyncio.Protocol):
         if self._left == 0:
             self._state = _DONE
 
+    def _at_chunk_start(self) -> bool:
+        """The chunked body's parser is between chunks, with nothing held back."""
+        return (self._framing == _CHUNKED and not self._left and not self._buffer
+                and not self._need_crlf and not self._trailers)
+
     def _parse_chunks(self, data: bytes) -> None:
         if self._buffer:
             data = self._buffer + data
@@ -564,7 +600,7 @@ class _Connection(asyncio.Protocol):
             try:
                 self._sink(data)
             except Exception as e:   # never out of data_received: the answer ends, clearly
-                self._sink = None
+                self._sink = self._chunk_sink = None
                 raise EngineConnectionError(f"relaying the answer failed: {e!r}") from e
             return
         self._body.append(data)

@@ -300,6 +300,7 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
     if transport is None:
         raise _ClientGone()
     feed, write, buffered = sse.feed, transport.write, transport.get_write_buffer_size
+    take_framed = sse.take_framed
     gone = False
 
     def push(piece: bytes) -> None:
@@ -316,7 +317,17 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
         if buffered() > PUSH_HIGH_WATER:
             upstream.hold()
 
-    upstream.relay_to(push)
+    def push_chunk(chunk: bytes, size: int) -> bool:
+        # the engine's chunk, one event in it as a rule, goes on with its framing as is
+        if gone or transport.is_closing() or not take_framed(chunk, 2):
+            return False   # push() takes it apart (and sees to a client that left)
+        write(chunk)
+        record.bytes_out += size
+        if buffered() > PUSH_HIGH_WATER:
+            upstream.hold()
+        return True
+
+    upstream.relay_to(push, push_chunk if chunked else None)
     try:
         while not await upstream.wait_end():   # held: let the client catch up
             await writer.drain()

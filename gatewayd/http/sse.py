@@ -103,6 +103,18 @@ class SseRelay:
         kept = [event for event in complete.split(b"\n\n")[:-1] if self._keep(event)]
         return b"".join(event + b"\n\n" for event in kept)
 
+    def take_framed(self, data: bytes, tail: int) -> bool:
+        """Instead of feed(), for events in transport framing (an HTTP chunk) that the
+        client is to get framed the same way; tail: the framing's bytes after the events.
+        True if they may go exactly as they are, and they then count as passed on; False,
+        with nothing changed, if they must go through feed: something is pending, they
+        name usage, or they end in the middle of an event."""
+        if self._pending or b'"usage"' in data or not data.endswith(b"\n\n", 0, len(data) - tail):
+            return False
+        self._last = data
+        self._count(data)
+        return True
+
     def flush(self) -> bytes:
         """Whatever is left when the upstream ends (an unterminated last event)."""
         rest, self._pending = self._pending, b""

@@ -368,3 +368,68 @@ async def test_a_sink_gets_each_piece_as_it_arrives_and_its_failure_ends_the_ans
     resp.close()
     assert client.in_use(engine.path) == 0
     await client.close()
+
+
+async def test_a_chunk_sink_gets_whole_chunks_as_they_came_the_rest_goes_to_the_sink(
+        engine: Engine) -> None:
+    """relay_to's chunk_sink: a read that is exactly one whole chunk is offered framing and
+    all; a part of a chunk, two chunks in one read, a chunk with an extension, one the
+    chunk sink refuses, sizes not written plainly (they would go on as written) and the last
+    chunk go to the sink as pieces of the body."""
+    took = asyncio.Event()   # the client side handled a read: the engine writes the next
+    relaying = asyncio.Event()
+
+    def chunk(data: bytes, ext: bytes = b"") -> bytes:
+        return b"%x%s\r\n%s\r\n" % (len(data), ext, data)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await relaying.wait()
+        split = chunk(b"data: 1\n\n")
+        for write in (chunk(b"data: 0\n\n"), split[:6], split[6:],
+                      chunk(b"data: 2\n\n") + chunk(b"data: 3\n\n"),
+                      chunk(b"data: 4\n\n", b";x=y"), b"0x9\r\ndata: 6\n\n\r\n",
+                      b"09\r\ndata: 7\n\n\r\n", chunk(b"data: refuse\n\n"),
+                      chunk(b"data: 5\n\n"), b"0\r\n\r\n"):
+            took.clear()
+            writer.write(write)
+            await writer.drain()
+            await took.wait()
+    engine.handler = handle
+    client = EngineClient(read_timeout_s=5)
+    whole: list[tuple[bytes, int]] = []
+    pieces: list[bytes] = []
+
+    def sink(piece: bytes) -> None:
+        pieces.append(piece)
+        took.set()
+
+    def chunk_sink(framed: bytes, size: int) -> bool:
+        took.set()
+        if b"refuse" in framed:
+            return False
+        whole.append((framed, size))
+        return True
+    resp = await client.request(engine.path, "POST", "/", [], b"", reuse=False)
+    resp.relay_to(sink, chunk_sink)
+    relaying.set()
+    assert await resp.wait_end() is True
+    resp.release()
+    assert whole == [(chunk(b"data: 0\n\n"), 9), (chunk(b"data: 5\n\n"), 9)]
+    assert b"".join(pieces) == (b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n"
+                                b"data: 6\n\ndata: 7\n\ndata: refuse\n\n")
+    assert client.in_use(engine.path) == 0
+
+    def breaks(framed: bytes, size: int) -> bool:
+        took.set()
+        raise ValueError("the client side broke")
+    relaying.clear()
+    resp = await client.request(engine.path, "POST", "/", [], b"", reuse=False)
+    resp.relay_to(sink, breaks)
+    relaying.set()
+    with pytest.raises(EngineConnectionError, match="relaying the answer failed"):
+        await resp.wait_end()
+    resp.close()
+    assert client.in_use(engine.path) == 0
+    await client.close()

@@ -109,3 +109,25 @@ def test_events_without_usage_pass_as_the_very_bytes_read_even_when_usage_is_dro
         chunk = b'data: {"choices":[{"delta":{"content":" w"}}]}\n\n' * 2
         assert sse.feed(chunk) is chunk
         assert sse.content_events == 2
+
+
+def test_framed_events_pass_as_they_are_only_when_feed_would_pass_them_unchanged() -> None:
+    """take_framed: whole events in a chunk's framing go on as they are (counted, and the
+    stream's end seen in them); anything feed() would change or hold back is refused,
+    with nothing changed, so that feed() gets it."""
+    event = b'data: {"choices":[{"delta":{"content":" w"}}]}\n\n'
+    sse = SseRelay(drop_usage_event=True)
+    framed = b"%x\r\n%b\r\n" % (len(event), event)
+    assert sse.take_framed(framed, 2) is True
+    assert sse.content_events == 1 and not sse.ended
+    usage = b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+    assert sse.take_framed(b"%x\r\n%b\r\n" % (len(usage), usage), 2) is False  # feed drops it
+    half = b"%x\r\n%b\r\n" % (10, event[:10])
+    assert sse.take_framed(half, 2) is False                    # ends mid-event
+    assert sse.feed(event[:10]) == b""                           # now something is pending
+    assert sse.take_framed(framed, 2) is False
+    assert sse.feed(event[10:]) == event
+    assert sse.content_events == 2
+    done = b"data: [DONE]\n\n"
+    assert sse.take_framed(b"%x\r\n%b\r\n" % (len(done), done), 2) is True
+    assert sse.flush() == b"" and sse.ended
