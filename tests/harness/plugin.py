@@ -192,6 +192,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         stand_in = InsideItem.from_parent(item.parent, name=item.name)
         stand_in.own_markers = list(item.own_markers)
         stand_in.keywords.update(item.keywords)
+        # the first stand-in to run waits for the whole inside session (each test in it
+        # has the usual per-test timeout there)
+        stand_in.add_marker(pytest.mark.timeout(INSIDE_TIMEOUT_S + 120), append=False)
         items[n] = stand_in
 
 
