@@ -127,6 +127,13 @@ class EngineUnavailable(GatewayError):
     status, type, code = 502, "server_error", "engine_unavailable"
 
 
+class EngineBusy(GatewayError):
+    """Everything the engine serves at once stayed in use while the request waited for a
+    turn (up to read_timeout_s): try again."""
+
+    status, type, code = 503, "server_error", "engine_busy"
+
+
 class UpstreamUnavailable(GatewayError):
     """A remote upstream refused the connection, or dropped it before answering."""
 

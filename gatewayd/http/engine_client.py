@@ -52,6 +52,11 @@ class EngineConnectionError(Exception):
         self.connect = connect
 
 
+class ConnectionsBusy(Exception):
+    """None of an engine's connections came free in time: all it serves at once are in
+    use, and the request waited for one for the client's queue time (read_timeout_s)."""
+
+
 class EngineResponse:
     """An engine's answer: status and headers at once, the body as it arrives."""
 
@@ -122,8 +127,11 @@ class EngineClient:
     """Connections to engine sockets, created on first use."""
 
     def __init__(self, read_timeout_s: float, *, connect_timeout_s: float = 10.0,
-                 keepalive_s: float = 4.0) -> None:
+                 keepalive_s: float = 4.0, queue_timeout_s: float | None = None) -> None:
         self.read_timeout_s = read_timeout_s
+        # the longest wait for one of an engine's connections (the limit's queue); the
+        # client has heard nothing meanwhile, as in a silence of the engine's
+        self.queue_timeout_s = read_timeout_s if queue_timeout_s is None else queue_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
         self._pools: dict[str, _Pool] = {}
@@ -159,7 +167,8 @@ class EngineClient:
         its own, closed at the end (llama-server closes after every stream anyway).
         queue=False: not counted against the limit (an operator's look at the engine, such
         as its /metrics, must not wait behind inference; the engine keeps spare HTTP
-        threads for those). Raises EngineConnectionError, or TimeoutError when no byte
+        threads for those). Raises ConnectionsBusy when no connection came free for
+        queue_timeout_s, EngineConnectionError, or TimeoutError when no byte
         came in time."""
         pool = self._pool(socket)
         head = _request_head(method, target, headers, len(body),
@@ -167,7 +176,7 @@ class EngineClient:
         if not queue:
             pool = _Pool(self.keepalive_s, None)    # a pool of its own: no slot, no reuse
             reuse = False
-        await pool.acquire()
+        await pool.acquire(self.queue_timeout_s)
         try:
             for attempt in (1, 2):
                 conn = pool.idle_connection() if reuse and attempt == 1 else None
@@ -235,16 +244,24 @@ class _Pool:
         self.busy = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def acquire(self) -> None:
+    async def acquire(self, timeout: float | None) -> None:
         if not self.waiters and (self.limit is None or self.busy < self.limit):
             self.busy += 1
             return
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
         try:
-            await waiter       # _admit counted the slot as ours before waking us
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
+            async with asyncio.timeout(timeout):
+                await waiter       # _admit counted the slot as ours before waking us
+        except BaseException as e:
+            handed = waiter.done() and not waiter.cancelled()
+            if isinstance(e, TimeoutError):
+                if handed:
+                    return         # handed a slot as the time ran out: it is ours
+                self.waiters.remove(waiter)
+                raise ConnectionsBusy(f"all {self.limit} of the engine's connections stayed busy "
+                                 f"for {timeout:g} s") from None
+            if handed:
                 self.release_slot()   # handed a slot just as we were cancelled: pass it on
             else:
                 self.waiters.remove(waiter)

@@ -31,6 +31,7 @@ from multidict import CIMultiDict
 
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.errors import (
+    EngineBusy,
     EngineFailed,
     EngineUnavailable,
     GatewayError,
@@ -40,7 +41,12 @@ from gatewayd.core.errors import (
     anthropic_error_body,
 )
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
-from gatewayd.http.engine_client import EngineClient, EngineConnectionError, EngineResponse
+from gatewayd.http.engine_client import (
+    ConnectionsBusy,
+    EngineClient,
+    EngineConnectionError,
+    EngineResponse,
+)
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
@@ -115,6 +121,7 @@ def to_engine(client: EngineClient, socket: str, method: str, target: str,
 
 
 SLOTS_TIMEOUT_S = 5.0
+BUSY_RETRY_S = 5   # Retry-After of an engine_busy answer
 OWN_REQUEST = (("User-Agent", "llm-gateway"),)   # the gateway's own, not a client's
 
 
@@ -194,6 +201,9 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
                 t0: float) -> web.StreamResponse:
     try:
         upstream = await out.send()
+    except ConnectionsBusy as e:
+        raise EngineBusy(f"the engine is busy: {e}; try again", retry_after=BUSY_RETRY_S,
+                         model=record.model) from e
     except TRANSPORT_ERRORS as e:
         raise out.unavailable(e) from e
     try:

@@ -8,12 +8,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-from gatewayd.http.engine_client import HIGH_WATER, EngineClient, EngineConnectionError
+from gatewayd.http.engine_client import (
+    HIGH_WATER,
+    ConnectionsBusy,
+    EngineClient,
+    EngineConnectionError,
+)
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
@@ -323,6 +329,38 @@ async def test_at_most_limit_connections_the_rest_wait_in_order(engine: Engine) 
     assert sorted(order[:2]) == [0, 1] and order[2:] == [2, 4, 5]
     assert engine.connections == 2       # the two connections served everyone
     assert client.in_use(engine.path) == 0 and client.waiting(engine.path) == 0
+    await client.close()
+
+
+async def test_a_wait_for_a_connection_ends_after_the_queue_time_and_leaves_no_trace(
+        engine: Engine) -> None:
+    """All connections busy for queue_timeout_s: ConnectionsBusy, the waiter gone from the
+    queue, the slots as they were; the busy ones answer, and the next request gets one."""
+    release = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await engine.read_request(reader)
+            await release.wait()
+            writer.write(ok(b"done"))
+            await writer.drain()
+    engine.handler = held
+    client = EngineClient(read_timeout_s=5, queue_timeout_s=0.2)
+    client.set_limit(engine.path, 1)
+    first = asyncio.ensure_future(get(client, engine))
+    deadline = time.monotonic() + 5
+    while client.in_use(engine.path) != 1:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionsBusy, match="all 1 of the engine's connections"):
+        await get(client, engine)
+    assert time.monotonic() - t0 >= 0.19   # (uvloop's timers count whole milliseconds)
+    assert (client.in_use(engine.path), client.waiting(engine.path)) == (1, 0)
+    release.set()
+    assert await first == (200, b"done")
+    assert await get(client, engine) == (200, b"done")
+    assert client.in_use(engine.path) == 0
     await client.close()
 
 

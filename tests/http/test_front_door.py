@@ -519,6 +519,41 @@ async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_
     assert (await gw.client.get("/admin/metrics", params={"engines": "1"})).status == 200
 
 
+async def test_a_request_that_waits_too_long_for_a_busy_engine_is_told_to_retry(
+        tmp_path: Path) -> None:
+    """With all of an engine's connections in use for read_timeout_s, a waiting request gets
+    a 503 engine_busy with Retry-After (not an endless wait); the busy ones finish, and the
+    engine takes the next."""
+    async for gw in _gateway(tmp_path, (), read_timeout_s=0.6):
+        client = gw.client.app[openai_api.FRONT].engine_client
+        socket = gw.units.layout("c").socket
+        gw.fakes["c"].slots = 1
+        assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
+        deadline = time.monotonic() + 5
+        while client.limit(socket) != 2:
+            assert time.monotonic() < deadline, "the engine's slots were never learned"
+            await asyncio.sleep(0.01)
+        streams = [asyncio.ensure_future(gw.client.post(   # ~2 s each, a token per 0.1 s
+            "/v1/chat/completions", json=chat("c", prompt="slow 100", stream=True,
+                                             max_tokens=20))) for _ in range(2)]
+        while client.in_use(socket) != 2:
+            assert time.monotonic() < deadline, "the streams never took both connections"
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        resp = await gw.client.post("/v1/chat/completions", json=chat("c"))
+        assert resp.status == 503, await resp.text()
+        error = (await resp.json())["error"]
+        assert error["code"] == "engine_busy" and error["type"] == "server_error"
+        assert "busy" in error["message"] and resp.headers["Retry-After"] == "5"
+        assert time.monotonic() - t0 >= 0.6
+        assert client.in_use(socket) == 2               # the streams were still going
+        for answer in await asyncio.gather(*streams):
+            assert answer.status == 200
+            assert (await answer.read()).endswith(b"data: [DONE]\n\n")
+        assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
+        assert client.in_use(socket) == 0 and client.waiting(socket) == 0
+
+
 async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> None:
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
     client = gw.client.app[openai_api.FRONT].engine_client
