@@ -50,13 +50,10 @@ def write_report(r: dict[str, Any], out: Path) -> None:
                      f"{s.get('first_token_ms', '-')} | {s['gap_p50_ms']} | {s['gap_p99_ms']} | "
                      f"{s['events_per_read']} | {s.get('cpu_us_per_event', '-')} | "
                      f"{s.get('stalled_starts_rerun', '-')} |")
-    st = r["streaming"]
-    if "router_engine" in st:
-        def hop(path: str, engine: str) -> str:
-            return f"{st[path]['tokens_per_s'] / st[engine]['tokens_per_s']:.2f}"
+    hop = r.get("streaming_hop")
+    if hop:
         lines.append(f"\nthe hop, tokens/s ÷ the path's own engine read directly: gateway "
-                     f"{hop('gateway', 'direct')}, router {hop('router', 'router_engine')}, "
-                     f"bare {hop('bare', 'direct')}")
+                     f"{hop['gateway']:.2f}, router {hop['router']:.2f}, bare {hop['bare']:.2f}")
     cs = r["cold_swap"]
     lines += ["", "## Cold start and swap (first byte, ms; 2 slots, 3 models)", "",
               "| | gateway | router |", "|---|---|---|",

@@ -382,6 +382,12 @@ async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
         "stalled_starts_rerun": len(v["stalled_starts"])}
         for name, v in streaming.items()}
     results["streaming_gaps"] = {name: v["gaps"] for name, v in streaming.items()}
+    rate = {name: v["tokens_per_s"] for name, v in results["streaming"].items()}
+    # each proxy's tokens/s over its own engine's, read directly (the router's child is
+    # another llama-server process than the gateway's engine)
+    results["streaming_hop"] = {"gateway": round(rate["gateway"] / rate["direct"], 3),
+                                "router": round(rate["router"] / rate["router_engine"], 3),
+                                "bare": round(rate["bare"] / rate["direct"], 3)}
 
     # 4. cold start and swap (gateway: max_engines=2; router: --models-max 2)
     results["cold_swap"] = await cold_and_swap(plan)
