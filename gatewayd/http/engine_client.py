@@ -259,8 +259,8 @@ class _Pool:
                 if handed:
                     return         # handed a slot as the time ran out: it is ours
                 self.waiters.remove(waiter)
-                raise ConnectionsBusy(f"all {self.limit} of the engine's connections stayed busy "
-                                 f"for {timeout:g} s") from None
+                raise ConnectionsBusy(f"all {self.limit} of the engine's connections stayed "
+                                      f"busy for {timeout:g} s") from None
             if handed:
                 self.release_slot()   # handed a slot just as we were cancelled: pass it on
             else:
