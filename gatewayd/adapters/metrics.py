@@ -39,7 +39,8 @@ KNOWN_ENDPOINTS = frozenset({
     "/metrics", "/slots", "/v1/models"})
 # why a request was turned away (429/503), by the error code it got
 REJECTIONS = frozenset({"concurrency_limit", "queue_full", "engine_limit_reached",
-                        "insufficient_gpu", "model_not_loaded", "no_engine_ready"})
+                        "insufficient_gpu", "model_not_loaded", "no_engine_ready",
+                        "engine_busy"})
 EVICTION_REASONS = frozenset({"evicted", "idle_ttl"})
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 LOAD_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)

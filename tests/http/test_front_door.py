@@ -552,6 +552,9 @@ async def test_a_request_that_waits_too_long_for_a_busy_engine_is_told_to_retry(
             assert (await answer.read()).endswith(b"data: [DONE]\n\n")
         assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
         assert client.in_use(socket) == 0 and client.waiting(socket) == 0
+        await gw.records(5)   # (the metrics count a call as its record is written)
+        m = _samples(await (await gw.client.get("/admin/metrics")).text())
+        assert _value(m, "llm_gateway_rejected_total", model="c", reason="engine_busy") == 1
 
 
 async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> None:
