@@ -187,6 +187,7 @@ class EngineFigures:
     restarts: int
     in_flight: int = 0
     queued: int = 0
+    waiting: int = 0                    # for a turn at the engine (part of in_flight)
     memory_bytes: int | None = None     # systemd's MemoryCurrent
     cpu_seconds: float | None = None    # systemd's CPUUsageNSec
 
@@ -212,6 +213,10 @@ class Snapshot:
                                       "Requests an engine is serving", labels=["model"])
         queued = GaugeMetricFamily("llm_gateway_queue_depth",
                                    "Requests waiting for an engine", labels=["model"])
+        waiting = GaugeMetricFamily("llm_gateway_engine_waiting",
+                                    "Requests waiting for a turn at an engine whose slots are "
+                                    "all in use (counted in requests_in_flight too)",
+                                    labels=["model"])
         memory = GaugeMetricFamily("llm_gateway_engine_memory_bytes",
                                    "Memory of the engine's cgroup (systemd's MemoryCurrent)",
                                    labels=["model"])
@@ -224,11 +229,12 @@ class Snapshot:
             restarts.add_metric([e.model], e.restarts)
             in_flight.add_metric([e.model], e.in_flight)
             queued.add_metric([e.model], e.queued)
+            waiting.add_metric([e.model], e.waiting)
             if e.memory_bytes is not None:
                 memory.add_metric([e.model], e.memory_bytes)
             if e.cpu_seconds is not None:
                 cpu.add_metric([e.model], e.cpu_seconds)
-        yield from (state, restarts, in_flight, queued, memory, cpu)
+        yield from (state, restarts, in_flight, queued, waiting, memory, cpu)
         used = GaugeMetricFamily("llm_gateway_gpu_memory_used_bytes", "GPU memory in use (NVML)",
                                  labels=["device"])
         total = GaugeMetricFamily("llm_gateway_gpu_memory_total_bytes", "GPU memory (NVML)",

@@ -182,6 +182,7 @@ async def metrics(request: web.Request) -> web.Response:
         snapshot.engines.append(EngineFigures(
             model=engine.model_id, state=engine.state.value, restarts=engine.restarts,
             in_flight=use.in_flight if use else 0, queued=use.queued if use else 0,
+            waiting=front.engine_client.waiting(engine.socket),
             memory_bytes=info.memory_bytes if info else None,
             cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None))
     with contextlib.suppress(GpuUnavailable):   # a lost GPU: no figures (status says why)

@@ -540,7 +540,13 @@ async def test_a_request_that_waits_too_long_for_a_busy_engine_is_told_to_retry(
             assert time.monotonic() < deadline, "the streams never took both connections"
             await asyncio.sleep(0.01)
         t0 = time.monotonic()
-        resp = await gw.client.post("/v1/chat/completions", json=chat("c"))
+        waiter = asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=chat("c")))
+        while client.waiting(socket) != 1:
+            assert time.monotonic() < deadline, "the request never waited for a turn"
+            await asyncio.sleep(0.01)
+        m = _samples(await (await gw.client.get("/admin/metrics")).text())
+        assert _value(m, "llm_gateway_engine_waiting", model="c") == 1
+        resp = await waiter
         assert resp.status == 503, await resp.text()
         error = (await resp.json())["error"]
         assert error["code"] == "engine_busy" and error["type"] == "server_error"
