@@ -199,10 +199,12 @@ PY
     outcomes = json.loads(result.strip().splitlines()[-1])
     failed = [o for o in outcomes if o != 200]
     # the one request the killed process was answering is lost with it; no connection is
-    # ever refused (systemd holds the socket), and every later request is answered
+    # ever refused (systemd holds the socket), and every later request is answered. That one
+    # connection ends however the client meets the close: reading (disconnected, reset) or
+    # still writing its request (broken pipe; seen once in CI)
     assert len(outcomes) > 10 and not any("Refused" in str(o) for o in outcomes), failed
-    assert len(failed) <= 1 and all("Disconnected" in str(o) or "Reset" in str(o)
-                                    for o in failed), failed
+    assert len(failed) <= 1 and all(any(how in str(o) for how in (
+        "Disconnected", "Reset", "Broken pipe")) for o in failed), failed
     assert outcomes[-1] == 200
     assert box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip() == engine_pid
     wait(box, "journalctl -u llm-gateway -o cat --no-pager | grep -q 'adopted tiny-alpha'")
