@@ -82,7 +82,8 @@ async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
 @settings(max_examples=200, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
-       path=st.sampled_from(PATHS) | st.text(max_size=30).map(lambda t: "/" + t),
+       # (not "//...": the test client takes that for a URL with a host, and refuses it)
+       path=st.sampled_from(PATHS) | st.text(max_size=30).map(lambda t: "/" + t.lstrip("/")),
        query=st.dictionaries(st.sampled_from(["model", "autoload", "limit", "x", "stream"]),
                              st.text(max_size=10), max_size=3),
        body=bodies(),
