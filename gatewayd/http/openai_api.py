@@ -299,7 +299,8 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: b
         send = to_engine(front.engine_client, engine.socket, request.method, target,
                          call.headers, body, stream=call.stream)
         return await relay(request, Outgoing(send=send, stream=call.stream,
-                                             drop_usage_event=call.drop_usage),
+                                             drop_usage_event=call.drop_usage,
+                                             stall_timeout_s=front.config.read_timeout_s),
                            call.record, call.t0)
     finally:
         front.dispatcher.release(engine.model_id, counts_as_use=inference)
@@ -331,7 +332,7 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
         send = to_remote(remote.session, request.method, remote.config.url_for(request.path_qs),
                          headers, body)
         out = Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
-                       upstream=remote.name)
+                       upstream=remote.name, stall_timeout_s=front.config.read_timeout_s)
         try:
             return await relay(request, out, call.record, call.t0)
         except (UpstreamUnavailable, UpstreamTimeout) as e:

@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -92,6 +92,9 @@ class Outgoing:
     stream: bool              # the client asked for a stream
     drop_usage_event: bool    # we added include_usage: hide the usage event again
     upstream: str | None = None   # a remote upstream's name (None: a local engine)
+    # longest a stream's client may take no bytes while the gateway has some for it; then
+    # it is dropped and what it held (the engine) let go
+    stall_timeout_s: float = 600.0
 
     def unavailable(self, e: BaseException, while_: str = "did not take the request"
                     ) -> GatewayError:
@@ -250,15 +253,16 @@ async def _relay_stream(request: web.Request, upstream: Answer,
                 if data:
                     if record.ttft_ms is None:
                         record.ttft_ms = (time.monotonic() - t0) * 1000
-                    await _write(response, data, record)
+                    await _write(request, response, data, record, out.stall_timeout_s)
                     if isinstance(upstream, EngineResponse) and writer is not None \
                             and request.method != "HEAD":
                         # the head and the first event are out: the rest is pushed
-                        await _relay_pushed(request, upstream, writer, sse, record, chunked)
+                        await _relay_pushed(request, upstream, writer, sse, record, chunked,
+                                            out.stall_timeout_s)
                         break
             tail = sse.flush()
             if tail:
-                await _write(response, tail, record)
+                await _write(request, response, tail, record, out.stall_timeout_s)
             if not sse.ended:
                 raise aiohttp.ClientPayloadError("the stream ended without its final event")
             delivered = True
@@ -266,8 +270,9 @@ async def _relay_stream(request: web.Request, upstream: Answer,
             # The engine died mid-stream. The status is sent: end with an error event.
             error = out.broke_off(e)
             record.outcome = record.error_code = error.code
-            await _write(response, error_event(stream_format(request.path), error), record)
-        await response.write_eof()
+            event = error_event(stream_format(request.path), error)
+            await _write(request, response, event, record, out.stall_timeout_s)
+        await _write_eof(request, response, record, out.stall_timeout_s)
     except _ClientGone:
         if not delivered:
             _client_left(record, upstream)
@@ -283,8 +288,9 @@ async def _relay_stream(request: web.Request, upstream: Answer,
         error = shutdown_error()
         record.outcome, record.error_code = "error", error.code
         with contextlib.suppress(_ClientGone, ConnectionError):
-            await _write(response, error_event(stream_format(request.path), error), record)
-            await response.write_eof()
+            event = error_event(stream_format(request.path), error)
+            await _write(request, response, event, record, out.stall_timeout_s)
+            await _write_eof(request, response, record, out.stall_timeout_s)
     finally:
         _stream_usage(record, sse)
     return response
@@ -299,7 +305,7 @@ PUSH_HIGH_WATER = 64 * 1024   # bytes unsent to a slow client before the engine 
 
 async def _relay_pushed(request: web.Request, upstream: EngineResponse,
                         writer: AbstractStreamWriter, sse: SseRelay, record: CallRecord,
-                        chunked: bool) -> None:
+                        chunked: bool, stall_timeout_s: float) -> None:
     """The rest of an engine's stream, each event written to the client from the engine
     connection's data_received (EngineResponse.relay_to): no task wakes up per event, the
     relay's CPU per event is ~a third less. The bytes go straight to the client's
@@ -340,7 +346,11 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
     upstream.relay_to(push, push_chunk if chunked else None)
     try:
         while not await upstream.wait_end():   # held: let the client catch up
-            await writer.drain()
+            try:
+                async with asyncio.timeout(stall_timeout_s):
+                    await writer.drain()
+            except TimeoutError:
+                _drop_stalled(transport, record)
             if transport.is_closing():
                 raise _ClientGone()
             upstream.resume()
@@ -358,12 +368,35 @@ def _client_left(record: CallRecord, upstream: Answer) -> None:
     upstream.close()  # drop the engine connection: it stops generating for nobody
 
 
-async def _write(response: web.StreamResponse, data: bytes, record: CallRecord) -> None:
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
+                 record: CallRecord, stall_timeout_s: float) -> None:
     try:
-        await response.write(data)
+        async with asyncio.timeout(stall_timeout_s):
+            await response.write(data)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
         raise _ClientGone() from e
+    except TimeoutError:
+        _drop_stalled(request.transport, record)
     record.bytes_out += len(data)
+
+
+async def _write_eof(request: web.Request, response: web.StreamResponse, record: CallRecord,
+                     stall_timeout_s: float) -> None:
+    try:
+        async with asyncio.timeout(stall_timeout_s):
+            await response.write_eof()
+    except TimeoutError:
+        _drop_stalled(request.transport, record)
+
+
+def _drop_stalled(transport: asyncio.Transport | None, record: CallRecord) -> NoReturn:
+    """The client took nothing for stall_timeout_s while the gateway had bytes for it: it
+    is cut off, its bytes unsent, so that the engine it held serves others; the record
+    says why."""
+    if transport is not None:
+        transport.abort()
+    record.error_code = "client_stalled"
+    raise _ClientGone()
 
 
 def _stream_usage(record: CallRecord, sse: SseRelay) -> None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -340,6 +340,33 @@ async def test_a_client_that_stops_reading_holds_the_engine_and_gets_everything(
     assert got[-1] == "[DONE]"
     (row,) = await gw.records(1)
     assert row["outcome"] == "ok" and row["completion_tokens"] == n
+
+
+async def test_a_client_that_reads_nothing_for_read_timeout_s_is_dropped_and_lets_go(
+        tmp_path: Path) -> None:
+    """A stream's client that takes no bytes for read_timeout_s while the gateway has some
+    for it (a stuck or hostile reader) is cut off: the engine it held is let go (its
+    connection closed, the slot free), and the record says client_stalled."""
+    async for gw in _gateway(tmp_path, ("a",), read_timeout_s=1.0):
+        body = json.dumps(chat("a", stream=True, prompt="pad 4000", max_tokens=6000)).encode()
+        reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await reader.readuntil(b"\r\n\r\n")       # the head: then read nothing more
+        transport = cast(asyncio.Transport, writer.transport)   # (uvloop's: no subclass)
+        transport.pause_reading()                  # (the kernel buffers fill, then stay full)
+        client = gw.client.app[openai_api.FRONT].engine_client
+        engine_socket = gw.units.layout("a").socket
+        t0 = time.monotonic()
+        (row,) = await gw.records(1, timeout=10)    # written once the gateway gave up on it
+        assert time.monotonic() - t0 >= 0.9
+        assert row["outcome"] == "disconnected" and row["error_code"] == "client_stalled"
+        assert 0 < row["completion_tokens"] < 6000       # held part-way, then let go
+        assert client.in_use(engine_socket) == 0          # its engine connection closed
+        resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status == 200                         # the engine serves the next
+        writer.close()
 
 
 async def test_an_http_1_0_client_gets_its_stream_unframed_until_the_close(
