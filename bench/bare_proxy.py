@@ -1,6 +1,6 @@
 """The floor: a bare aiohttp reverse proxy to one engine socket, no features (~50 lines).
 
-Like the gateway, it sends a request once more on a new connection when the pooled
+Like the gateway, it sends a request once more, on a new connection, when the pooled
 keep-alive connection it took had just been closed by llama-server (it ends them after
 its keep-alive limit): without that, the floor failed runs with HTTP 500 now and then.
 The retries are counted (GET /bare/retries), so the benchmark can report them. It runs
@@ -49,6 +49,9 @@ def build(socket: str) -> web.Application:
                 if attempt == 2:
                     raise
                 counts["retries"] += 1
+                # on a new connection, as the gateway does: another pooled one may have been
+                # closed by the engine too (a full run died of that: HTTP 500 from here)
+                session = app[ONESHOT]
         raise AssertionError("unreachable")
 
     async def proxy(request: web.Request) -> web.StreamResponse:
