@@ -77,4 +77,8 @@ async def test_the_bare_proxy_sends_again_and_counts_it() -> None:
                 resp = await client.post("/v1/chat/completions", data=b"{}")
                 assert resp.status == 200, await resp.text()
             assert engine.answered == 3
-            assert (await (await client.get("/bare/retries")).json()) == {"retries": 2}
+            # the second request meets the closed pooled connection and goes again on a
+            # connection of its own (closed after it, not pooled: the third finds the pool
+            # empty and opens a new one, which answers: three connections in all)
+            assert (await (await client.get("/bare/retries")).json()) == {"retries": 1}
+            assert engine.connections == 3
