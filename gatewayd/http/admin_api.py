@@ -27,7 +27,7 @@ from gatewayd.core.errors import GpuUnavailable, InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
 from gatewayd.http.engine_client import EngineClient, EngineConnectionError
-from gatewayd.http.proxy import OWN_REQUEST
+from gatewayd.http.proxy import own_get
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -204,15 +204,9 @@ async def _engine_metrics(client: EngineClient, engines: list[Engine]) -> dict[s
     in time is left out, never the whole scrape."""
     async def one(engine: Engine) -> tuple[str, str | None]:
         try:
-            async with asyncio.timeout(ENGINE_METRICS_TIMEOUT_S):
-                resp = await client.request(engine.socket, "GET", "/metrics", OWN_REQUEST,
-                                            b"", queue=False)
-                try:
-                    body = await resp.read()
-                finally:
-                    resp.release()
-            return engine.model_id, body.decode(errors="replace") if resp.status == 200 \
-                else None
+            status, body = await own_get(client, engine.socket, "/metrics",
+                                         ENGINE_METRICS_TIMEOUT_S)
+            return engine.model_id, body.decode(errors="replace") if status == 200 else None
         except (TimeoutError, EngineConnectionError, OSError):
             return engine.model_id, None
     found = await asyncio.gather(*(one(e) for e in engines))

@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import NoReturn, Protocol
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -128,6 +128,18 @@ BUSY_RETRY_S = 5   # Retry-After of an engine_busy answer
 OWN_REQUEST = (("User-Agent", "llm-gateway"),)   # the gateway's own, not a client's
 
 
+async def own_get(client: EngineClient, socket: str, target: str, timeout_s: float
+                  ) -> tuple[int, bytes]:
+    """A GET of the gateway's own to an engine (status, whole body), within timeout_s; not
+    queued behind inference (EngineClient.request's queue=False)."""
+    async with asyncio.timeout(timeout_s):
+        resp = await client.request(socket, "GET", target, OWN_REQUEST, b"", queue=False)
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.release()
+
+
 async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
     """How many requests a llama engine serves at once (GET /props: total_slots); one more
     than that is the limit of the gateway's connections to it. More would only queue
@@ -138,14 +150,8 @@ async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
     stays free for /health, /metrics and /slots. None, and no limit, when the engine does
     not say (an old build, whisper)."""
     try:
-        async with asyncio.timeout(SLOTS_TIMEOUT_S):
-            resp = await client.request(socket, "GET", "/props", OWN_REQUEST, b"",
-                                        queue=False)
-            try:
-                body = await resp.read()
-            finally:
-                resp.release()
-        slots = json.loads(body).get("total_slots") if resp.status == 200 else None
+        status, body = await own_get(client, socket, "/props", SLOTS_TIMEOUT_S)
+        slots = json.loads(body).get("total_slots") if status == 200 else None
     except (TimeoutError, EngineConnectionError, OSError, ValueError, AttributeError):
         return None
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
@@ -346,11 +352,7 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
     upstream.relay_to(push, push_chunk if chunked else None)
     try:
         while not await upstream.wait_end():   # held: let the client catch up
-            try:
-                async with asyncio.timeout(stall_timeout_s):
-                    await writer.drain()
-            except TimeoutError:
-                _drop_stalled(transport, record)
+            await _to_client(writer.drain(), request, record, stall_timeout_s)
             if transport.is_closing():
                 raise _ClientGone()
             upstream.resume()
@@ -371,32 +373,30 @@ def _client_left(record: CallRecord, upstream: Answer) -> None:
 async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
                  record: CallRecord, stall_timeout_s: float) -> None:
     try:
-        async with asyncio.timeout(stall_timeout_s):
-            await response.write(data)
+        await _to_client(response.write(data), request, record, stall_timeout_s)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
         raise _ClientGone() from e
-    except TimeoutError:
-        _drop_stalled(request.transport, record)
     record.bytes_out += len(data)
 
 
 async def _write_eof(request: web.Request, response: web.StreamResponse, record: CallRecord,
                      stall_timeout_s: float) -> None:
+    await _to_client(response.write_eof(), request, record, stall_timeout_s)
+
+
+async def _to_client(sending: Awaitable[None], request: web.Request, record: CallRecord,
+                     stall_timeout_s: float) -> None:
+    """Waits for bytes to go to a stream's client, for at most stall_timeout_s. A client
+    that took nothing for that long is cut off, its bytes unsent, so that the engine it
+    held serves others; the record says why (_ClientGone)."""
     try:
         async with asyncio.timeout(stall_timeout_s):
-            await response.write_eof()
+            await sending
     except TimeoutError:
-        _drop_stalled(request.transport, record)
-
-
-def _drop_stalled(transport: asyncio.Transport | None, record: CallRecord) -> NoReturn:
-    """The client took nothing for stall_timeout_s while the gateway had bytes for it: it
-    is cut off, its bytes unsent, so that the engine it held serves others; the record
-    says why."""
-    if transport is not None:
-        transport.abort()
-    record.error_code = "client_stalled"
-    raise _ClientGone()
+        if request.transport is not None:
+            request.transport.abort()
+        record.error_code = "client_stalled"
+        raise _ClientGone() from None
 
 
 def _stream_usage(record: CallRecord, sse: SseRelay) -> None:
