@@ -69,12 +69,12 @@ AGREE: dict[str, frozenset[str]] = {
     "loading": frozenset({"activating", "active"}),
     "ready": frozenset({"active"}),
     "stopping": frozenset({"active", "deactivating"}),
-    "stopped": frozenset({"inactive", "failed"}),
+    "stopped": frozenset({"inactive", "failed", "parked"}),
     "failed": frozenset({"inactive", "failed", "activating"}),   # activating: auto-restart
-    "absent": frozenset({"inactive", "failed"}),
+    "absent": frozenset({"inactive", "failed", "parked"}),
 }
 PASSING: dict[str, frozenset[str]] = {
-    "starting": frozenset({"inactive", "failed"}),        # before the unit exists
+    "starting": frozenset({"inactive", "failed", "parked"}),   # before the unit runs
     "loading": frozenset(),
     "ready": frozenset({"activating", "deactivating"}),    # crashed and restarting
     "stopping": frozenset({"inactive", "failed", "activating"}),
@@ -234,13 +234,26 @@ def run(*argv: str) -> str:
 
 
 async def engine_units() -> dict[str, str]:
+    """Engine units by name -> ActiveState, or "parked" for a unit whose main process is
+    still the parking shell (the gateway's parked units: no engine, no slot)."""
     out = await sh("systemctl", "list-units", "--plain", "--no-legend", "--all", ENGINE_GLOB)
     units = {}
     for line in out.splitlines():
         parts = line.split()
         if len(parts) >= 3 and parts[0].endswith(".service"):
             units[parts[0]] = parts[2]
+    for unit, state in units.items():
+        if state == "active" and await main_is_parking_shell(unit):
+            units[unit] = "parked"
     return units
+
+
+async def main_is_parking_shell(unit: str) -> bool:
+    pid = (await sh("systemctl", "show", "-p", "MainPID", "--value", unit, check=False)).strip()
+    try:
+        return Path(f"/proc/{int(pid)}/comm").read_text().strip() == "sh"
+    except (OSError, ValueError):
+        return False
 
 
 def proc_resources(pid: int) -> dict[str, Any]:

@@ -469,7 +469,10 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
                                                           "tiny-gamma")}
     cold: dict[str, list[float]] = {"gateway": [], "router": []}
     for _ in range(plan.starts):
+        # both idle 0.2 s after the stop: the router's unload is asynchronous, and the
+        # gateway parks the stopped engine's unit meanwhile (its next start is a wake)
         await post_json(gw.base + "/admin/engines/stop", {"model": "tiny-beta"})
+        await asyncio.sleep(0.2)
         cold["gateway"].append(await first_byte_ms(gw, "tiny-beta"))
         await post_json(router.base + "/models/unload", {"model": ids["tiny-beta"]})
         await asyncio.sleep(0.2)

@@ -161,6 +161,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
         await reconciler.close()
         await dispatcher.close()
         await engines.close()
+        await units.close()
         systemd.close()
 
 

@@ -35,6 +35,8 @@ class FakeUnits:
         self.fail_start: str | BaseException | None = None   # BaseException: raised as is
         self.next_pid = 100
         self.visible_devices: dict[str, str | None] = {}   # model -> CUDA_VISIBLE_DEVICES
+        self.parked: list[str] = []                        # models parked, in order
+        self.on_park: Callable[[str], Any] | None = None   # what a park does meanwhile
 
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, run_root=self.run_root)
@@ -63,6 +65,12 @@ class FakeUnits:
         self.log.append(f"stop {unit}")
         self.emit(unit, ActiveState="deactivating", SubState="stop-sigterm")
         self.emit(unit, ActiveState="inactive", SubState="dead")
+
+    async def park(self, model: Model) -> bool:
+        if self.on_park is not None:
+            await self.on_park(model.id)
+        self.parked.append(model.id)
+        return True
 
     async def kill_engine(self, unit: str) -> None:
         """SIGKILL: Restart=on-failure brings the engine back as a new process."""

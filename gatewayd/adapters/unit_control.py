@@ -18,16 +18,18 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gatewayd.adapters.files import write_atomic
 from gatewayd.adapters.kv_cache import SlotCache
+from gatewayd.adapters.parked_units import ParkedUnit, ParkingLot, wake
 from gatewayd.adapters.systemd import NO_SUCH_UNIT, SERVICE, UNIT, Systemd
 from gatewayd.core.catalog import Model
-from gatewayd.core.config import GatewayConfig
+from gatewayd.core.config import Backend, GatewayConfig
 from gatewayd.core.engine_units import (
     DEVICES_ENV,
     MODEL_ENV,
@@ -35,15 +37,19 @@ from gatewayd.core.engine_units import (
     UNIT_PREFIX,
     EngineLayout,
     keeps_kv_cache,
+    parked_spec,
     resource_limits,
     server_binary,
     settings_stamp,
+    spec_digest,
     template_settings,
     transient_spec,
     unit_patterns,
+    wake_line,
 )
 from gatewayd.core.errors import EngineBinaryMissing, UnitAlreadyActive, UnitOperationFailed
 from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
+from gatewayd.core.unit_spec import UnitSpec
 
 log = logging.getLogger("gatewayd.units")
 CAP_NET_ADMIN = 12
@@ -107,14 +113,26 @@ class EngineUnitsBase:
         return [i for i in infos if i is not None]
 
     async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        state = await self._unit_state(unit)
+        return None if state is None else info_from_properties(unit, *state)
+
+    async def _unit_state(self, unit: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The unit's Unit and Service properties; None: no such unit."""
         try:
             unit_props = await self._sd.properties(unit, UNIT)
             if unit_props.get("LoadState") == "not-found":
                 return None
-            service = await self._sd.properties(unit, SERVICE)
+            return unit_props, await self._sd.properties(unit, SERVICE)
         except UnitOperationFailed:
             return None
-        return info_from_properties(unit, unit_props, service)
+
+    async def park(self, model: Model) -> bool:
+        """Engines of this mode are not parked."""
+        del model
+        return False
+
+    async def close(self) -> None:
+        """Nothing of this mode outlives a call."""
 
     async def _start(self, unit: str, start: Callable[[], Awaitable[str]]) -> None:
         """Start. systemd refuses a transient unit whose name is still loaded: if the
@@ -149,6 +167,9 @@ class TransientEngineUnits(EngineUnitsBase):
         super().__init__(systemd, config, slot_cache)
         self.manager = manager
         self._run_root = run_root
+        self._lot = ParkingLot(config.state_dir / "parked", config.parked_engines)
+        self._watchers: list[UnitWatcher] = []
+        self._unwatch_systemd: Callable[[], None] | None = None
         self.private_network = manager != "system" or manager_can_configure_networks()
         if not self.private_network:
             log.warning("systemd (PID 1) lacks CAP_NET_ADMIN (a container sharing the "
@@ -159,15 +180,117 @@ class TransientEngineUnits(EngineUnitsBase):
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, run_root=self._run_root)
 
+    def reconfigure(self, config: GatewayConfig) -> None:
+        super().reconfigure(config)
+        self._lot.limit = config.parked_engines
+
+    def _spec(self, model: Model, layout: EngineLayout,
+              visible_devices: str | None = None) -> UnitSpec:
+        binary = resolve_binary(*server_binary(model, self._config))
+        return transient_spec(model, layout, binary, private_network=self.private_network,
+                              slot_save_path=self._slot_save_path(model, layout),
+                              visible_devices=visible_devices)
+
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
-        binary = resolve_binary(*server_binary(model, self._config))
-        spec = transient_spec(model, layout, binary, private_network=self.private_network,
-                              slot_save_path=self._slot_save_path(model, layout),
-                              visible_devices=visible_devices)
+        spec = self._spec(model, layout)
+        if await self._wake_parked(layout.unit, spec, visible_devices):
+            return layout
+        if visible_devices is not None:
+            spec = self._spec(model, layout, visible_devices)
         await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
+
+    # -- parked units (adapters/parked_units.py) ------------------------------------
+
+    def parks(self, model: Model) -> bool:
+        """Whether this model's engine is parked after a stop: llama engines (whisper's
+        launcher is a Python process of its own), while parked_engines allows any."""
+        return self._lot.limit > 0 and model.backend is Backend.LLAMA
+
+    async def park(self, model: Model) -> bool:
+        """Create the model's unit parked, so that its next start is a wake; the least
+        recently parked beyond parked_engines are stopped. False: not parked (this
+        model is not, or the unit exists already: the reconciler's to look at)."""
+        layout = self.layout(model.id)
+        unit = layout.unit
+        if not self.parks(model) or unit in self._lot.hidden:
+            return False
+        await self._lot.settled(unit)
+        spec = self._spec(model, layout)
+        fifo = self._lot.make_fifo(layout.instance)
+        self._lot.hidden.add(unit)
+        try:
+            await self._start(unit, lambda: self._sd.start_transient(
+                parked_spec(spec, str(fifo))))
+            state = await self._unit_state(unit)
+        except Exception:
+            self._lot.hidden.discard(unit)
+            with contextlib.suppress(OSError):
+                fifo.unlink()
+            raise
+        if state is None:   # gone at once (the shell failed): nothing parked
+            self._lot.hidden.discard(unit)
+            return False
+        unit_props, service = state
+        self._lot.parked[unit] = ParkedUnit(unit, spec_digest(spec), fifo, time.time(), {
+            "ActiveState": unit_props.get("ActiveState"),
+            "SubState": unit_props.get("SubState"),
+            "MainPID": service.get("MainPID", 0), "NRestarts": service.get("NRestarts", 0)})
+        for extra in self._lot.surplus():
+            await self._lot.discard(extra, self.stop_engine)
+        return True
+
+    async def _wake_parked(self, unit: str, spec: UnitSpec,
+                           visible_devices: str | None) -> bool:
+        """Wake the unit's parked engine if it is the engine asked for: then it is the
+        start's unit, running. Otherwise a parked unit is stopped first."""
+        await self._lot.settled(unit)
+        parked = self._lot.claim(unit)
+        if parked is None:
+            return False
+        if parked.digest == spec_digest(spec) and parked.props.get("ActiveState") == "active" \
+                and await wake(parked.fifo, wake_line(spec, visible_devices)):
+            self._lot.hidden.discard(unit)
+            # what the engine layer would have heard, had it watched the unit all along
+            self._on_signal(unit, {k: v for k, v in parked.props.items() if v is not None})
+            return True
+        log.info("%s: its parked unit is not the engine asked for (or not waiting): "
+                 "stopping it, then starting anew", unit)
+        await self._lot.discard(parked, self.stop_engine)
+        return False
+
+    async def engine_info(self, unit: str) -> EngineUnitInfo | None:
+        """None for a parked unit: it is no engine (yet)."""
+        state = await self._unit_state(unit)
+        if state is None:
+            return None
+        info = info_from_properties(unit, *state)
+        env = unit_environment(state[1])
+        instance = unit.removeprefix(f"{UNIT_PREFIX}-").removesuffix(".service")
+        if not self._lot.is_parked(unit, instance, env, info.main_pid):
+            return info
+        if info.active_state in RUNNING:
+            self._lot.adopt(unit, instance, env, {
+                "ActiveState": info.active_state, "SubState": info.sub_state,
+                "MainPID": info.main_pid, "NRestarts": info.n_restarts}, info.started_at_us)
+        return None
+
+    def watch(self, callback: UnitWatcher) -> Callable[[], None]:
+        if self._unwatch_systemd is None:
+            self._unwatch_systemd = self._sd.watch(self._on_signal)
+        self._watchers.append(callback)
+        return lambda: self._watchers.remove(callback)
+
+    def _on_signal(self, unit: str, changed: Mapping[str, Any]) -> None:
+        if self._lot.seen(unit, changed):
+            return
+        for callback in list(self._watchers):
+            callback(unit, changed)
+
+    async def close(self) -> None:
+        await self._lot.close()
 
 
 class TemplateEngineUnits(EngineUnitsBase):
@@ -214,9 +337,13 @@ class TemplateEngineUnits(EngineUnitsBase):
                        visible_devices=env.get(DEVICES_ENV))
 
 
+def unit_environment(service: Mapping[str, Any]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in service.get("Environment", []) if "=" in item)
+
+
 def info_from_properties(unit: str, unit_props: dict[str, Any],
                          service: dict[str, Any]) -> EngineUnitInfo:
-    env = dict(item.split("=", 1) for item in service.get("Environment", []) if "=" in item)
+    env = unit_environment(service)
     memory = service.get("MemoryCurrent")
     cpu = service.get("CPUUsageNSec")
     return EngineUnitInfo(

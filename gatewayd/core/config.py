@@ -20,6 +20,7 @@ from gatewayd.core.upstreams import UpstreamConfig, parse_upstreams
 DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/llm-gateway")
 MAX_ENGINES_RANGE = range(1, 17)
+PARKED_ENGINES_RANGE = range(0, 33)
 
 
 class Backend(StrEnum):
@@ -78,6 +79,9 @@ class GatewayConfig:
     models_dir: Path | None = None
     models: tuple[ModelConfig, ...] = ()
     max_engines: int = 4
+    # stopped llama engines whose unit is kept parked (a shell waiting to exec the
+    # engine), so that their next start skips creating a unit; 0: none
+    parked_engines: int = 4
     vram_margin_mib: int = 1024
     llama_server: str = "llama-server"
     whisper_server: str = "whisper-server"
@@ -130,7 +134,7 @@ _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_se
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
-             "kv_cache_max_mb", "auth", "admin", "upstreams"}
+             "kv_cache_max_mb", "auth", "admin", "upstreams", "parked_engines"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -149,6 +153,10 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     if max_engines not in MAX_ENGINES_RANGE:
         raise ConfigError(f"{where}: max_engines = {max_engines} is out of range: allowed "
                           f"{MAX_ENGINES_RANGE.start}..{MAX_ENGINES_RANGE.stop - 1}")
+    parked_engines = _expect(data.get("parked_engines", 4), int, where, "parked_engines")
+    if parked_engines not in PARKED_ENGINES_RANGE:
+        raise ConfigError(f"{where}: parked_engines = {parked_engines} is out of range: "
+                          f"allowed {PARKED_ENGINES_RANGE.start}..{PARKED_ENGINES_RANGE.stop - 1}")
     models_table = _expect(data.get("models", {}), dict, where, "models")
     models = tuple(_parse_model(name, table, base, where)
                    for name, table in models_table.items())
@@ -184,6 +192,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         models_dir=_path(data.get("models_dir"), base, where, "models_dir"),
         models=models,
         max_engines=max_engines,
+        parked_engines=parked_engines,
         vram_margin_mib=_non_negative(data.get("vram_margin_mib", 1024), where, "vram_margin_mib"),
         llama_server=_binary(data.get("llama_server", "llama-server"), base, where,
                              "llama_server"),

@@ -72,6 +72,7 @@ from gatewayd.service.readiness import Readiness
 
 log = logging.getLogger("gatewayd.engines")
 LOG_TAIL_LINES = 15
+PARK_QUIET_POLL_S = 0.05   # how often a pending park looks whether starts are over
 READY_GRACE_S = 5.0        # a waiter's deadline beyond load_timeout_s
 RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)   # after 1, 2, 3... failed starts in a row
 
@@ -111,6 +112,8 @@ class EngineManager:
                                     engine=self._engines.get, on_ready=self._on_ready,
                                     on_timeout=self._on_load_timeout)
         self._unwatch = units.watch(self._on_unit_change)
+        self._park_queue: dict[str, None] = {}      # models to park, in order
+        self._parker: asyncio.Task[None] | None = None
 
     def reconfigure(self, config: GatewayConfig) -> None:
         """A reloaded configuration: for the starts, admissions and loads from now on."""
@@ -253,7 +256,41 @@ class EngineManager:
                     self._apply_info(model_id, info)
                     raise
             self._event(model_id, UnitGone(self._clock()))
-            return self._forget(model_id)
+            stopped = self._forget(model_id)
+        self._park_later(model_id)
+        return stopped
+
+    # -- parked units: a stopped engine's next start is a wake (adapters/parked_units) ---
+
+    def _park_later(self, model_id: str) -> None:
+        """Park the model's unit once no start or stop is under way anywhere: creating a
+        unit costs systemd ~30 ms of work that must not slow someone's start."""
+        self._park_queue[model_id] = None
+        if self._parker is None or self._parker.done():
+            self._parker = asyncio.get_running_loop().create_task(self._park_pending())
+
+    def _quiet(self) -> bool:
+        return not any(self._in_lifecycle.values()) and not any(
+            e.state in (EngineState.STARTING, EngineState.LOADING)
+            for e in self._engines.values())
+
+    async def _park_pending(self) -> None:
+        while self._park_queue:
+            while not self._quiet():
+                await asyncio.sleep(PARK_QUIET_POLL_S)
+            model_id = next(iter(self._park_queue))
+            del self._park_queue[model_id]
+            model = self.catalog.get(model_id)
+            if model is None:
+                continue   # removed from the catalog meanwhile
+            async with self._lifecycle(model_id):
+                if model_id in self._engines:
+                    continue   # started again meanwhile
+                try:
+                    if await self.units.park(model):
+                        log.info("%s: its unit is parked for the next start", model_id)
+                except Exception as e:   # a start then creates the unit, as without parking
+                    log.warning("%s: could not park its unit: %s", model_id, e)
 
     async def kill_unresponsive(self, model_id: str, main_pid: int, silent_s: float) -> None:
         """The engine (still that process) hangs: failed with the reason, its unit killed;
@@ -321,6 +358,8 @@ class EngineManager:
     async def close(self) -> None:
         self._unwatch()
         self._readiness.close()
+        if self._parker is not None:
+            self._parker.cancel()
         for task in list(self._tasks):
             task.cancel()
         for fut in (f for futs in self._waiters.values() for f in futs):

@@ -119,7 +119,10 @@ def test_the_gateway_survives_a_restart_of_the_system_bus(
     gw.wait_engine("tiny-beta", lambda e: e["state"] == "ready" and e["pid"] != engines["pid"])
 
 
-def test_stop_kills_the_cgroup_and_removes_the_socket(gateway: GatewayService) -> None:
+def test_stop_kills_the_cgroup_and_removes_the_socket(
+        gateway_factory: GatewayFactory) -> None:
+    # not parked after the stop: its unit would be created again at once (test_parked_e2e)
+    gateway = gateway_factory("parked_engines = 0\n")
     assert gateway.cli("start", "tiny-gamma").returncode == 0
     engine = gateway.engines()["tiny-gamma"]
     control_group = unit_property(engine["unit"], "ControlGroup")

@@ -14,6 +14,7 @@ import pytest
 
 from tests.harness.fake_nvml import GPU_IS_LOST, FakeNvml, devices
 from tests.integration.conftest import GatewayFactory
+from tests.integration.engine_helpers import process_ended
 from tests.integration.gateway_helpers import GatewayService
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
@@ -91,12 +92,12 @@ def test_an_eviction_waits_for_the_memory_nvml_shows_late(
     held = 1025                      # its files (1 MiB) + the 1024 MiB margin: beta cannot fit
     fake.processes, fake.devices[0].used_mib = [(0, started["engine"]["pid"], held)], held
     fake.write()
-    alpha_unit = started["engine"]["unit"]
+    alpha_pid = started["engine"]["pid"]
     freed_at: list[float] = []
 
-    def free_late() -> None:         # 2 s after alpha's unit is gone, NVML shows it free
+    def free_late() -> None:         # 2 s after alpha's process is gone, NVML shows it free
         deadline = time.monotonic() + 60
-        while subprocess.run(["systemctl", "is-active", "--quiet", alpha_unit]).returncode == 0:
+        while not process_ended(alpha_pid):   # (its unit may be parked again at once)
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(2)
@@ -161,9 +162,9 @@ def test_two_gpus_best_fit_and_eviction_on_the_device_that_needs_the_memory(
     assert unit_env(beta_unit)["CUDA_VISIBLE_DEVICES"] == "GPU-fake-1"
     assert gw.engines()["tiny-beta"]["gpus"] == ["GPU-fake-1"]
 
-    def free_when_gone() -> None:     # NVML shows beta's memory free once its unit is gone
+    def free_when_gone() -> None:     # NVML shows beta's memory free once its process is gone
         deadline = time.monotonic() + 60
-        while subprocess.run(["systemctl", "is-active", "--quiet", beta_unit]).returncode == 0:
+        while not process_ended(beta_pid):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         fake.processes = [p for p in fake.processes if p[1] != beta_pid]

@@ -57,6 +57,9 @@ cuda_visible_devices = "1"
 @pytest.mark.parametrize("data,message", [
     ({"max_engines": 0}, "max_engines = 0 is out of range: allowed 1..16"),
     ({"max_engines": 17}, "out of range"),
+    ({"parked_engines": -1}, "parked_engines = -1 is out of range: allowed 0..32"),
+    ({"parked_engines": 33}, "out of range"),
+    ({"parked_engines": "4"}, "parked_engines must be a int"),
     ({"max_engines": "4"}, "max_engines must be a int"),
     ({"max_engines": True}, "max_engines must be a int"),
     ({"max_engine": 4}, r"unknown key\(s\) max_engine"),

@@ -244,3 +244,95 @@ async def test_gpu_memory_is_learned_from_the_engine_and_replaces_the_estimate(
     with pytest.raises(InsufficientGpu) as err:
         await mgr.start("a")
     assert err.value.extra["required_mib"] == 1600
+
+
+# -- parking: a stopped engine's unit is parked once nothing is starting -------------
+
+
+async def _wait(predicate: object, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():   # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_stopped_engine_is_parked_after_its_stop(tmp_path: Path) -> None:
+    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+    await mgr.start("a")
+    await mgr.stop("a")
+    await _wait(lambda: units.parked == ["a"])
+    assert units.log == ["start a", f"stop {units.layout('a').unit}"]
+    await mgr.close()
+
+
+async def test_parking_waits_until_no_engine_is_starting(tmp_path: Path) -> None:
+    """Creating a unit is systemd's work too: it must not slow someone's start."""
+    mgr, units, health = engine_manager_on_fakes(tmp_path)
+    await mgr.start("a")
+    health.all_ready = False
+    loading = asyncio.ensure_future(mgr.start("b"))
+    await _wait(lambda: (e := mgr.get("b")) is not None and e.state is EngineState.LOADING)
+    await mgr.stop("a")
+    await asyncio.sleep(0.2)   # several of the parker's looks
+    assert units.parked == []
+    health.all_ready = True
+    await loading
+    await _wait(lambda: units.parked == ["a"])
+    await mgr.close()
+
+
+async def test_a_model_started_again_before_its_park_is_not_parked(tmp_path: Path) -> None:
+    mgr, units, health = engine_manager_on_fakes(tmp_path)
+    await mgr.start("b")
+    health.all_ready = False
+    loading = asyncio.ensure_future(mgr.start("a"))   # the park of b waits for it
+    await _wait(lambda: (e := mgr.get("a")) is not None and e.state is EngineState.LOADING)
+    await mgr.stop("b")
+    again = asyncio.ensure_future(mgr.start("b"))
+    await _wait(lambda: (e := mgr.get("b")) is not None and e.state is EngineState.LOADING)
+    health.all_ready = True
+    await asyncio.gather(loading, again)
+    await asyncio.sleep(0.2)   # several of the parker's looks
+    assert units.parked == []
+    assert units.log.count("start b") == 2
+    await mgr.close()
+
+
+async def test_a_start_during_a_park_waits_for_it_then_starts(tmp_path: Path) -> None:
+    """The park holds the model's lifecycle: the start that comes meanwhile follows it
+    (and wakes the parked unit, in the adapter), never overlaps it."""
+    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+    parking, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_park(model_id: str) -> None:
+        parking.set()
+        await release.wait()
+    units.on_park = slow_park
+    await mgr.start("a")
+    await mgr.stop("a")
+    await asyncio.wait_for(parking.wait(), 5)
+    start = asyncio.ensure_future(mgr.start("a"))
+    await asyncio.sleep(0.05)
+    assert not start.done() and units.log.count("start a") == 1
+    release.set()
+    engine = await asyncio.wait_for(start, 5)
+    assert engine.state is EngineState.READY and units.parked == ["a"]
+    assert units.log.count("start a") == 2
+    await mgr.close()
+
+
+async def test_a_failed_park_leaves_the_next_start_as_it_was(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+
+    async def broken(model_id: str) -> None:
+        raise OSError(28, "No space left on device")
+    units.on_park = broken
+    await mgr.start("a")
+    with caplog.at_level(logging.WARNING, logger="gatewayd.engines"):
+        await mgr.stop("a")
+        await _wait(lambda: "could not park" in caplog.text)
+    assert "No space left" in caplog.text
+    engine = await mgr.start("a")
+    assert engine.state is EngineState.READY
+    await mgr.close()

@@ -1,0 +1,184 @@
+"""Parked engine units: the FIFOs that hold them and the register of who is parked.
+
+A parked unit (core/engine_units.py, "parked units") is a model's engine unit whose
+main process is a shell blocked on its FIFO. It is not an engine yet: the engine layer
+never sees it (its signals are held back here, listings leave it out) until a start
+wakes it, and then it is that start's unit, running and about to load.
+
+What marks a unit as parked, also for a gateway that restarted meanwhile: its
+environment names the engine it becomes (PARKED_ENV) and its FIFO still exists or its
+main process is still the shell. The gateway removes the FIFO as it wakes the unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gatewayd.core.engine_units import PARK_SHELL, PARKED_ENV
+
+log = logging.getLogger("gatewayd.units")
+WAKE_WAIT_S = 0.5      # a unit parked a moment ago may not have opened its FIFO yet
+_WAKE_RETRY_S = 0.002
+
+
+@dataclass
+class ParkedUnit:
+    unit: str
+    digest: str                 # the engine unit it becomes (engine_units.spec_digest)
+    fifo: Path
+    parked_at: float            # for the least recently parked to go first
+    props: dict[str, Any] = field(default_factory=dict)   # its unit's state, as last seen
+
+
+class ParkingLot:
+    """The parked units of one unit manager, and the units whose signals it holds back:
+    parked, being parked, or being stopped because nobody will wake them."""
+
+    def __init__(self, directory: Path, limit: int) -> None:
+        self.directory = directory
+        self.limit = limit
+        self.parked: dict[str, ParkedUnit] = {}
+        self.hidden: set[str] = set()
+        self._discards: dict[str, asyncio.Task[None]] = {}
+
+    def fifo_for(self, instance: str) -> Path:
+        return self.directory / instance
+
+    def make_fifo(self, instance: str) -> Path:
+        """A fresh FIFO for the instance (a leftover one is replaced), readable by the
+        engine's user only."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fifo = self.fifo_for(instance)
+        with contextlib.suppress(FileNotFoundError):
+            fifo.unlink()
+        os.mkfifo(fifo, 0o600)
+        return fifo
+
+    def claim(self, unit: str) -> ParkedUnit | None:
+        """Take the unit's parked entry for a start (it stays hidden until woken)."""
+        return self.parked.pop(unit, None)
+
+    def surplus(self) -> list[ParkedUnit]:
+        """The parked units beyond the limit, least recently parked first; taken out."""
+        extra = sorted(self.parked.values(), key=lambda p: p.parked_at)
+        extra = extra[:max(0, len(extra) - self.limit)]
+        for parked in extra:
+            del self.parked[parked.unit]
+        return extra
+
+    def is_parked(self, unit: str, instance: str, env: Mapping[str, str],
+                  main_pid: int) -> bool:
+        """Whether a unit systemd lists is a parked one (see the module's docstring)."""
+        if unit in self.hidden:
+            return True
+        return bool(env.get(PARKED_ENV)) and (
+            is_fifo(self.fifo_for(instance)) or main_is_shell(main_pid))
+
+    def adopt(self, unit: str, instance: str, env: Mapping[str, str],
+              props: dict[str, Any], started_at_us: int) -> None:
+        """A parked unit found in a listing (a previous gateway parked it). Without its
+        FIFO it cannot be woken: a start discards it."""
+        if unit in self.hidden:
+            return
+        self.parked[unit] = ParkedUnit(unit, env.get(PARKED_ENV, ""), self.fifo_for(instance),
+                                       parked_at=started_at_us / 1e6, props=props)
+        self.hidden.add(unit)
+
+    def seen(self, unit: str, changed: Mapping[str, Any]) -> bool:
+        """A unit's signal: True when it is held back here (the unit is parked or going)."""
+        if unit not in self.hidden:
+            return False
+        parked = self.parked.get(unit)
+        if parked is not None:
+            parked.props.update(changed)
+            if changed.get("ActiveState") in ("inactive", "failed"):
+                # stopped behind our back: nothing to wake any more
+                del self.parked[unit]
+                self.hidden.discard(unit)
+                with contextlib.suppress(OSError):
+                    parked.fifo.unlink()
+        return True
+
+    def discard(self, parked: ParkedUnit,
+                stop: Callable[[str], Awaitable[None]]) -> asyncio.Task[None]:
+        """Stop a parked unit nobody will wake (its signals stay held back until it is
+        gone); a start of its model waits for that (settled)."""
+        async def run() -> None:
+            try:
+                with contextlib.suppress(OSError):
+                    parked.fifo.unlink()
+                await stop(parked.unit)
+            except Exception as e:   # the reconciler sees whatever remains
+                log.warning("could not stop the parked unit %s: %s", parked.unit, e)
+            finally:
+                self.hidden.discard(parked.unit)
+                self._discards.pop(parked.unit, None)
+        task = asyncio.get_running_loop().create_task(run())
+        self._discards[parked.unit] = task
+        return task
+
+    async def settled(self, unit: str) -> None:
+        """Returns once no discard of the unit is under way."""
+        if (task := self._discards.get(unit)) is not None:
+            await asyncio.shield(task)
+
+    async def close(self) -> None:
+        for task in list(self._discards.values()):
+            task.cancel()
+
+
+def is_fifo(path: Path) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def main_is_shell(pid: int) -> bool:
+    """Whether the unit's main process is still the parking shell (not yet the engine)."""
+    if pid <= 0:
+        return False
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return False
+    return comm == os.path.basename(PARK_SHELL)
+
+
+async def wake(fifo: Path, line: bytes, *, wait_s: float = WAKE_WAIT_S) -> bool:
+    """Tell the parked shell to exec its engine. The FIFO is unlinked first, so a
+    restart of the unit execs the engine directly. False: nobody read it within
+    wait_s (the unit is gone or its shell never got to the FIFO)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if not stat.S_ISFIFO(os.stat(fifo).st_mode):
+                return False
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            break
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_WAKE_RETRY_S)   # no reader yet: the shell is starting
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(fifo)
+        # the shell may die between open and write: its restart finds no FIFO and runs
+        # the engine directly, which is what was asked
+        with contextlib.suppress(BrokenPipeError):
+            os.write(fd, line)
+    finally:
+        os.close(fd)
+    return True

@@ -1,0 +1,81 @@
+"""Parked engine units for real: a stopped engine's unit is parked, the next request
+wakes it in place (the same process becomes the engine), and a restarted gateway
+finds parked units without taking them for engines."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from gatewayd.core.engine_units import EngineLayout
+from tests.integration.conftest import GatewayFactory
+from tests.integration.engine_helpers import cgroup_procs, process_ended
+from tests.integration.gateway_helpers import GatewayService, journal_until, unit_property
+
+pytestmark = [pytest.mark.systemd, pytest.mark.engine]
+
+CHAT = {"model": "tiny-alpha", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _wait_parked(unit: str, timeout: float = 20) -> int:
+    """The unit's MainPID once it is the parking shell."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = int(unit_property(unit, "MainPID") or 0)
+        if pid and _comm(pid) == "sh":
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"{unit} was not parked within {timeout}s")
+
+
+def _chat(gw: GatewayService) -> None:
+    status, body = gw.api("POST", "/v1/chat/completions", CHAT)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] is not None
+
+
+def test_a_stopped_engine_is_parked_and_the_next_request_wakes_it(
+        gateway: GatewayService) -> None:
+    layout = EngineLayout.for_model("tiny-alpha")
+    unit = layout.unit
+    _chat(gateway)
+    engine_pid = gateway.engines()["tiny-alpha"]["pid"]
+    assert gateway.api("POST", "/admin/engines/stop", {"model": "tiny-alpha"})[0] == 200
+    assert process_ended(engine_pid)
+    parked = _wait_parked(unit)
+    # the stopped engine is gone; the unit of that name holds the waiting shell alone
+    assert cgroup_procs(unit_property(unit, "ControlGroup")) == [parked]
+    assert not Path(layout.socket).exists()
+    journal_until("tiny-alpha: its unit is parked", "-u", gateway.unit)
+    assert "tiny-alpha" not in gateway.engines() or \
+        gateway.engines()["tiny-alpha"]["state"] == "stopped"
+    _chat(gateway)
+    engine = gateway.engines()["tiny-alpha"]
+    assert engine["state"] == "ready" and engine["pid"] == parked
+    assert _comm(parked) == "llama-server"
+
+
+def test_a_restarted_gateway_leaves_a_parked_unit_parked_then_wakes_it(
+        gateway_factory: GatewayFactory) -> None:
+    unit = EngineLayout.for_model("tiny-alpha").unit
+    gw = gateway_factory()
+    _chat(gw)
+    assert gw.api("POST", "/admin/engines/stop", {"model": "tiny-alpha"})[0] == 200
+    parked = _wait_parked(unit)
+    gw.stop()
+    gw.start()
+    # the adoption's listing ran before the gateway answered: a parked unit is no engine
+    assert "tiny-alpha" not in gw.engines()
+    assert _comm(parked) == "sh"
+    _chat(gw)
+    assert gw.engines()["tiny-alpha"]["pid"] == parked

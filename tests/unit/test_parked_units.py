@@ -1,0 +1,181 @@
+"""Parked engine units, without systemd: the shell's wake protocol run for real
+(/bin/sh on a FIFO), the parked unit's spec, and the register of parked units.
+On the real systemd with a real llama-server: tests/integration/test_unit_lifecycle.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gatewayd.adapters.parked_units import ParkedUnit, ParkingLot, main_is_shell, wake
+from gatewayd.core.engine_units import (
+    DEVICES_ENV,
+    PARK_SCRIPT,
+    PARK_SHELL,
+    PARKED_ENV,
+    parked_spec,
+    spec_digest,
+    wake_line,
+)
+from gatewayd.core.unit_spec import UnitSpec
+
+ENV_PRINTER = ["/bin/sh", "-c", f'echo "devices=${{{DEVICES_ENV}-unset}} args=$*"', "engine"]
+
+
+def parked_shell(fifo: Path, *argv: str, env: dict[str, str] | None = None
+                 ) -> subprocess.Popen[str]:
+    """What a parked unit's ExecStart runs."""
+    return subprocess.Popen([PARK_SHELL, "-c", PARK_SCRIPT, str(fifo), *ENV_PRINTER, *argv],
+                            stdout=subprocess.PIPE, text=True,
+                            env={"PATH": "/usr/bin:/bin", **(env or {})})
+
+
+async def test_a_woken_shell_execs_its_engine_with_the_devices_it_is_told(
+        tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    shell = parked_shell(fifo, "a b")
+    try:
+        await asyncio.sleep(0)
+        # waits for the shell to reach the FIFO (ENXIO until then), then wakes it
+        assert await wake(fifo, b"GPU-1,GPU-2\n", wait_s=10)
+        out, _ = shell.communicate(timeout=10)
+    finally:
+        shell.kill()
+    assert out.strip() == "devices=GPU-1,GPU-2 args=a b"
+    assert not fifo.exists()   # a restart of the unit execs the engine at once
+
+
+async def test_keep_devices_leaves_the_units_own_environment(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    shell = parked_shell(fifo, env={DEVICES_ENV: "3"})
+    try:
+        assert await wake(fifo, b"-\n", wait_s=10)
+        out, _ = shell.communicate(timeout=10)
+    finally:
+        shell.kill()
+    assert out.strip() == "devices=3 args="
+
+
+def test_without_its_fifo_the_shell_runs_the_engine_at_once(tmp_path: Path) -> None:
+    """systemd's restart of a crashed engine: the same ExecStart, the FIFO gone."""
+    out = parked_shell(tmp_path / "gone").communicate(timeout=10)[0]
+    assert out.strip() == "devices=unset args="
+
+
+async def test_a_fifo_nobody_reads_or_no_fifo_is_no_wake(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    t0 = time.monotonic()
+    assert not await wake(fifo, b"-\n", wait_s=0.05)
+    assert time.monotonic() - t0 >= 0.05
+    assert fifo.exists()            # not unlinked: nothing was woken
+    assert not await wake(tmp_path / "missing", b"-\n")
+    (tmp_path / "file").write_text("")
+    assert not await wake(tmp_path / "file", b"-\n")
+
+
+def test_a_parked_spec_wraps_the_engine_and_names_it() -> None:
+    engine = UnitSpec(name="llm-engine-x.service", argv=["/usr/bin/llama-server", "-m", "$x"],
+                      environment={"A": "1"})
+    parked = parked_spec(engine, "/state/parked/x")
+    assert list(parked.argv) == [PARK_SHELL, "-c", PARK_SCRIPT, "/state/parked/x",
+                                 "/usr/bin/llama-server", "-m", "$x"]
+    assert parked.environment == {"A": "1", PARKED_ENV: spec_digest(engine)}
+    assert parked.name == engine.name
+    (exec_start,) = dict((k, v) for k, _, v in parked.properties())["ExecStart"]
+    # systemd's $VAR expansion is defeated for the script as for the engine's arguments
+    assert exec_start[1][2] == PARK_SCRIPT.replace("$", "$$")
+    assert exec_start[1][-1] == "$$x"
+    other = UnitSpec(name=engine.name, argv=engine.argv, environment={"A": "2"})
+    assert spec_digest(other) != spec_digest(engine)
+
+
+def test_the_wake_line_passes_placements_devices_unless_the_model_names_its_own() -> None:
+    plain = UnitSpec(name="u", argv=["/bin/x"])
+    named = UnitSpec(name="u", argv=["/bin/x"], environment={DEVICES_ENV: "0"})
+    assert wake_line(plain, None) == b"-\n"
+    assert wake_line(plain, "GPU-a,GPU-b") == b"GPU-a,GPU-b\n"
+    assert wake_line(named, "GPU-a") == b"-\n"
+    assert wake_line(plain, "1\n2") == b"-\n"   # one line, never two
+
+
+def test_the_register_holds_back_parked_units_signals_until_woken(tmp_path: Path) -> None:
+    lot = ParkingLot(tmp_path / "parked", limit=2)
+    fifo = lot.make_fifo("x")
+    assert fifo.exists() and oct(fifo.stat().st_mode & 0o777) == "0o600"
+    lot.hidden.add("u.service")
+    lot.parked["u.service"] = ParkedUnit("u.service", "d", fifo, 1.0, {"MainPID": 5})
+    assert lot.seen("u.service", {"MainPID": 6})
+    assert lot.parked["u.service"].props["MainPID"] == 6
+    assert not lot.seen("other.service", {"ActiveState": "active"})
+    # stopped behind the gateway's back: forgotten, its FIFO removed
+    assert lot.seen("u.service", {"ActiveState": "inactive"})
+    assert "u.service" not in lot.parked and "u.service" not in lot.hidden
+    assert not fifo.exists()
+
+
+def test_the_least_recently_parked_go_first_beyond_the_limit(tmp_path: Path) -> None:
+    lot = ParkingLot(tmp_path, limit=2)
+    for name, at in (("a", 3.0), ("b", 1.0), ("c", 2.0), ("d", 4.0)):
+        lot.parked[name] = ParkedUnit(name, "", tmp_path / name, at)
+    assert [p.unit for p in lot.surplus()] == ["b", "c"]
+    assert sorted(lot.parked) == ["a", "d"]
+    assert lot.surplus() == []
+
+
+def test_what_marks_a_unit_as_parked(tmp_path: Path) -> None:
+    lot = ParkingLot(tmp_path, limit=2)
+    marked = {PARKED_ENV: "digest"}
+    assert not lot.is_parked("u", "x", {}, os.getpid())
+    assert not lot.is_parked("u", "x", marked, os.getpid())   # woken: no FIFO, not a shell
+    lot.make_fifo("x")
+    assert lot.is_parked("u", "x", marked, os.getpid())        # its FIFO waits
+    assert not lot.is_parked("u", "x", {}, os.getpid())        # never parked
+    shell = subprocess.Popen([PARK_SHELL, "-c", "read x"], stdin=subprocess.PIPE)
+    try:
+        assert main_is_shell(shell.pid)
+        assert lot.is_parked("u", "y", marked, shell.pid)   # no FIFO, but still the shell
+    finally:
+        shell.kill()
+        shell.wait()
+    assert not main_is_shell(0) and not main_is_shell(os.getpid())
+
+
+async def test_a_start_waits_for_a_discard_of_its_unit(tmp_path: Path) -> None:
+    lot = ParkingLot(tmp_path, limit=1)
+    stopping = asyncio.Event()
+    stopped: list[str] = []
+
+    async def stop(unit: str) -> None:
+        await stopping.wait()
+        stopped.append(unit)
+    parked = ParkedUnit("u", "", lot.make_fifo("u"), 1.0)
+    lot.hidden.add("u")
+    lot.discard(parked, stop)
+    settled = asyncio.ensure_future(lot.settled("u"))
+    await asyncio.sleep(0.01)
+    assert not settled.done() and "u" in lot.hidden
+    stopping.set()
+    await asyncio.wait_for(settled, 5)
+    assert stopped == ["u"] and "u" not in lot.hidden
+    assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("failing", [True, False])
+async def test_a_discard_that_fails_still_ends(tmp_path: Path, failing: bool) -> None:
+    lot = ParkingLot(tmp_path, limit=1)
+
+    async def stop(unit: str) -> None:
+        if failing:
+            raise RuntimeError("bus gone")
+    lot.hidden.add("u")
+    await lot.discard(ParkedUnit("u", "", tmp_path / "u", 1.0), stop)
+    assert "u" not in lot.hidden
+    await asyncio.wait_for(lot.settled("u"), 1)
