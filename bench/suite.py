@@ -549,6 +549,18 @@ def cleanup() -> None:
         subprocess.run(["systemctl", "stop", *names], check=False)
 
 
+def say_why_it_failed() -> None:
+    """A failed run says which path and why: the last lines of each benchmarked
+    service's journal (a proxy's 500 is a traceback there), before cleanup removes them."""
+    subprocess.run(["journalctl", "--sync"], check=False)
+    for unit in ("bench-bare", "bench-gateway", "bench-router", "bench-bare-fake",
+                 "bench-gateway-fake"):
+        out = subprocess.run(["journalctl", "-u", unit, "-n", "40", "-o", "cat", "--no-pager"],
+                             capture_output=True, text=True, check=False).stdout
+        if out.strip():
+            print(f"--- journalctl -u {unit} (last 40 lines) ---\n{out}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.suite")
     ap.add_argument("--mode", choices=sorted(PLANS), default="full")
@@ -560,7 +572,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         results = asyncio.run(suite(PLANS[a.mode], a.work, a.llama_server))
+    except Exception:
+        say_why_it_failed()
+        raise
     finally:
+        # the gateway's own account of the run (its engines' transitions), for digging
+        with contextlib.suppress(OSError):
+            (a.out / "gateway-journal.txt").write_text(subprocess.run(
+                ["journalctl", "-u", "bench-gateway", "-o", "short-monotonic", "--no-pager"],
+                capture_output=True, text=True, check=False).stdout)
         cleanup()
     results["seconds"] = round(time.monotonic() - t0, 1)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -39,7 +39,7 @@ from gatewayd.adapters.unit_control import (
     runtime_root,
 )
 from gatewayd.core.budget import MIB
-from gatewayd.core.catalog import Catalog
+from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import Backend, GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary
 from gatewayd.core.engines import Engine, EngineState
@@ -186,17 +186,18 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file) if config.records_enabled else None
     engine_client = EngineClient(config.read_timeout_s)
-    learning: set[asyncio.Task[Any]] = set()
 
     def connections_follow(old: Engine, new: Engine) -> None:
         if old.holds_slot and not new.holds_slot:
             engine_client.forget(new.socket)
-        elif new.state is EngineState.READY and old.state is not EngineState.READY \
-                and (model := engines.catalog.get(new.model_id)) is not None \
-                and model.backend is Backend.LLAMA:
-            _track(learning, asyncio.get_running_loop().create_task(
-                learn_engine_slots(engine_client, new.socket)))
     engines.subscribe(connections_follow)
+
+    async def learn_slots(model: Model, socket: str) -> None:
+        # before the engine is ready: a burst waiting for it then meets the limit, and the
+        # first request does not share the engine with this question
+        if model.backend is Backend.LLAMA:
+            await learn_engine_slots(engine_client, socket)
+    engines.before_ready(learn_slots)
     metrics = GatewayMetrics()
     engines.subscribe(lambda old, new: metrics.on_engine_change(
         old, new, engines.stop_reasons.get(new.model_id)))

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from gatewayd.core import budget, placement
@@ -77,6 +77,7 @@ READY_GRACE_S = 5.0        # a waiter's deadline beyond load_timeout_s
 RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)   # after 1, 2, 3... failed starts in a row
 
 EngineListener = Callable[[Engine, Engine], None]
+ReadyHook = Callable[[Model, str], Awaitable[object]]
 
 
 class EngineManager:
@@ -101,6 +102,7 @@ class EngineManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._settling: dict[str, asyncio.Task[None]] = {}
         self._listeners: list[EngineListener] = []
+        self._ready_hooks: list[ReadyHook] = []
         self._locks: dict[str, asyncio.Lock] = {}
         self._in_lifecycle: dict[str, int] = {}     # operations holding or awaiting the lock
         self._versions: dict[str, int] = {}         # bumped by every event and operation
@@ -283,7 +285,10 @@ class EngineManager:
             model = self.catalog.get(model_id)
             if model is None:
                 continue   # removed from the catalog meanwhile
-            async with self._lifecycle(model_id):
+            # the model's lifecycle lock, so that a start waits for the park and then
+            # wakes the unit; but not "busy": a loader that wants this model goes on
+            # making room meanwhile instead of waiting for the park to end
+            async with self._locks.setdefault(model_id, asyncio.Lock()):
                 if model_id in self._engines:
                     continue   # started again meanwhile
                 try:
@@ -556,14 +561,23 @@ class EngineManager:
             exec_code=props.get("ExecMainCode"),
             exec_status=props.get("ExecMainStatus")))
 
+    def before_ready(self, hook: ReadyHook) -> Callable[[], None]:
+        """hook(model, socket) is awaited when an engine answers /health, before it is
+        ready: what the first request must find done (it never raises; its own deadline)."""
+        self._ready_hooks.append(hook)
+        return lambda: self._ready_hooks.remove(hook)
+
     async def _on_ready(self, model_id: str) -> None:
-        """Healthy: its saved KV cache goes back into its slots first (bounded), so the
-        first request already finds it."""
+        """Healthy: its saved KV cache goes back into its slots, and the hooks run (the
+        front door learns its slots), together and bounded, so that the first request
+        finds them done and does not share the engine with them."""
         engine, model = self._engines.get(model_id), self.catalog.get(model_id)
-        if self.slots is not None and engine is not None and model is not None \
-                and keeps_kv_cache(model):
-            await self.slots.restore(model_id, engine.socket,
-                                     self.units.layout(model_id).instance)
+        if engine is not None and model is not None:
+            work = [hook(model, engine.socket) for hook in self._ready_hooks]
+            if self.slots is not None and keeps_kv_cache(model):
+                work.append(self.slots.restore(model_id, engine.socket,
+                                               self.units.layout(model_id).instance))
+            await asyncio.gather(*work)
         self._event(model_id, HealthReady(self._clock()))
         self.learn_gpu_memory()
 

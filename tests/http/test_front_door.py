@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gatewayd.adapters import records
 from gatewayd.app import build_app
 from gatewayd.core.config import Backend, ModelKind
+from gatewayd.core.engines import EngineState
 from gatewayd.http import openai_api
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
@@ -544,6 +545,26 @@ async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_
     assert gw.fakes["c"].peak_in_flight == 3
     # an operator's look at the engine does not queue behind inference
     assert (await gw.client.get("/admin/metrics", params={"engines": "1"})).status == 200
+
+
+async def test_an_engines_slots_are_known_before_it_is_ready(gw: Gateway) -> None:
+    """The limit is learned before the engine is ready (not after, beside the first
+    request): a burst that waited for the engine to start meets it at once."""
+    client = gw.client.app[openai_api.FRONT].engine_client
+    socket = gw.units.layout("c").socket
+    gw.fakes["c"].slots = 2
+    at_ready: list[int | None] = []
+    gw.engines.subscribe(lambda old, new: at_ready.append(client.limit(socket))
+                         if new.model_id == "c" and new.state is EngineState.READY
+                         and old.state is not EngineState.READY else None)
+    burst = await asyncio.gather(*(gw.client.post(
+        "/v1/chat/completions", json=chat("c", prompt="slow 5", stream=True))
+        for _ in range(6)))
+    assert [r.status for r in burst] == [200] * 6
+    bodies = [await r.read() for r in burst]
+    assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    assert at_ready == [3]
+    assert gw.fakes["c"].peak_in_flight <= 3
 
 
 async def test_a_request_that_waits_too_long_for_a_busy_engine_is_told_to_retry(

@@ -286,3 +286,33 @@ async def _until(condition: Callable[[], bool], timeout: float = 5) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never met"
         await asyncio.sleep(0.005)
+
+
+async def test_a_request_for_a_model_being_parked_makes_room_meanwhile(
+        tmp_path: Path) -> None:
+    """The park of a's unit holds a's lifecycle; a request for a evicts b (b and c hold
+    the two slots) meanwhile, not once the park is over; then its start follows the park."""
+    mgr, units, _ = engine_manager_on_fakes(tmp_path, max_engines=2)
+    d = dispatcher_for(mgr)
+    parking, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_park(model_id: str) -> None:
+        parking.set()
+        await release.wait()
+    await use(d, "a")
+    await use(d, "b")
+    units.on_park = slow_park
+    await mgr.stop("a")
+    await asyncio.wait_for(parking.wait(), 5)
+    await use(d, "c")
+    request = asyncio.ensure_future(use(d, "a"))
+    deadline = asyncio.get_running_loop().time() + 5
+    while "stop llm-engine-b.service" not in units.log:   # while the park still runs
+        assert asyncio.get_running_loop().time() < deadline, units.log
+        await asyncio.sleep(0.005)
+    assert not request.done() and units.log[-1] == "stop llm-engine-b.service"
+    release.set()
+    await asyncio.wait_for(request, 5)
+    assert units.log[-1] == "start a"
+    await d.close()
+    await mgr.close()
