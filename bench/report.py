@@ -59,6 +59,9 @@ def write_report(r: dict[str, Any], out: Path) -> None:
               "| | gateway | router |", "|---|---|---|",
               f"| cold start (stopped model) | {cs['cold_first_byte_ms']['gateway']} | "
               f"{cs['cold_first_byte_ms']['router']} |",
+              f"| cold start, no KV cache kept (gateway: tiny-cold) | "
+              f"{cs.get('cold_no_kv_cache_first_byte_ms', '-')} | "
+              f"{cs['cold_first_byte_ms']['router']} |",
               f"| swap, every request evicts (p50) | {cs['swap_first_byte_ms']['gateway']} | "
               f"{cs['swap_first_byte_ms']['router']} |",
               f"| swap p99 | {cs['swap_p99_ms']['gateway']} | {cs['swap_p99_ms']['router']} |"]

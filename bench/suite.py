@@ -468,6 +468,13 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
     ids = {stem: await router_model_id(stem) for stem in ("tiny-alpha", "tiny-beta",
                                                           "tiny-gamma")}
     cold: dict[str, list[float]] = {"gateway": [], "router": []}
+    # the same weights with no KV cache kept (the router keeps none): what the start costs
+    # without the restore of the slot the previous engine saved
+    no_kv: list[float] = []
+    for _ in range(plan.starts):
+        await post_json(gw.base + "/admin/engines/stop", {"model": "tiny-cold"})
+        await asyncio.sleep(0.2)
+        no_kv.append(await first_byte_ms(gw, "tiny-cold"))
     for _ in range(plan.starts):
         # both idle 0.2 s after the stop: the router's unload is asynchronous, and the
         # gateway parks the stopped engine's unit meanwhile (its next start is a wake)
@@ -484,6 +491,7 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
             swap["gateway"].append(await first_byte_ms(gw, stem))
             swap["router"].append(await first_byte_ms(router, ids[stem]))
     return {"cold_first_byte_ms": {k: round(statistics.median(v), 2) for k, v in cold.items()},
+            "cold_no_kv_cache_first_byte_ms": round(statistics.median(no_kv), 2),
             "swap_first_byte_ms": {k: round(statistics.median(v), 2) for k, v in swap.items()},
             "swap_p99_ms": {k: round(pct(sorted(v), 99), 2) for k, v in swap.items()}}
 

@@ -183,6 +183,8 @@ class TransientEngineUnits(EngineUnitsBase):
     def reconfigure(self, config: GatewayConfig) -> None:
         super().reconfigure(config)
         self._lot.limit = config.parked_engines
+        for extra in self._lot.surplus():   # a smaller limit holds from now on
+            self._lot.discard(extra, self.stop_engine)
 
     def _spec(self, model: Model, layout: EngineLayout,
               visible_devices: str | None = None) -> UnitSpec:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -200,7 +199,14 @@ async def test_parked_units_beyond_the_limit_are_stopped_oldest_first(
         # the stopped one starts anew
         await units.start_engine(first)
         await wait_healthy(units.layout(first.id).socket, timeout=30)
+        # a reload to parked_engines = 0 stops the one left parked
+        units.reconfigure(replace(units._config, parked_engines=0))
+        second_unit = units.layout(second.id).unit
+
+        async def gone() -> bool:
+            return not await systemd.unit_loaded(second_unit)
+        await wait_for(gone, timeout=20, what="the parked unit stopped by the reload")
+        assert await units.engine_info(units.layout(first.id).unit) is not None
     finally:
         for m in (first, second):
             await stop_quietly(systemd, units.layout(m.id).unit)
-        await asyncio.sleep(0)
