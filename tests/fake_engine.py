@@ -6,7 +6,8 @@ connection closed after every stream), the Responses API and Anthropic messages
 (plain and streamed, in their own event formats), embeddings refused with llama-server's
 501, a whisper-style transcription answer padded with whitespace. Behaviour is
 chosen by the prompt text: "die after N" drops the connection mid-stream,
-"slow N" waits N ms between tokens, "pad N" makes each token N bytes longer. It
+"slow N" waits N ms between tokens, "pad N" makes each token N bytes longer, "linger N"
+waits N ms between the stream's final event and its end. It
 never replaces the real engine in the
 end-to-end tests.
 
@@ -249,6 +250,8 @@ class FakeEngine:
         else:
             await event({**base, "object": obj, "choices": [final], "usage": usage})
         await response.write(b"data: [DONE]\n\n")
+        if linger := re.search(r"linger (\d+)", prompt):   # the stream's end comes late
+            await asyncio.sleep(int(linger.group(1)) / 1000)
         await response.write_eof()
         # like llama-server: the connection is closed after a stream
         if request.transport is not None:

@@ -251,7 +251,8 @@ async def _relay_stream(request: web.Request, upstream: Answer,
         response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
     writer = await response.prepare(request)
     sse = SseRelay(drop_usage_event=out.drop_usage_event)
-    delivered = False  # the final event written: a client closing now has everything
+    delivered = False  # the engine's answer ended and all of it was written to the client
+    sent = _Sent()
     try:
         try:
             while chunk := await upstream.read_some():
@@ -259,16 +260,16 @@ async def _relay_stream(request: web.Request, upstream: Answer,
                 if data:
                     if record.ttft_ms is None:
                         record.ttft_ms = (time.monotonic() - t0) * 1000
-                    await _write(request, response, data, record, out.stall_timeout_s)
+                    await _write(request, response, data, record, out.stall_timeout_s, sent)
                     if isinstance(upstream, EngineResponse) and writer is not None \
                             and request.method != "HEAD":
                         # the head and the first event are out: the rest is pushed
                         await _relay_pushed(request, upstream, writer, sse, record, chunked,
-                                            out.stall_timeout_s)
+                                            out.stall_timeout_s, sent)
                         break
             tail = sse.flush()
             if tail:
-                await _write(request, response, tail, record, out.stall_timeout_s)
+                await _write(request, response, tail, record, out.stall_timeout_s, sent)
             if not sse.ended:
                 raise aiohttp.ClientPayloadError("the stream ended without its final event")
             delivered = True
@@ -281,9 +282,15 @@ async def _relay_stream(request: web.Request, upstream: Answer,
         await _write_eof(request, response, record, out.stall_timeout_s)
     except _ClientGone:
         if not delivered:
-            _client_left(record, upstream)
+            if sent.all_of(sse):
+                upstream.close()   # delivered; the engine's end still to come: not reused
+            else:
+                _client_left(record, upstream)
     except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes,
         if delivered:               # or when the gateway's drain time has run out
+            raise
+        if sent.all_of(sse):
+            upstream.close()
             raise
         if not request.app[SHUTDOWN].expired:
             _client_left(record, upstream)
@@ -306,12 +313,27 @@ class _ClientGone(Exception):
     pass
 
 
+class _Sent:
+    """Whether a stream's client was sent everything the relay let through. A client may
+    close as soon as it has the final event (the OpenAI SDK does, at [DONE], without
+    waiting for the chunked body's end): the answer was delivered, not cut short."""
+
+    __slots__ = ("dropped",)
+
+    def __init__(self) -> None:
+        self.dropped = False   # events passed by the relay and not written (client gone)
+
+    def all_of(self, sse: SseRelay) -> bool:
+        """The stream's final event, and everything before it, went to the client."""
+        return not self.dropped and sse.ended
+
+
 PUSH_HIGH_WATER = 64 * 1024   # bytes unsent to a slow client before the engine is held
 
 
 async def _relay_pushed(request: web.Request, upstream: EngineResponse,
                         writer: AbstractStreamWriter, sse: SseRelay, record: CallRecord,
-                        chunked: bool, stall_timeout_s: float) -> None:
+                        chunked: bool, stall_timeout_s: float, sent: _Sent) -> None:
     """The rest of an engine's stream, each event written to the client from the engine
     connection's data_received (EngineResponse.relay_to): no task wakes up per event, the
     relay's CPU per event is ~a third less. The bytes go straight to the client's
@@ -329,9 +351,11 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
         nonlocal gone
         data = feed(piece)
         if not data or gone:
+            if data:
+                sent.dropped = True
             return
         if transport.is_closing():
-            gone = True
+            gone = sent.dropped = True
             upstream.close()   # the engine stops generating for nobody
             return
         write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
@@ -352,7 +376,11 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
     upstream.relay_to(push, push_chunk if chunked else None)
     try:
         while not await upstream.wait_end():   # held: let the client catch up
-            await _to_client(writer.drain(), request, record, stall_timeout_s)
+            try:
+                await _to_client(writer.drain(), request, record, stall_timeout_s)
+            except _ClientGone:
+                sent.dropped = True   # what was buffered for it never went out
+                raise
             if transport.is_closing():
                 raise _ClientGone()
             upstream.resume()
@@ -371,11 +399,18 @@ def _client_left(record: CallRecord, upstream: Answer) -> None:
 
 
 async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
-                 record: CallRecord, stall_timeout_s: float) -> None:
+                 record: CallRecord, stall_timeout_s: float, sent: _Sent | None = None
+                 ) -> None:
     try:
         await _to_client(response.write(data), request, record, stall_timeout_s)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+        if sent is not None:
+            sent.dropped = True
         raise _ClientGone() from e
+    except _ClientGone:
+        if sent is not None:
+            sent.dropped = True
+        raise
     record.bytes_out += len(data)
 
 

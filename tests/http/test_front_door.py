@@ -302,6 +302,24 @@ async def test_engine_dies_mid_stream_ends_with_an_error_event(gw: Gateway,
     assert row["completion_tokens"] == 3    # role event + 2 tokens: an estimate
 
 
+@pytest.mark.parametrize("prompt", ["linger 400", "slow 5 linger 400"],
+                         ids=["at-once", "paced"])
+async def test_a_client_that_closes_at_the_final_event_got_its_answer(
+        gw: Gateway, prompt: str) -> None:
+    """The OpenAI SDK closes its connection at [DONE], without waiting for the chunked
+    body's end: the answer was delivered (outcome ok), even when the engine's own end of
+    the stream comes later."""
+    resp = await gw.client.post("/v1/chat/completions", json=chat(
+        "a", stream=True, prompt=prompt, max_tokens=6))
+    seen = b""
+    while b"data: [DONE]" not in seen:
+        seen += await resp.content.readuntil(b"\n\n")
+    resp.close()                             # before the stream's end, which lingers
+    (row,) = await gw.records(1, timeout=10)
+    assert row["outcome"] == "ok" and row["disconnected"] == 0 and row["status"] == 200
+    assert row["completion_tokens"] == 6
+
+
 async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
     resp = await gw.client.post("/v1/chat/completions", json=chat(
         "a", stream=True, prompt="slow 50", max_tokens=40))
