@@ -144,6 +144,10 @@ class Sampler:
     _streak: dict[tuple[str, str, str], int] = field(default_factory=dict)
     _reported: set[tuple[str, str, str]] = field(default_factory=set)
 
+    def over(self, units: dict[str, str]) -> bool:
+        """More engine units run than there are slots."""
+        return sum(1 for s in units.values() if s in ("active", "activating")) > self.slots
+
     def observe(self, t: float, units: dict[str, str], engines: list[dict[str, Any]] | None,
                 unit_prefix: str) -> None:
         """One sample: systemd's units (name -> ActiveState), the gateway's engines."""
@@ -235,21 +239,27 @@ def run(*argv: str) -> str:
 
 async def engine_units() -> dict[str, str]:
     """Engine units by name -> ActiveState, or "parked" for a unit whose main process is
-    still the parking shell (the gateway's parked units: no engine, no slot)."""
+    still the parking shell (the gateway's parked units: no engine, no slot). The states
+    and main processes of all units are read in one systemctl call, their commands right
+    after, so a swap (a stop, then a parked unit woken) rarely falls between two reads."""
     out = await sh("systemctl", "list-units", "--plain", "--no-legend", "--all", ENGINE_GLOB)
-    units = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[0].endswith(".service"):
-            units[parts[0]] = parts[2]
-    for unit, state in units.items():
-        if state == "active" and await main_is_parking_shell(unit):
-            units[unit] = "parked"
+    names = [line.split()[0] for line in out.splitlines()
+             if line.split() and line.split()[0].endswith(".service")]
+    if not names:
+        return {}
+    shown = await sh("systemctl", "show", "-p", "Id,ActiveState,MainPID", *names, check=False)
+    units: dict[str, str] = {}
+    for block in shown.strip().split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        unit, state = props.get("Id"), props.get("ActiveState", "inactive")
+        if not unit:
+            continue
+        units[unit] = "parked" if state == "active" and is_parking_shell(
+            props.get("MainPID", "0")) else state
     return units
 
 
-async def main_is_parking_shell(unit: str) -> bool:
-    pid = (await sh("systemctl", "show", "-p", "MainPID", "--value", unit, check=False)).strip()
+def is_parking_shell(pid: str) -> bool:
     try:
         return Path(f"/proc/{int(pid)}/comm").read_text().strip() == "sh"
     except (OSError, ValueError):
@@ -427,6 +437,11 @@ class Driver:
                 tick = time.monotonic()
                 try:
                     units = await engine_units()
+                    if self.sampler.over(units):
+                        # confirmed by a second look at once: a swap that fell between
+                        # the sample's own reads (a stop, then a parked unit woken) is
+                        # not more engines than slots; a real surplus stays
+                        units = await engine_units()
                 except RuntimeError as e:
                     self.sampler.sample_errors[f"systemctl: {e}"[:120]] += 1
                     units = None

@@ -267,6 +267,7 @@ def status_lines(out: dict[str, Any]) -> list[str]:
             f"GPU: {out['gpu']}",
             f"GPU memory: {memory}", *per_device,
             f"restored after a reboot: {', '.join(out['desired']) or 'none'}",
+            f"parked (their next start is fast): {', '.join(out.get('parked') or []) or 'none'}",
             f"config: {out['config'] or '-'}",
             f"records dropped: {out['records_dropped']}",
             *(upstream_line(u) for u in out.get("upstreams") or [])]

@@ -155,6 +155,9 @@ class FakeSystemd:
     async def park(self, model: Model) -> bool:
         return False   # parked units are tested on the real systemd (test_unit_lifecycle)
 
+    def parked(self) -> list[str]:
+        return []
+
     async def list_engines(self) -> list[EngineUnitInfo]:
         await asyncio.sleep(BUS_ROUND_TRIP_S)
         return [self._info(name, u) for name, u in self.units.items()]

@@ -35,7 +35,7 @@ class FakeUnits:
         self.fail_start: str | BaseException | None = None   # BaseException: raised as is
         self.next_pid = 100
         self.visible_devices: dict[str, str | None] = {}   # model -> CUDA_VISIBLE_DEVICES
-        self.parked: list[str] = []                        # models parked, in order
+        self.parks: list[str] = []                         # models parked, in order
         self.on_park: Callable[[str], Any] | None = None   # what a park does meanwhile
 
     def layout(self, model_id: str) -> EngineLayout:
@@ -66,10 +66,13 @@ class FakeUnits:
         self.emit(unit, ActiveState="deactivating", SubState="stop-sigterm")
         self.emit(unit, ActiveState="inactive", SubState="dead")
 
+    def parked(self) -> list[str]:
+        return list(self.parks)
+
     async def park(self, model: Model) -> bool:
         if self.on_park is not None:
             await self.on_park(model.id)
-        self.parked.append(model.id)
+        self.parks.append(model.id)
         return True
 
     async def kill_engine(self, unit: str) -> None:

@@ -200,6 +200,7 @@ class Snapshot:
     gpus: list[tuple[str, int, int]] = field(default_factory=list)  # (device, used, total) B
     records_dropped: int = 0
     max_engines: int = 0
+    parked: int = 0                     # engine units parked (no engine, no slot)
     kv_cache: Mapping[tuple[str, str], int] = field(default_factory=dict)
     upstreams: list[tuple[str, bool, int]] = field(default_factory=list)  # (name, up, in flight)
 
@@ -252,6 +253,9 @@ class Snapshot:
                                           ("starting", "loading", "ready", "stopping")))
         yield GaugeMetricFamily("llm_gateway_max_engines", "The configured max_engines",
                                 value=self.max_engines)
+        yield GaugeMetricFamily("llm_gateway_parked_engines",
+                                "Stopped engines whose unit waits, parked, for their next start",
+                                value=self.parked)
         kv = CounterMetricFamily("llm_gateway_kv_cache_operations",
                                  "KV cache slot saves (at a stop) and restores (at a start)",
                                  labels=["action", "result"])

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gatewayd.core.engine_units import PARK_SHELL, PARKED_ENV
+from gatewayd.core.engine_units import MODEL_ENV, PARK_SHELL, PARKED_ENV
 
 log = logging.getLogger("gatewayd.units")
 WAKE_WAIT_S = 0.5      # a unit parked a moment ago may not have opened its FIFO yet
@@ -38,6 +38,7 @@ class ParkedUnit:
     fifo: Path
     parked_at: float            # for the least recently parked to go first
     props: dict[str, Any] = field(default_factory=dict)   # its unit's state, as last seen
+    model_id: str | None = None
 
 
 class ParkingLot:
@@ -63,6 +64,11 @@ class ParkingLot:
             fifo.unlink()
         os.mkfifo(fifo, 0o600)
         return fifo
+
+    def models(self) -> list[str]:
+        """The models whose unit is parked, least recently parked first."""
+        return [p.model_id for p in sorted(self.parked.values(), key=lambda p: p.parked_at)
+                if p.model_id is not None]
 
     def claim(self, unit: str) -> ParkedUnit | None:
         """Take the unit's parked entry for a start (it stays hidden until woken)."""
@@ -91,7 +97,8 @@ class ParkingLot:
         if unit in self.hidden:
             return
         self.parked[unit] = ParkedUnit(unit, env.get(PARKED_ENV, ""), self.fifo_for(instance),
-                                       parked_at=started_at_us / 1e6, props=props)
+                                       parked_at=started_at_us / 1e6, props=props,
+                                       model_id=env.get(MODEL_ENV))
         self.hidden.add(unit)
 
     def seen(self, unit: str, changed: Mapping[str, Any]) -> bool:

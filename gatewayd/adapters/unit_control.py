@@ -131,6 +131,9 @@ class EngineUnitsBase:
         del model
         return False
 
+    def parked(self) -> list[str]:
+        return []
+
     async def close(self) -> None:
         """Nothing of this mode outlives a call."""
 
@@ -239,10 +242,14 @@ class TransientEngineUnits(EngineUnitsBase):
         self._lot.parked[unit] = ParkedUnit(unit, spec_digest(spec), fifo, time.time(), {
             "ActiveState": unit_props.get("ActiveState"),
             "SubState": unit_props.get("SubState"),
-            "MainPID": service.get("MainPID", 0), "NRestarts": service.get("NRestarts", 0)})
+            "MainPID": service.get("MainPID", 0), "NRestarts": service.get("NRestarts", 0)},
+            model_id=model.id)
         for extra in self._lot.surplus():
             await self._lot.discard(extra, self.stop_engine)
         return True
+
+    def parked(self) -> list[str]:
+        return self._lot.models()
 
     async def _wake_parked(self, unit: str, spec: UnitSpec,
                            visible_devices: str | None) -> bool:

@@ -79,6 +79,7 @@ async def status(request: web.Request) -> web.Response:
                     for state in sorted({e.state.value for e in engines})},
         "models": len(mgr.catalog),
         "desired": mgr.desired.ids,
+        "parked": mgr.units.parked(),
         **_gpu_memory(request),
         "config": str(mgr.config.source) if mgr.config.source else None,
         "records_dropped": front.records.dropped
@@ -171,7 +172,7 @@ async def metrics(request: web.Request) -> web.Response:
     if front.metrics is None:
         raise web.HTTPNotFound()
     uses = _uses(request)
-    snapshot = Snapshot(max_engines=mgr.config.max_engines,
+    snapshot = Snapshot(max_engines=mgr.config.max_engines, parked=len(mgr.units.parked()),
                         records_dropped=front.records.dropped if front.records else 0,
                         kv_cache=mgr.slots.counts if mgr.slots is not None else {},
                         upstreams=[(r.name, r.up, r.in_flight) for r in front.remotes.remotes()])

@@ -44,6 +44,11 @@ async def test_start_list_logs_stop(client: Client) -> None:
     assert resp.status == 200 and (await resp.json())["engine"]["state"] == "stopped"
     status = await (await c.get("/admin/status")).json()
     assert status["unit_mode"] == "transient" and status["engines"] == {}
+    deadline = asyncio.get_running_loop().time() + 5
+    while status["parked"] != ["a"]:   # its unit parked once the stop is done
+        assert asyncio.get_running_loop().time() < deadline, status
+        await asyncio.sleep(0.01)
+        status = await (await c.get("/admin/status")).json()
 
 
 @pytest.mark.parametrize("method,path,body,status,code", [

@@ -5,6 +5,7 @@ finds parked units without taking them for engines."""
 from __future__ import annotations
 
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,11 @@ def _wait_parked(unit: str, timeout: float = 20) -> int:
     raise AssertionError(f"{unit} was not parked within {timeout}s")
 
 
+def _metrics(gw: GatewayService) -> str:
+    with urllib.request.urlopen(gw.url + "/admin/metrics", timeout=30) as resp:
+        return str(resp.read().decode())
+
+
 def _chat(gw: GatewayService) -> None:
     status, body = gw.api("POST", "/v1/chat/completions", CHAT)
     assert status == 200, body
@@ -59,10 +65,16 @@ def test_a_stopped_engine_is_parked_and_the_next_request_wakes_it(
     journal_until("tiny-alpha: its unit is parked", "-u", gateway.unit)
     assert "tiny-alpha" not in gateway.engines() or \
         gateway.engines()["tiny-alpha"]["state"] == "stopped"
+    # said where an operator looks: status (and the CLI's status) and the metrics
+    assert gateway.api("GET", "/admin/status")[1]["parked"] == ["tiny-alpha"]
+    assert "parked (their next start is fast): tiny-alpha" in gateway.cli("status").stdout
+    assert "llm_gateway_parked_engines 1.0" in _metrics(gateway)
     _chat(gateway)
     engine = gateway.engines()["tiny-alpha"]
     assert engine["state"] == "ready" and engine["pid"] == parked
     assert _comm(parked) == "llama-server"
+    assert gateway.api("GET", "/admin/status")[1]["parked"] == []
+    assert "llm_gateway_parked_engines 0.0" in _metrics(gateway)
 
 
 def test_a_restarted_gateway_leaves_a_parked_unit_parked_then_wakes_it(

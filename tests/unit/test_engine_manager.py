@@ -260,7 +260,7 @@ async def test_a_stopped_engine_is_parked_after_its_stop(tmp_path: Path) -> None
     mgr, units, _ = engine_manager_on_fakes(tmp_path)
     await mgr.start("a")
     await mgr.stop("a")
-    await _wait(lambda: units.parked == ["a"])
+    await _wait(lambda: units.parks == ["a"])
     assert units.log == ["start a", f"stop {units.layout('a').unit}"]
     await mgr.close()
 
@@ -274,10 +274,10 @@ async def test_parking_waits_until_no_engine_is_starting(tmp_path: Path) -> None
     await _wait(lambda: (e := mgr.get("b")) is not None and e.state is EngineState.LOADING)
     await mgr.stop("a")
     await asyncio.sleep(0.2)   # several of the parker's looks
-    assert units.parked == []
+    assert units.parks == []
     health.all_ready = True
     await loading
-    await _wait(lambda: units.parked == ["a"])
+    await _wait(lambda: units.parks == ["a"])
     await mgr.close()
 
 
@@ -293,7 +293,7 @@ async def test_a_model_started_again_before_its_park_is_not_parked(tmp_path: Pat
     health.all_ready = True
     await asyncio.gather(loading, again)
     await asyncio.sleep(0.2)   # several of the parker's looks
-    assert units.parked == []
+    assert units.parks == []
     assert units.log.count("start b") == 2
     await mgr.close()
 
@@ -316,7 +316,7 @@ async def test_a_start_during_a_park_waits_for_it_then_starts(tmp_path: Path) ->
     assert not start.done() and units.log.count("start a") == 1
     release.set()
     engine = await asyncio.wait_for(start, 5)
-    assert engine.state is EngineState.READY and units.parked == ["a"]
+    assert engine.state is EngineState.READY and units.parks == ["a"]
     assert units.log.count("start a") == 2
     await mgr.close()
 

@@ -125,6 +125,8 @@ def test_the_least_recently_parked_go_first_beyond_the_limit(tmp_path: Path) -> 
     lot = ParkingLot(tmp_path, limit=2)
     for name, at in (("a", 3.0), ("b", 1.0), ("c", 2.0), ("d", 4.0)):
         lot.parked[name] = ParkedUnit(name, "", tmp_path / name, at)
+    lot.parked["b"].model_id, lot.parked["a"].model_id = "model-b", "model-a"
+    assert lot.models() == ["model-b", "model-a"]   # least recently parked first
     assert [p.unit for p in lot.surplus()] == ["b", "c"]
     assert sorted(lot.parked) == ["a", "d"]
     assert lot.surplus() == []
@@ -140,7 +142,10 @@ def test_what_marks_a_unit_as_parked(tmp_path: Path) -> None:
     assert not lot.is_parked("u", "x", {}, os.getpid())        # never parked
     shell = subprocess.Popen([PARK_SHELL, "-c", "read x"], stdin=subprocess.PIPE)
     try:
-        assert main_is_shell(shell.pid)
+        deadline = time.monotonic() + 10
+        while not main_is_shell(shell.pid):   # until the forked child has exec'd sh
+            assert time.monotonic() < deadline, "the shell never ran"
+            time.sleep(0.001)
         assert lot.is_parked("u", "y", marked, shell.pid)   # no FIFO, but still the shell
     finally:
         shell.kill()
