@@ -52,6 +52,10 @@ async def test_status_page_shows_engines_and_follows_them_live(tmp_path: Path) -
             # a change made elsewhere arrives over the event feed
             await gw.client.post("/admin/engines/stop", json={"model": "b"})
             await page.wait_for(f"{state_of('b')} === 'stopped'", what="b's stop, live")
+            # its unit parked after the stop, among the facts (at the latest by the page's
+            # own refresh every 10 s)
+            await page.wait_for("document.getElementById('facts').textContent"
+                                ".includes('parked: b')", what="b's parked unit", timeout=20)
             assert await page.evaluate("window.sameDocument") is True     # never reloaded
             # the journal, on demand
             await page.evaluate("[...document.querySelectorAll('#engines tr[data-model=\"a\"] "
