@@ -189,21 +189,22 @@ class TransientEngineUnits(EngineUnitsBase):
         for extra in self._lot.surplus():   # a smaller limit holds from now on
             self._lot.discard(extra, self.stop_engine)
 
-    def _spec(self, model: Model, layout: EngineLayout,
-              visible_devices: str | None = None) -> UnitSpec:
+    def _specs(self, model: Model, layout: EngineLayout) -> Callable[[str | None], UnitSpec]:
+        """The model's unit for the given CUDA_VISIBLE_DEVICES; the engine binary and
+        the slot directory looked up once."""
         binary = resolve_binary(*server_binary(model, self._config))
-        return transient_spec(model, layout, binary, private_network=self.private_network,
-                              slot_save_path=self._slot_save_path(model, layout),
-                              visible_devices=visible_devices)
+        slot_save_path = self._slot_save_path(model, layout)
+        return lambda visible_devices: transient_spec(
+            model, layout, binary, private_network=self.private_network,
+            slot_save_path=slot_save_path, visible_devices=visible_devices)
 
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
-        spec = self._spec(model, layout)
-        if await self._wake_parked(layout.unit, spec, visible_devices):
+        spec_for = self._specs(model, layout)
+        if await self._wake_parked(layout.unit, spec_for(None), visible_devices):
             return layout
-        if visible_devices is not None:
-            spec = self._spec(model, layout, visible_devices)
+        spec = spec_for(visible_devices)
         await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
 
@@ -223,7 +224,7 @@ class TransientEngineUnits(EngineUnitsBase):
         if not self.parks(model) or unit in self._lot.hidden:
             return False
         await self._lot.settled(unit)
-        spec = self._spec(model, layout)
+        spec = self._specs(model, layout)(None)
         fifo = self._lot.make_fifo(layout.instance)
         self._lot.hidden.add(unit)
         try:

@@ -244,9 +244,9 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
 # CUDA_VISIBLE_DEVICES placement chose ("-": keep the unit's own).
 PARKED_ENV = "LLM_GATEWAY_PARKED"     # the digest of the engine unit it becomes
 PARK_SHELL = "/bin/sh"
-PARK_SCRIPT = ('if [ -p "$0" ]; then read -r d < "$0" && [ "$d" != - ] && '
-               f'export {DEVICES_ENV}="$d"; fi; exec "$@"')
 KEEP_DEVICES = "-"
+PARK_SCRIPT = (f'if [ -p "$0" ]; then read -r d < "$0" && [ "$d" != {KEEP_DEVICES} ] && '
+               f'export {DEVICES_ENV}="$d"; fi; exec "$@"')
 
 
 def spec_digest(spec: UnitSpec) -> str:

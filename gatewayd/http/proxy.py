@@ -403,14 +403,12 @@ async def _write(request: web.Request, response: web.StreamResponse, data: bytes
                  ) -> None:
     try:
         await _to_client(response.write(data), request, record, stall_timeout_s)
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, _ClientGone) as e:
         if sent is not None:
             sent.dropped = True
+        if isinstance(e, _ClientGone):
+            raise
         raise _ClientGone() from e
-    except _ClientGone:
-        if sent is not None:
-            sent.dropped = True
-        raise
     record.bytes_out += len(data)
 
 

@@ -563,7 +563,8 @@ class EngineManager:
 
     def before_ready(self, hook: ReadyHook) -> Callable[[], None]:
         """hook(model, socket) is awaited when an engine answers /health, before it is
-        ready: what the first request must find done (it never raises; its own deadline)."""
+        ready: what the first request must find done (its own deadline; an exception is
+        logged, and the engine is ready all the same)."""
         self._ready_hooks.append(hook)
         return lambda: self._ready_hooks.remove(hook)
 
@@ -577,7 +578,10 @@ class EngineManager:
             if self.slots is not None and keeps_kv_cache(model):
                 work.append(self.slots.restore(model_id, engine.socket,
                                                self.units.layout(model_id).instance))
-            await asyncio.gather(*work)
+            for failed in await asyncio.gather(*work, return_exceptions=True):
+                if isinstance(failed, Exception):   # ready all the same, never stuck loading
+                    log.warning("%s: before it was ready: %s: %s", model_id,
+                                type(failed).__name__, failed)
         self._event(model_id, HealthReady(self._clock()))
         self.learn_gpu_memory()
 

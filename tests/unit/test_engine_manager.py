@@ -336,3 +336,19 @@ async def test_a_failed_park_leaves_the_next_start_as_it_was(
     engine = await mgr.start("a")
     assert engine.state is EngineState.READY
     await mgr.close()
+
+
+async def test_a_ready_hook_that_raises_leaves_the_engine_ready_not_loading(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """What runs before an engine is ready (the front door's slot question, the KV
+    restore) must never keep it loading: its poller has ended, nothing would time it out."""
+    mgr, _, _ = engine_manager_on_fakes(tmp_path)
+
+    async def broken(model: object, socket: str) -> None:
+        raise RuntimeError("the engine answered nonsense")
+    mgr.before_ready(broken)
+    with caplog.at_level(logging.WARNING, logger="gatewayd.engines"):
+        engine = await asyncio.wait_for(mgr.start("a"), 5)
+    assert engine.state is EngineState.READY
+    assert "the engine answered nonsense" in caplog.text
+    await mgr.close()
