@@ -182,10 +182,14 @@ async def wake(fifo: Path, line: bytes, *, wait_s: float = WAKE_WAIT_S) -> bool:
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(fifo)
-        # the shell may die between open and write: its restart finds no FIFO and runs
-        # the engine directly, which is what was asked
-        with contextlib.suppress(BrokenPipeError):
+        try:
             os.write(fd, line)
+        except BrokenPipeError:
+            # the shell died between open and write: its restart finds no FIFO and runs
+            # the engine directly, which is what was asked
+            return True
+        except OSError:
+            return False   # not told its devices: the caller stops the unit, starts anew
     finally:
         os.close(fd)
     return True

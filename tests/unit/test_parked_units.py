@@ -63,6 +63,27 @@ async def test_keep_devices_leaves_the_units_own_environment(tmp_path: Path) -> 
     assert out.strip() == "devices=3 args="
 
 
+async def test_a_wake_line_that_cannot_be_written_is_no_wake(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Then the caller stops the unit and starts a new one (the shell, told nothing,
+    would run the engine without the devices placement chose)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    shell = parked_shell(fifo)
+    real_write = os.write
+
+    def failing_write(fd: int, data: bytes) -> int:
+        if data == b"GPU-1\n":
+            raise OSError(5, "Input/output error")
+        return real_write(fd, data)
+    monkeypatch.setattr("gatewayd.adapters.parked_units.os.write", failing_write)
+    try:
+        assert not await wake(fifo, b"GPU-1\n", wait_s=10)
+    finally:
+        shell.kill()
+        shell.wait()
+
+
 def test_without_its_fifo_the_shell_runs_the_engine_at_once(tmp_path: Path) -> None:
     """systemd's restart of a crashed engine: the same ExecStart, the FIFO gone."""
     out = parked_shell(tmp_path / "gone").communicate(timeout=10)[0]
