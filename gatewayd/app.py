@@ -35,13 +35,14 @@ from gatewayd.adapters.unit_control import (
     EngineUnitsBase,
     TemplateEngineUnits,
     TransientEngineUnits,
+    binary_identity,
     resolve_binary,
     runtime_root,
 )
 from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import Backend, GatewayConfig, UnitMode
-from gatewayd.core.engine_units import server_binary
+from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.http import admin_api, client_tls, openai_api
@@ -192,11 +193,15 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
             engine_client.forget(new.socket)
     engines.subscribe(connections_follow)
 
+    known_slots: dict[str, int] = {}
+
     async def learn_slots(model: Model, socket: str) -> None:
         # before the engine is ready: a burst waiting for it then meets the limit, and the
         # first request does not share the engine with this question
         if model.backend is Backend.LLAMA:
-            await learn_engine_slots(engine_client, socket)
+            setup = (f"{settings_stamp(model, engines.config)}:"
+                     f"{binary_identity(server_binary(model, engines.config)[0])}")
+            await learn_engine_slots(engine_client, socket, known=known_slots, setup=setup)
     engines.before_ready(learn_slots)
     metrics = GatewayMetrics()
     engines.subscribe(lambda old, new: metrics.on_engine_change(

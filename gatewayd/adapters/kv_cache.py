@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+from gatewayd.adapters.engine_http import exchange
 
 log = logging.getLogger("gatewayd.kv_cache")
 STAMP = "engine-settings.sha256"
@@ -57,17 +57,16 @@ class SlotCache:
         """Save every used slot; the number saved (0 on failure: logged and counted)."""
         started = time.monotonic()
         try:
-            async with asyncio.timeout(SAVE_TIMEOUT_S), _session(socket) as session:
-                slots = await _slots(session)
+            async with asyncio.timeout(SAVE_TIMEOUT_S):
                 saved = 0
-                for slot in slots:
+                for slot in await _slots(socket):
                     if "id_task" not in slot or not slot.get("n_prompt_tokens"):
                         continue   # never used: nothing to keep
-                    await _slot_action(session, slot["id"], "save",
+                    await _slot_action(socket, slot["id"], "save",
                                        SLOT_FILE.format(id=slot["id"]))
                     saved += 1
             self._bound(self.directory(instance))
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as e:
+        except (TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
             self.counts["save", "failed"] += 1
             log.warning("%s: saving its KV cache failed (%s); the engine stops without it",
                         model_id, e or type(e).__name__)
@@ -78,7 +77,12 @@ class SlotCache:
         return saved
 
     async def restore(self, model_id: str, socket: str, instance: str) -> int:
-        """Restore the saved slots into the ready engine; the number of tokens restored."""
+        """Restore the saved slots into the ready engine; the number of tokens restored.
+
+        Each file straight into its slot, with no look at GET /slots first: the stamp
+        says the files were written by an engine of the same setup, so with the same
+        slots (a round trip less on the cold start's path). A slot the engine says it
+        does not have (its binary replaced in place, another default) drops that file."""
         where = self.directory(instance)
         files = sorted(where.glob("slot-*.bin")) if where.is_dir() else []
         if not files:
@@ -86,14 +90,17 @@ class SlotCache:
         started = time.monotonic()
         restored = 0
         try:
-            async with asyncio.timeout(RESTORE_TIMEOUT_S), _session(socket) as session:
-                ids = {slot["id"] for slot in await _slots(session)}
+            async with asyncio.timeout(RESTORE_TIMEOUT_S):
                 for path in files:
                     slot_id = int(path.stem.split("-", 1)[1])
-                    if slot_id in ids:
-                        answer = await _slot_action(session, slot_id, "restore", path.name)
-                        restored += int(answer.get("n_restored", 0))
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as e:
+                    try:
+                        answer = await _slot_action(socket, slot_id, "restore", path.name)
+                    except NoSuchSlot as e:
+                        log.warning("%s: %s; its file is dropped", model_id, e)
+                        path.unlink(missing_ok=True)
+                        continue
+                    restored += int(answer.get("n_restored", 0))
+        except (TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
             self.counts["restore", "failed"] += 1
             log.warning("%s: restoring its KV cache failed (%s); it starts cold", model_id,
                         e or type(e).__name__)
@@ -114,27 +121,31 @@ class SlotCache:
             path.unlink(missing_ok=True)
 
 
-def _session(socket: str) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket))
+class NoSuchSlot(ValueError):
+    """The engine has no slot of that id (HTTP 400 to a slot action)."""
 
 
-async def _slots(session: aiohttp.ClientSession) -> list[dict[str, Any]]:
-    async with session.get("http://engine/slots") as resp:
-        if resp.status != 200:
-            raise ValueError(f"GET /slots: HTTP {resp.status}")
-        slots = await resp.json(content_type=None)
+async def _slots(socket: str) -> list[dict[str, Any]]:
+    status, body = await exchange(socket, "GET", "/slots", timeout=SAVE_TIMEOUT_S)
+    if status != 200:
+        raise ValueError(f"GET /slots: HTTP {status}")
+    slots = json.loads(body)
     if not isinstance(slots, list):
         raise ValueError("GET /slots: not a list")
     return slots
 
 
-async def _slot_action(session: aiohttp.ClientSession, slot_id: int, action: str,
+async def _slot_action(socket: str, slot_id: int, action: str,
                        filename: str) -> dict[str, Any]:
-    async with session.post(f"http://engine/slots/{int(slot_id)}?action={action}",
-                            data=json.dumps({"filename": filename}),
-                            headers={"Content-Type": "application/json"}) as resp:
-        body = await resp.json(content_type=None)
-        if resp.status != 200:
-            message = body.get("error", {}).get("message") if isinstance(body, dict) else None
-            raise ValueError(f"slot {slot_id} {action}: HTTP {resp.status} {message or ''}")
-        return body if isinstance(body, dict) else {}
+    status, data = await exchange(socket, "POST", f"/slots/{int(slot_id)}?action={action}",
+                                  json.dumps({"filename": filename}).encode(),
+                                  timeout=RESTORE_TIMEOUT_S)
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = None
+    if status != 200:
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        error = NoSuchSlot if status == 400 and action == "restore" else ValueError
+        raise error(f"slot {slot_id} {action}: HTTP {status} {message or ''}".rstrip())
+    return body if isinstance(body, dict) else {}

@@ -391,6 +391,16 @@ def manager_can_configure_networks(status: str | None = None) -> bool:
     return True
 
 
+def binary_identity(name: str) -> str:
+    """Which file an engine server is on disk (replaced in place, it is another build,
+    with perhaps other defaults); "" where it cannot be found."""
+    try:
+        st = os.stat(resolve_binary(name))
+    except (EngineBinaryMissing, OSError):
+        return ""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def resolve_binary(name: str, key: str = "llama_server") -> str:
     """The absolute path of an engine server (a bare name is looked up in PATH), or a
     clear error naming the configuration key."""

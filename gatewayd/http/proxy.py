@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -140,7 +140,9 @@ async def own_get(client: EngineClient, socket: str, target: str, timeout_s: flo
             resp.release()
 
 
-async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
+async def learn_engine_slots(client: EngineClient, socket: str, *,
+                             known: MutableMapping[str, int] | None = None,
+                             setup: str = "") -> int | None:
     """How many requests a llama engine serves at once (GET /props: total_slots); one more
     than that is the limit of the gateway's connections to it. More would only queue
     inside llama-server, where idle keep-alive connections hold its HTTP threads (at c=64
@@ -148,7 +150,14 @@ async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
     The one more keeps a request waiting inside, so a slot that frees starts the next at
     once instead of idling a round trip; llama-server has slots + 2 HTTP threads, so one
     stays free for /health, /metrics and /slots. None, and no limit, when the engine does
-    not say (an old build, whisper)."""
+    not say (an old build, whisper).
+
+    known: slot counts learned before, by engine setup (settings and binary): an engine
+    started again as it was before has the same slots, and is not asked (a round trip on
+    the cold start's path, to an engine that has just loaded)."""
+    if known is not None and (slots := known.get(setup)) is not None:
+        client.set_limit(socket, slots + 1)
+        return slots
     try:
         status, body = await own_get(client, socket, "/props", SLOTS_TIMEOUT_S)
         slots = json.loads(body).get("total_slots") if status == 200 else None
@@ -157,6 +166,8 @@ async def learn_engine_slots(client: EngineClient, socket: str) -> int | None:
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         return None
     client.set_limit(socket, slots + 1)
+    if known is not None:
+        known[setup] = slots
     return slots
 
 
