@@ -69,8 +69,10 @@ async def test_an_answer_in_any_framing_and_pieces_reads_the_same(where: Path) -
     chunked = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"5\r\nhel",
                b"lo\r\n6;x=1\r\n world\r\n0\r\n\r\n"]
     byte_by_byte = [bytes([b]) for b in json_answer(200, {"ok": 1})[0]]
-    for answer, expect in ((chunked, b"hello world"), (byte_by_byte, b'{"ok": 1}')):
-        async with Scripted(str(where / "e.sock"), lambda head, a=answer: a) as engine:
+    for pieces, expect in ((chunked, b"hello world"), (byte_by_byte, b'{"ok": 1}')):
+        def answer(head: bytes, pieces: list[bytes] = pieces) -> list[bytes]:
+            return pieces
+        async with Scripted(str(where / "e.sock"), answer) as engine:
             status, body = await exchange(engine.path, "POST", "/x", b'{"a":1}', timeout=2)
         assert (status, body) == (200, expect)
         assert engine.seen == ['POST /x HTTP/1.1 {"a":1}']
