@@ -62,6 +62,10 @@ def write_report(r: dict[str, Any], out: Path) -> None:
               f"| cold start, no KV cache kept (gateway: tiny-cold) | "
               f"{cs.get('cold_no_kv_cache_first_byte_ms', '-')} | "
               f"{cs['cold_first_byte_ms']['router']} |",
+              *([f"| (of which the engine's own load, from its log) | "
+                 f"{cs['cold_engine_load_ms'].get('gateway', '-')} | "
+                 f"{cs['cold_engine_load_ms'].get('router', '-')} |"]
+                if cs.get("cold_engine_load_ms") else []),
               f"| swap, every request evicts (p50) | {cs['swap_first_byte_ms']['gateway']} | "
               f"{cs['swap_first_byte_ms']['router']} |",
               f"| swap p99 | {cs['swap_p99_ms']['gateway']} | {cs['swap_p99_ms']['router']} |"]

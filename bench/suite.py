@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -484,6 +485,10 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
         await post_json(router.base + "/models/unload", {"model": ids["tiny-beta"]})
         await asyncio.sleep(0.2)
         cold["router"].append(await first_byte_ms(router, ids["tiny-beta"]))
+    # each engine's own load (its log's "model loaded", from its process start): what
+    # of a cold start is the engine's, and what the proxy adds
+    loads = {"gateway": engine_loads_ms("llm-engine-tiny\\x2dbeta.service", "tiny-beta"),
+             "router": engine_loads_ms("bench-router.service", "tiny-beta")}
     swap: dict[str, list[float]] = {"gateway": [], "router": []}
     order = ["tiny-gamma", "tiny-alpha", "tiny-beta"]   # with 2 slots, each evicts one
     for _ in range(plan.cycles):
@@ -492,8 +497,33 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
             swap["router"].append(await first_byte_ms(router, ids[stem]))
     return {"cold_first_byte_ms": {k: round(statistics.median(v), 2) for k, v in cold.items()},
             "cold_no_kv_cache_first_byte_ms": round(statistics.median(no_kv), 2),
+            "cold_engine_load_ms": {k: round(statistics.median(v[-plan.starts:]), 2)
+                                    for k, v in loads.items() if v},
             "swap_first_byte_ms": {k: round(statistics.median(v), 2) for k, v in swap.items()},
             "swap_p99_ms": {k: round(pct(sorted(v), 99), 2) for k, v in swap.items()}}
+
+
+LOADED = re.compile(r"^(?:\[(\d+)\] )?(\d+)\.(\d+)\.(\d+)\.(\d+) I srv +llama_server: model loaded")
+SPAWNED = re.compile(r"spawning server instance with name=(\S+) on port (\d+)")
+
+
+def engine_loads_ms(unit: str, model: str) -> list[float]:
+    """The load times of model's engines in unit's journal, from llama-server's own log
+    stamps (minutes.seconds.ms.us since its process started). The router's children's
+    lines come prefixed with their port, named by the router's "spawning" line."""
+    subprocess.run(["journalctl", "--sync"], check=False)
+    lines = subprocess.run(["journalctl", "-u", unit, "-o", "cat", "--no-pager"],
+                           capture_output=True, text=True, check=False).stdout.splitlines()
+    port_model: dict[str, str] = {}
+    loads = []
+    for line in lines:
+        if spawned := SPAWNED.search(line):
+            port_model[spawned.group(2)] = spawned.group(1)
+        elif (loaded := LOADED.search(line)) and (
+                loaded.group(1) is None or port_model.get(loaded.group(1)) == model):
+            m, sec, ms, us = (int(g) for g in loaded.groups()[1:])
+            loads.append(m * 60_000 + sec * 1000 + ms + us / 1000)
+    return loads
 
 
 async def footprint(plan: Plan, fake_cfg: Path) -> dict[str, Any]:
