@@ -10,9 +10,8 @@ is one short connection spoken by hand (engine_http.py).
 
 from __future__ import annotations
 
-from gatewayd.adapters.engine_http import BadAnswer, exchange, parse_status
+from gatewayd.adapters.engine_http import BadAnswer, exchange
 
-__all__ = ["UnixHealthProbe", "parse_status"]
 MAX_ANSWER = 64 * 1024   # /health answers {"status":"ok"}; anything longer is not an engine
 
 
@@ -21,6 +20,6 @@ class UnixHealthProbe:
         try:
             status, _ = await exchange(socket, "GET", "/health", timeout=timeout,
                                        max_answer=MAX_ANSWER)
-        except (TimeoutError, OSError, EOFError, BadAnswer):
+        except (TimeoutError, OSError, BadAnswer):
             return None
         return status

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.adapters.health import UnixHealthProbe, parse_status
+from gatewayd.adapters.engine_http import parse_status
+from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.service.readiness import poll_delays
 from tests.fake_engine import FakeEngine
 
