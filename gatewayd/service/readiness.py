@@ -8,7 +8,7 @@ When to look is learned: a model's engine loads in about the same time at each
 start (a tiny one in 10-20 ms, most of a cold start), so a start of a model seen
 loading before is looked at seldom until 60% of its shortest recent load E (every
 E/10, within 5-500 ms), then often until well past it (every E/50, within
-0.5-50 ms: the look that sees it ready is a small fraction of its load late, and
+1-50 ms: the look that sees it ready is a small fraction of its load late, and
 few looks take CPU from the loading engine on the same cores), then backing off
 to 500 ms. A model never seen loading: every 1 ms for the first 100 ms, then
 backing off.
@@ -27,7 +27,10 @@ POLLED_STATES = (EngineState.STARTING, EngineState.LOADING)
 LOADS_KEPT = 3          # the shortest of the last few loads: one slow start (a cold page
                         # cache) does not make the next look late
 EARLY_S = 0.005         # the most often a look comes before the expected time
-TIGHT_S = (0.0005, 0.05)   # how often around it: E/50 within these bounds
+TIGHT_S = (0.001, 0.05)    # how often around it: E/50 within these bounds. Not under
+                           # 1 ms: uvloop's timers count whole ms and round 0.5 ms to
+                           # none, and the poller then looked back to back, taking the
+                           # CPU the loading engine needed (its load 10% slower)
 BACKOFF = 1.3
 CAP_S = 0.5
 
