@@ -104,7 +104,10 @@ async def test_any_request_gets_an_answer_of_the_right_shape(
         return
     raw = await resp.read()
     relayed = resp.headers.get("X-Fake-Engine") is not None
-    assert resp.status < 500 or relayed, (resp.status, raw[:300])
+    # the one 5xx of the gateway's own a request can earn here: it names a model that is
+    # not running, in a gateway set to autoload = false (a state, by design: 503)
+    not_loaded = resp.status == 503 and b'"model_not_loaded"' in raw
+    assert resp.status < 500 or relayed or not_loaded, (resp.status, raw[:300])
     if resp.status >= 400 and not relayed:
         error = json.loads(raw)["error"]
         assert error["message"] and error["type"] and error["code"], error
