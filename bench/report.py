@@ -66,6 +66,9 @@ def write_report(r: dict[str, Any], out: Path) -> None:
                  f"{cs['cold_engine_load_ms'].get('gateway', '-')} | "
                  f"{cs['cold_engine_load_ms'].get('router', '-')} |"]
                 if cs.get("cold_engine_load_ms") else []),
+              *([f"| (the gateway's own account: request → wake, wake → ready, ready → "
+                 f"first byte) | {phases(cs['cold_gateway_phases_ms'])} | - |"]
+                if cs.get("cold_gateway_phases_ms") else []),
               f"| swap, every request evicts (p50) | {cs['swap_first_byte_ms']['gateway']} | "
               f"{cs['swap_first_byte_ms']['router']} |",
               f"| swap p99 | {cs['swap_p99_ms']['gateway']} | {cs['swap_p99_ms']['router']} |"]
@@ -118,3 +121,8 @@ def _plot(r: dict[str, Any], path: Path) -> None:
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def phases(ms: dict[str, float]) -> str:
+    return " / ".join(str(ms.get(k, "-"))
+                      for k in ("to_loading", "loading_to_ready", "ready_to_first_byte"))

@@ -463,6 +463,50 @@ async def first_byte_ms(target: Target, model: str, prompt: str = "hi") -> float
             return took
 
 
+class EngineEvents:
+    """The gateway's /admin/events, followed: each engine state change with its stamp."""
+
+    def __init__(self, base: str) -> None:
+        self._base = base
+        self.seen: list[dict[str, Any]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._following = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._follow())
+        await asyncio.wait_for(self._following.wait(), 10)
+
+    async def _follow(self) -> None:
+        async with aiohttp.ClientSession() as session, \
+                session.get(self._base + "/admin/events") as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    event = json.loads(line[6:])
+                    if event.get("type") == "snapshot":
+                        self._following.set()
+                    elif event.get("type") == "engine":
+                        self.seen.append(event)
+
+    async def start_phases(self, model: str, since: float) -> tuple[float, float] | None:
+        """When model's engine went loading and then ready, after since (the events
+        come a moment after the answer's head: wait a little for them)."""
+        for _ in range(100):
+            loading = [e["ts"] for e in self.seen if e["model"] == model
+                       and e["state"] == "loading" and e["ts"] >= since]
+            ready = [e["ts"] for e in self.seen if e["model"] == model
+                     and e["state"] == "ready" and e["ts"] >= since]
+            if loading and ready:
+                return loading[0], ready[0]
+            await asyncio.sleep(0.01)
+        return None
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
 async def cold_and_swap(plan: Plan) -> dict[str, Any]:
     gw = Target("gateway", "http://127.0.0.1:18600")
     router = Target("router", "http://127.0.0.1:18601")
@@ -476,12 +520,24 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
         await post_json(gw.base + "/admin/engines/stop", {"model": "tiny-cold"})
         await asyncio.sleep(0.2)
         no_kv.append(await first_byte_ms(gw, "tiny-cold"))
+    # the gateway's own account of each start (its engine events, stamped as they
+    # happen): the request to the wake, the wake to ready, ready to the first byte
+    events = EngineEvents(gw.base)
+    await events.start()
+    phases: dict[str, list[float]] = {"to_loading": [], "loading_to_ready": [],
+                                      "ready_to_first_byte": []}
     for _ in range(plan.starts):
         # both idle 0.2 s after the stop: the router's unload is asynchronous, and the
         # gateway parks the stopped engine's unit meanwhile (its next start is a wake)
         await post_json(gw.base + "/admin/engines/stop", {"model": "tiny-beta"})
         await asyncio.sleep(0.2)
-        cold["gateway"].append(await first_byte_ms(gw, "tiny-beta"))
+        sent = time.time()
+        cold["gateway"].append(took := await first_byte_ms(gw, "tiny-beta"))
+        if (at := await events.start_phases("tiny-beta", sent)) is not None:
+            loading, ready = at
+            phases["to_loading"].append((loading - sent) * 1000)
+            phases["loading_to_ready"].append((ready - loading) * 1000)
+            phases["ready_to_first_byte"].append(took - (ready - sent) * 1000)
         await post_json(router.base + "/models/unload", {"model": ids["tiny-beta"]})
         await asyncio.sleep(0.2)
         cold["router"].append(await first_byte_ms(router, ids["tiny-beta"]))
@@ -489,6 +545,7 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
     # of a cold start is the engine's, and what the proxy adds
     loads = {"gateway": engine_loads_ms("llm-engine-tiny\\x2dbeta.service", "tiny-beta"),
              "router": engine_loads_ms("bench-router.service", "tiny-beta")}
+    await events.stop()
     swap: dict[str, list[float]] = {"gateway": [], "router": []}
     order = ["tiny-gamma", "tiny-alpha", "tiny-beta"]   # with 2 slots, each evicts one
     for _ in range(plan.cycles):
@@ -499,6 +556,8 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
             "cold_no_kv_cache_first_byte_ms": round(statistics.median(no_kv), 2),
             "cold_engine_load_ms": {k: round(statistics.median(v[-plan.starts:]), 2)
                                     for k, v in loads.items() if v},
+            "cold_gateway_phases_ms": {k: round(statistics.median(v), 2)
+                                       for k, v in phases.items() if v},
             "swap_first_byte_ms": {k: round(statistics.median(v), 2) for k, v in swap.items()},
             "swap_p99_ms": {k: round(pct(sorted(v), 99), 2) for k, v in swap.items()}}
 
