@@ -107,6 +107,29 @@ class FakeHealth:
         return 200 if self.all_ready or socket in self.ready else 503
 
 
+class MemoryDesired:
+    """A desired engine list kept in memory only: for tests on virtual time, where the
+    real list's writer thread is an event the virtual clock cannot see coming."""
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._ids)
+
+    def add(self, model_id: str) -> None:
+        if model_id not in self._ids:
+            self._ids.append(model_id)
+
+    def remove(self, model_id: str) -> None:
+        if model_id in self._ids:
+            self._ids.remove(model_id)
+
+    async def flush(self) -> None:
+        return None
+
+
 class FakeJournal:
     async def tail(self, unit: str, lines: int) -> list[str]:
         return [f"{unit}: error loading model", "last line"]

@@ -196,11 +196,7 @@ class EngineManager:
                 if settling := self._settling.get(model.id):
                     await asyncio.shield(settling)
                 raise self.failed_error(model.id) from e
-            try:   # only a start that happened is wanted again after a reboot
-                self.desired.add(model.id)
-            except OSError as e:
-                log.warning("%s: could not update the desired engine list (it will not be "
-                            "restored after a reboot): %s", model.id, e)
+            self.desired.add(model.id)   # only a start that happened is wanted after a reboot
             self._readiness.watch(model.id, new_start=True)
         return await self.wait_ready(model.id) if wait else self._engines[model.id]
 
@@ -234,10 +230,7 @@ class EngineManager:
         engine = self._engines.get(model_id)
         if engine is None:
             raise EngineNotRunning(f"no engine for {model_id!r} is running", model=model_id)
-        try:
-            self.desired.remove(model_id)   # not running at the next boot either
-        except OSError as e:
-            log.warning("%s: could not update the desired engine list: %s", model_id, e)
+        self.desired.remove(model_id)   # not running at the next boot either
         log.info("stopping %s (%s): %s", model_id, engine.unit, reason)
         was_ready = engine.state is EngineState.READY
         self._mark_stopping(model_id, reason)
@@ -370,6 +363,7 @@ class EngineManager:
         for fut in (f for futs in self._waiters.values() for f in futs):
             if not fut.done():
                 fut.cancel()
+        await self.desired.flush()   # the last start or stop is kept for the next boot
 
     # -- decisions -----------------------------------------------------------------
 

@@ -37,7 +37,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.gpu import NoGpu
 from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog, Model
@@ -48,7 +47,7 @@ from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.restore import Reconciler
 from tests.fake_systemd import SIGNAL_MODES, FakeSystemd, FakeSystemdGpu, FakeSystemdHealth
-from tests.fakes import FakeJournal
+from tests.fakes import FakeJournal, MemoryDesired
 from tests.virtual_time import VirtualTimeLoop
 
 MODELS = ("a", "b", "c")
@@ -108,7 +107,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             self.mgr = EngineManager(
                 catalog=catalog, config=config, units=self.systemd,
                 health=FakeSystemdHealth(self.systemd), gpu=gpu,
-                journal=FakeJournal(), desired=DesiredEngines(config.state_dir),
+                journal=FakeJournal(), desired=MemoryDesired(),
                 clock=self.loop.time)
             self.dispatcher = Dispatcher(self.mgr, catalog=catalog, gpu=self.mgr.gpu,
                                          config=config, clock=self.loop.time)

@@ -32,6 +32,8 @@ async def test_start_waits_until_ready(tmp_path: Path) -> None:
     engine = await mgr.start("a")
     assert engine.state is EngineState.READY and engine.main_pid == 101
     assert units.log == ["start a"]
+    assert mgr.desired.ids == ["a"]
+    await mgr.desired.flush()
     assert DesiredEngines(tmp_path / "state").ids == ["a"]  # persisted
 
 
@@ -95,6 +97,7 @@ async def test_a_start_is_a_transaction_whatever_the_adapter_raises(
     assert waiter is not None
     with pytest.raises(EngineFailed):
         await asyncio.wait_for(waiter, 1)
+    await mgr.desired.flush()
     assert DesiredEngines(tmp_path / "state").ids == []
     assert mgr.backoff_left("a") > 0
     units.fail_start = None
@@ -150,6 +153,7 @@ async def test_stop(tmp_path: Path) -> None:
     await mgr.start("a")
     stopped = await mgr.stop("a")
     assert stopped.state is EngineState.STOPPED and mgr.get("a") is None
+    await mgr.desired.flush()
     assert DesiredEngines(tmp_path / "state").ids == []
     with pytest.raises(EngineNotRunning):
         await mgr.stop("a")
@@ -352,3 +356,11 @@ async def test_a_ready_hook_that_raises_leaves_the_engine_ready_not_loading(
     assert engine.state is EngineState.READY
     assert "the engine answered nonsense" in caplog.text
     await mgr.close()
+
+
+async def test_the_gateways_stop_keeps_the_last_start_for_the_next_boot(tmp_path: Path) -> None:
+    """The desired list is written in the background: the stop waits for it."""
+    mgr, _, _ = engine_manager_on_fakes(tmp_path)
+    await mgr.start("a")
+    await mgr.close()
+    assert DesiredEngines(tmp_path / "state").ids == ["a"]
