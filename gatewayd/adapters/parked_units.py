@@ -1,13 +1,15 @@
 """Parked engine units: the FIFOs that hold them and the register of who is parked.
 
 A parked unit (core/engine_units.py, "parked units") is a model's engine unit whose
-main process is a shell blocked on its FIFO. It is not an engine yet: the engine layer
-never sees it (its signals are held back here, listings leave it out) until a start
-wakes it, and then it is that start's unit, running and about to load.
+main process is blocked on its FIFO: the engine itself, held before its main() by the
+preloaded wait (gatewayd/engine_park.c), or a shell that execs it. It is not an engine
+yet: the engine layer never sees it (its signals are held back here, listings leave it
+out) until a start wakes it, and then it is that start's unit, running and about to load.
 
 What marks a unit as parked, also for a gateway that restarted meanwhile: its
 environment names the engine it becomes (PARKED_ENV) and its FIFO still exists or its
-main process is still the shell. The gateway removes the FIFO as it wakes the unit.
+main process still waits (named PARKED_COMM, or the shell). The gateway removes the FIFO
+as it wakes the unit.
 """
 
 from __future__ import annotations
@@ -15,20 +17,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import importlib.machinery
 import logging
 import os
 import stat
+import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gatewayd.core.engine_units import MODEL_ENV, PARK_SHELL, PARKED_ENV
+from gatewayd.core.engine_units import MODEL_ENV, PARK_SHELL, PARKED_COMM, PARKED_ENV
 
 log = logging.getLogger("gatewayd.units")
 WAKE_WAIT_S = 0.5      # a unit parked a moment ago may not have opened its FIFO yet
 _WAKE_RETRY_S = 0.002
+WAITING_NAMES = frozenset({PARKED_COMM, os.path.basename(PARK_SHELL)})
+PRELOAD_NAME = "_engine_park"   # gatewayd/_engine_park*.so, built from engine_park.c
 
 
 @dataclass
@@ -88,7 +94,7 @@ class ParkingLot:
         if unit in self.hidden:
             return True
         return bool(env.get(PARKED_ENV)) and (
-            is_fifo(self.fifo_for(instance)) or main_is_shell(main_pid))
+            is_fifo(self.fifo_for(instance)) or main_waits(main_pid))
 
     def adopt(self, unit: str, instance: str, env: Mapping[str, str],
               props: dict[str, Any], started_at_us: int) -> None:
@@ -151,21 +157,82 @@ def is_fifo(path: Path) -> bool:
         return False
 
 
-def main_is_shell(pid: int) -> bool:
-    """Whether the unit's main process is still the parking shell (not yet the engine)."""
+def process_name(pid: int) -> str | None:
+    """The process's name (comm), or None: no such process."""
     if pid <= 0:
-        return False
+        return None
     try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().decode(errors="replace").strip()
     except OSError:
+        return None
+
+
+def main_waits(pid: int) -> bool:
+    """Whether the unit's main process still waits to be woken (not yet the engine)."""
+    return process_name(pid) in WAITING_NAMES
+
+
+async def settle(pid: int, socket: str, timeout_s: float, waiting_name: str) -> bool:
+    """Whether a just parked unit's main process came to wait on its FIFO (named
+    waiting_name: PARKED_COMM, or the shell's). False: it went on to be the engine (its
+    socket appeared: the preload did not take), ended, or did neither within timeout_s.
+    With the preload it is named after the engine binary between its exec and its wait
+    (the dynamic linker binds every symbol first: ~5 ms for a CPU llama-server, longer
+    for CUDA's libraries)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        name = process_name(pid)
+        if name == waiting_name:
+            return True
+        if name is None or os.path.exists(socket) or time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def preload_library() -> str | None:
+    """The preloaded wait's library, where it was built (setup.py: a C compiler)."""
+    here = Path(__file__).resolve().parents[1]
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"{PRELOAD_NAME}{suffix}"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def takes_preload(binary: str) -> bool:
+    """Whether the program can be parked with the preloaded wait: a dynamically linked
+    ELF whose interpreter is glibc's (a static program never loads the library and would
+    start loading its model at once; musl's loader cannot load a glibc library)."""
+    try:
+        with open(binary, "rb") as f:
+            ident = f.read(64)
+            if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2:
+                return False    # 64-bit ELF only (the library is built for this machine)
+            endian = "<" if ident[5] == 1 else ">"
+            phoff, = struct.unpack_from(endian + "Q", ident, 32)
+            phentsize, phnum = struct.unpack_from(endian + "HH", ident, 54)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for i in range(phnum):
+                kind, _, offset, _, _, size = struct.unpack_from(
+                    endian + "IIQQQQ", table, i * phentsize)
+                if kind == 3 and 0 < size < 4096:   # PT_INTERP
+                    f.seek(offset)
+                    interpreter = f.read(size).rstrip(b"\0")
+                    return os.path.basename(interpreter).startswith(b"ld-linux")
+    except (OSError, struct.error):
         return False
-    return comm == os.path.basename(PARK_SHELL)
+    return False
 
 
 async def wake(fifo: Path, line: bytes, *, wait_s: float = WAKE_WAIT_S) -> bool:
-    """Tell the parked shell to exec its engine. The FIFO is unlinked first, so a
-    restart of the unit execs the engine directly. False: nobody read it within
-    wait_s (the unit is gone or its shell never got to the FIFO)."""
+    """Tell the parked unit to go on: its engine's main() starts (or its shell execs the
+    engine). The FIFO is unlinked first, so a restart of the unit runs the engine
+    directly. False: nobody read it within wait_s (the unit is gone or never got to the
+    FIFO)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -178,14 +245,14 @@ async def wake(fifo: Path, line: bytes, *, wait_s: float = WAKE_WAIT_S) -> bool:
         except OSError as e:
             if e.errno != errno.ENXIO or time.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(_WAKE_RETRY_S)   # no reader yet: the shell is starting
+            await asyncio.sleep(_WAKE_RETRY_S)   # no reader yet: the unit is starting
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(fifo)
         try:
             os.write(fd, line)
         except BrokenPipeError:
-            # the shell died between open and write: its restart finds no FIFO and runs
+            # it died between open and write: its restart finds no FIFO and runs
             # the engine directly, which is what was asked
             return True
         except OSError:

@@ -26,13 +26,22 @@ from typing import Any
 
 from gatewayd.adapters.files import write_atomic
 from gatewayd.adapters.kv_cache import SlotCache
-from gatewayd.adapters.parked_units import ParkedUnit, ParkingLot, wake
+from gatewayd.adapters.parked_units import (
+    ParkedUnit,
+    ParkingLot,
+    preload_library,
+    settle,
+    takes_preload,
+    wake,
+)
 from gatewayd.adapters.systemd import NO_SUCH_UNIT, SERVICE, UNIT, Systemd
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig
 from gatewayd.core.engine_units import (
     DEVICES_ENV,
     MODEL_ENV,
+    PARK_SHELL,
+    PARKED_COMM,
     SOCKET_ENV,
     UNIT_PREFIX,
     EngineLayout,
@@ -59,6 +68,7 @@ LINGERING = frozenset({"org.freedesktop.systemd1.UnitExists",
                        "org.freedesktop.systemd1.TransactionIsDestructive"})
 RUNNING = frozenset({"active", "activating", "reloading"})
 UNIT_GONE_S = 5.0   # how long a stopped transient unit may take to be collected
+PARK_SETTLE_S = 10.0   # how long a parked engine may take to reach its wait (linking)
 
 
 class EngineUnitsBase:
@@ -171,6 +181,11 @@ class TransientEngineUnits(EngineUnitsBase):
         self.manager = manager
         self._run_root = run_root
         self._lot = ParkingLot(config.state_dir / "parked", config.parked_engines)
+        self._preload = preload_library()
+        self._takes_preload: dict[str, bool] = {}   # per engine binary
+        if self._preload is None:
+            log.info("the preloaded wait (gatewayd/engine_park.c) is not built: parked "
+                     "engines wait behind %s, their linking on the request's path", PARK_SHELL)
         self._watchers: list[UnitWatcher] = []
         self._unwatch_systemd: Callable[[], None] | None = None
         self.private_network = manager != "system" or manager_can_configure_networks()
@@ -225,29 +240,53 @@ class TransientEngineUnits(EngineUnitsBase):
             return False
         await self._lot.settled(unit)
         spec = self._specs(model, layout)(None)
+        binary = spec.argv[0]
+        preload = self._preload if self._preloads(binary) else None
         fifo = self._lot.make_fifo(layout.instance)
         self._lot.hidden.add(unit)
         try:
             await self._start(unit, lambda: self._sd.start_transient(
-                parked_spec(spec, str(fifo))))
+                parked_spec(spec, str(fifo), preload)))
             state = await self._unit_state(unit)
         except Exception:
             self._lot.hidden.discard(unit)
             with contextlib.suppress(OSError):
                 fifo.unlink()
             raise
-        if state is None:   # gone at once (the shell failed): nothing parked
+        if state is None:   # gone at once (the engine or shell failed): nothing parked
             self._lot.hidden.discard(unit)
             return False
         unit_props, service = state
-        self._lot.parked[unit] = ParkedUnit(unit, spec_digest(spec), fifo, time.time(), {
+        parked = ParkedUnit(unit, spec_digest(spec), fifo, time.time(), {
             "ActiveState": unit_props.get("ActiveState"),
             "SubState": unit_props.get("SubState"),
             "MainPID": service.get("MainPID", 0), "NRestarts": service.get("NRestarts", 0)},
             model_id=model.id)
+        waiting_name = PARKED_COMM if preload is not None else os.path.basename(PARK_SHELL)
+        if not await settle(parked.props["MainPID"], layout.socket, PARK_SETTLE_S,
+                            waiting_name):
+            # not waiting on its FIFO: the engine went on (the preload did not take) or
+            # the unit is failing. Its signals stay held back until it is gone
+            await self._lot.discard(parked, self.stop_engine)
+            if preload is None:
+                return False
+            log.warning("%s: %s did not wait when parked with the preloaded wait; its "
+                        "engines are parked behind %s from now on", model.id, binary,
+                        PARK_SHELL)
+            self._takes_preload[binary] = False
+            return await self.park(model)
+        self._lot.parked[unit] = parked
         for extra in self._lot.surplus():
             await self._lot.discard(extra, self.stop_engine)
         return True
+
+    def _preloads(self, binary: str) -> bool:
+        """Whether the engine binary is parked with the preloaded wait (looked at once)."""
+        if self._preload is None:
+            return False
+        if (known := self._takes_preload.get(binary)) is None:
+            known = self._takes_preload[binary] = takes_preload(binary)
+        return known
 
     def parked(self) -> list[str]:
         return self._lot.models()

@@ -235,14 +235,24 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
 # -- parked units ------------------------------------------------------------------
 #
 # A parked unit is a model's engine unit created ahead of its start, its main process
-# a shell blocked on opening a FIFO. Waking it is one write to the FIFO: the shell
-# execs the engine in place, so the engine runs under the unit's name, journal, cgroup
-# and limits with no fork, no cgroup attach and no D-Bus round trip on the request's
-# path (~20 ms against ~50 for a new unit on the test host). The gateway unlinks the
-# FIFO as it wakes the unit, so systemd's restart of a crashed engine (the same
-# ExecStart) finds none and execs the engine at once. The wake line carries the
-# CUDA_VISIBLE_DEVICES placement chose ("-": keep the unit's own).
+# blocked on opening a FIFO. Waking it is one write to the FIFO, and the engine runs
+# under the unit's name, journal, cgroup and limits with no fork, no cgroup attach and
+# no D-Bus round trip on the request's path (~20 ms against ~50 for a new unit on the
+# test host). The gateway unlinks the FIFO as it wakes the unit, so systemd's restart
+# of a crashed engine (the same ExecStart) finds none and runs the engine at once. The
+# wake line carries the CUDA_VISIBLE_DEVICES placement chose ("-": keep the unit's own).
+#
+# Two ways to wait. Preloaded (gatewayd/engine_park.c): the unit runs the engine's own
+# command line with a small library preloaded that blocks before the engine's main(),
+# after the dynamic linker bound every symbol and the constructors ran, so the wake
+# starts main() at once (the exec and linking, ~3 ms for a CPU llama-server and far more
+# for a CUDA build's libraries, are paid while parked). Behind a shell, where the library
+# was not built or the engine binary cannot take it (static, or not glibc's): the shell
+# execs the engine in place once woken.
 PARKED_ENV = "LLM_GATEWAY_PARKED"     # the digest of the engine unit it becomes
+PARK_FIFO_ENV = "LLM_GATEWAY_PARK_FIFO"   # the preloaded wait's FIFO
+PARK_PROGRAM_ENV = "LLM_GATEWAY_PARK_PROGRAM"   # who waits (not the unit's ExecStartPre)
+PARKED_COMM = "llm-parked"    # the preloaded wait's process name while it waits
 PARK_SHELL = "/bin/sh"
 KEEP_DEVICES = "-"
 PARK_SCRIPT = (f'if [ -p "$0" ]; then read -r d < "$0" && [ "$d" != {KEEP_DEVICES} ] && '
@@ -255,10 +265,18 @@ def spec_digest(spec: UnitSpec) -> str:
     return hashlib.sha256(repr(spec.properties()).encode()).hexdigest()[:32]
 
 
-def parked_spec(spec: UnitSpec, fifo: str) -> UnitSpec:
-    """spec's unit, its engine waiting behind the FIFO until woken."""
+def parked_spec(spec: UnitSpec, fifo: str, preload: str | None = None) -> UnitSpec:
+    """spec's unit, its engine waiting behind the FIFO until woken: in the engine itself
+    with the preload library (its path) where given, else behind a shell. A model whose
+    environment sets LD_PRELOAD of its own is parked behind the shell (the preloaded
+    wait clears LD_PRELOAD for the engine's children)."""
+    environment = {**spec.environment, PARKED_ENV: spec_digest(spec)}
+    if preload is not None and "LD_PRELOAD" not in spec.environment:
+        return replace(spec, environment={**environment, "LD_PRELOAD": preload,
+                                          "LD_BIND_NOW": "1", PARK_FIFO_ENV: fifo,
+                                          PARK_PROGRAM_ENV: spec.argv[0]})
     return replace(spec, argv=[PARK_SHELL, "-c", PARK_SCRIPT, fifo, *spec.argv],
-                   environment={**spec.environment, PARKED_ENV: spec_digest(spec)})
+                   environment=environment)
 
 
 def wake_line(spec: UnitSpec, visible_devices: str | None) -> bytes:

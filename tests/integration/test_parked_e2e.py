@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.core.engine_units import EngineLayout
+from gatewayd.core.engine_units import PARKED_COMM, EngineLayout
 from tests.integration.conftest import GatewayFactory
 from tests.integration.engine_helpers import cgroup_procs, process_ended
 from tests.integration.gateway_helpers import GatewayService, journal_until, unit_property
@@ -29,11 +29,11 @@ def _comm(pid: int) -> str:
 
 
 def _wait_parked(unit: str, timeout: float = 20) -> int:
-    """The unit's MainPID once it is the parking shell."""
+    """The unit's MainPID once it waits parked (the engine held by the preloaded wait)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pid = int(unit_property(unit, "MainPID") or 0)
-        if pid and _comm(pid) == "sh":
+        if pid and _comm(pid) == PARKED_COMM:
             return pid
         time.sleep(0.05)
     raise AssertionError(f"{unit} was not parked within {timeout}s")
@@ -59,7 +59,7 @@ def test_a_stopped_engine_is_parked_and_the_next_request_wakes_it(
     assert gateway.api("POST", "/admin/engines/stop", {"model": "tiny-alpha"})[0] == 200
     assert process_ended(engine_pid)
     parked = _wait_parked(unit)
-    # the stopped engine is gone; the unit of that name holds the waiting shell alone
+    # the stopped engine is gone; the unit of that name holds the waiting one alone
     assert cgroup_procs(unit_property(unit, "ControlGroup")) == [parked]
     assert not Path(layout.socket).exists()
     journal_until("tiny-alpha: its unit is parked", "-u", gateway.unit)
@@ -88,6 +88,6 @@ def test_a_restarted_gateway_leaves_a_parked_unit_parked_then_wakes_it(
     gw.start()
     # the adoption's listing ran before the gateway answered: a parked unit is no engine
     assert "tiny-alpha" not in gw.engines()
-    assert _comm(parked) == "sh"
+    assert _comm(parked) == PARKED_COMM
     _chat(gw)
     assert gw.engines()["tiny-alpha"]["pid"] == parked

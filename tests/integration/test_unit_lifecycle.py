@@ -8,7 +8,10 @@
 - a parked unit is no engine (not listed, its signals held back) until a start wakes it
   into one, in place (the same MainPID, now llama-server); systemd's restart of that
   engine goes straight to the engine; a parked unit for another setup, or beyond
-  parked_engines, is stopped; one parked by a previous gateway is found and woken.
+  parked_engines, is stopped; one parked by a previous gateway is found and woken;
+- it waits as llama-server itself with the preloaded wait (linked, named llm-parked),
+  behind /bin/sh without the library, and behind /bin/sh from then on where the preload
+  did not take (the engine went on loading: stopped at once).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gatewayd.adapters.systemd import SERVICE, Systemd
 from gatewayd.adapters.unit_control import TransientEngineUnits
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig, ModelConfig
+from gatewayd.core.engine_units import PARKED_COMM
 from gatewayd.core.errors import UnitAlreadyActive
 from tests.integration.engine_helpers import stop_quietly, wait_for, wait_healthy
 
@@ -91,10 +95,15 @@ async def test_starting_a_unit_systemd_already_runs_says_so(
         await stop_quietly(systemd, layout.unit)
 
 
+@pytest.mark.parametrize("how", ["preload", "shell"])
 async def test_a_parked_unit_is_no_engine_until_a_start_wakes_it_in_place(
         systemd: Systemd, llama_server: Path, tiny_models: dict[str, Path],
-        tmp_path: Path) -> None:
+        tmp_path: Path, how: str) -> None:
     units = _engine_units(systemd, llama_server, tmp_path)
+    if how == "shell":
+        units._preload = None    # as where the library was not built
+    else:
+        assert units._preload is not None, "the preloaded wait is not built"
     heard: list[tuple[str, dict[str, Any]]] = []
 
     def listen(unit: str, changed: Mapping[str, Any]) -> None:
@@ -105,7 +114,9 @@ async def test_a_parked_unit_is_no_engine_until_a_start_wakes_it_in_place(
     try:
         assert await units.park(model)
         parked_pid = await _main_pid(systemd, layout.unit)
-        assert parked_pid and _comm(parked_pid) == "sh"
+        assert parked_pid and _comm(parked_pid) == (PARKED_COMM if how == "preload" else "sh")
+        if how == "preload":   # the engine program itself, linked, before its main()
+            assert Path(f"/proc/{parked_pid}/exe").resolve() == llama_server.resolve()
         assert (tmp_path / "parked" / layout.instance).exists()
         assert not Path(layout.socket).exists()
         # no engine: not listed, no engine_info, none of its signals heard
@@ -139,6 +150,28 @@ async def test_a_parked_unit_is_no_engine_until_a_start_wakes_it_in_place(
         await wait_healthy(layout.socket, timeout=30)
         await units.stop_engine(layout.unit)
         assert not await systemd.unit_loaded(layout.unit)
+    finally:
+        await stop_quietly(systemd, layout.unit)
+
+
+async def test_where_the_preload_does_not_take_the_unit_parks_behind_the_shell(
+        systemd: Systemd, llama_server: Path, tiny_models: dict[str, Path],
+        tmp_path: Path) -> None:
+    """A library that holds nothing (as the wait would be in a program it cannot
+    interpose): the engine goes on loading, is stopped, and the model is parked behind
+    the shell instead, for this park and the next."""
+    units = _engine_units(systemd, llama_server, tmp_path)
+    units._preload = "libm.so.6"    # loads fine, waits for nothing
+    model = _model("parked-f", tiny_models["alpha"])
+    layout = units.layout(model.id)
+    try:
+        assert await units.park(model)
+        parked_pid = await _main_pid(systemd, layout.unit)
+        assert _comm(parked_pid) == "sh"
+        assert units._takes_preload[str(llama_server)] is False
+        await units.start_engine(model)
+        await wait_healthy(layout.socket, timeout=30)
+        assert await _main_pid(systemd, layout.unit) == parked_pid
     finally:
         await stop_quietly(systemd, layout.unit)
 
@@ -195,7 +228,7 @@ async def test_parked_units_beyond_the_limit_are_stopped_oldest_first(
         assert await units.park(second)
         assert not await systemd.unit_loaded(units.layout(first.id).unit)
         assert not (tmp_path / "parked" / units.layout(first.id).instance).exists()
-        assert _comm(await _main_pid(systemd, units.layout(second.id).unit)) == "sh"
+        assert _comm(await _main_pid(systemd, units.layout(second.id).unit)) == PARKED_COMM
         # the stopped one starts anew
         await units.start_engine(first)
         await wait_healthy(units.layout(first.id).socket, timeout=30)

@@ -1,22 +1,36 @@
-"""Parked engine units, without systemd: the shell's wake protocol run for real
-(/bin/sh on a FIFO), the parked unit's spec, and the register of parked units.
-On the real systemd with a real llama-server: tests/integration/test_unit_lifecycle.py."""
+"""Parked engine units, without systemd: both waits' wake protocol run for real (the
+preloaded wait in a real program, the shell on a FIFO), the parked unit's spec, and the
+register of parked units. On the real systemd with a real llama-server:
+tests/integration/test_unit_lifecycle.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from gatewayd.adapters.parked_units import ParkedUnit, ParkingLot, main_is_shell, wake
+from gatewayd.adapters.parked_units import (
+    ParkedUnit,
+    ParkingLot,
+    main_waits,
+    preload_library,
+    process_name,
+    settle,
+    takes_preload,
+    wake,
+)
 from gatewayd.core.engine_units import (
     DEVICES_ENV,
+    PARK_FIFO_ENV,
+    PARK_PROGRAM_ENV,
     PARK_SCRIPT,
     PARK_SHELL,
+    PARKED_COMM,
     PARKED_ENV,
     parked_spec,
     spec_digest,
@@ -24,52 +38,100 @@ from gatewayd.core.engine_units import (
 )
 from gatewayd.core.unit_spec import UnitSpec
 
-ENV_PRINTER = ["/bin/sh", "-c", f'echo "devices=${{{DEVICES_ENV}-unset}} args=$*"', "engine"]
+# the "engine": a real dynamically linked program (dash) that says what it was given
+ENGINE = "/bin/sh"
+ENV_PRINTER = [ENGINE, "-c", f'echo "devices=${{{DEVICES_ENV}-unset}} args=$*'
+               ' preload=${LD_PRELOAD-unset}${LLM_GATEWAY_PARK_FIFO-}"', "engine"]
+WAITS = ["preload", "shell"]
 
 
-def parked_shell(fifo: Path, *argv: str, env: dict[str, str] | None = None
-                 ) -> subprocess.Popen[str]:
-    """What a parked unit's ExecStart runs."""
-    return subprocess.Popen([PARK_SHELL, "-c", PARK_SCRIPT, str(fifo), *ENV_PRINTER, *argv],
-                            stdout=subprocess.PIPE, text=True,
-                            env={"PATH": "/usr/bin:/bin", **(env or {})})
+def preload() -> str:
+    """The preloaded wait's library: scripts/setup builds it (a missing one is a broken
+    build, not a reason to skip: the gateway would silently park behind the shell)."""
+    library = preload_library()
+    assert library is not None, "gatewayd/_engine_park*.so is not built (pip install -e .)"
+    return library
 
 
-async def test_a_woken_shell_execs_its_engine_with_the_devices_it_is_told(
-        tmp_path: Path) -> None:
+def parked_engine(how: str, fifo: Path, *argv: str, env: dict[str, str] | None = None
+                  ) -> subprocess.Popen[str]:
+    """What a parked unit's ExecStart runs, with the environment its unit gives it."""
+    spec = parked_spec(UnitSpec(name="u", argv=[*ENV_PRINTER, *argv],
+                                environment=env or {}),
+                       str(fifo), preload() if how == "preload" else None)
+    return subprocess.Popen(list(spec.argv), stdout=subprocess.PIPE, text=True,
+                            env={"PATH": "/usr/bin:/bin", **spec.environment})
+
+
+@pytest.mark.parametrize("how", WAITS)
+async def test_a_woken_engine_runs_with_the_devices_it_is_told(
+        tmp_path: Path, how: str) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)
-    shell = parked_shell(fifo, "a b")
+    engine = parked_engine(how, fifo, "a b")
     try:
         await asyncio.sleep(0)
-        # waits for the shell to reach the FIFO (ENXIO until then), then wakes it
+        # waits for the engine to reach the FIFO (ENXIO until then), then wakes it
         assert await wake(fifo, b"GPU-1,GPU-2\n", wait_s=10)
-        out, _ = shell.communicate(timeout=10)
+        out, _ = engine.communicate(timeout=10)
     finally:
-        shell.kill()
-    assert out.strip() == "devices=GPU-1,GPU-2 args=a b"
-    assert not fifo.exists()   # a restart of the unit execs the engine at once
+        engine.kill()
+    # the preloaded wait leaves the engine's children a plain environment
+    assert out.strip() == "devices=GPU-1,GPU-2 args=a b preload=unset"
+    assert not fifo.exists()   # a restart of the unit runs the engine at once
 
 
-async def test_keep_devices_leaves_the_units_own_environment(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", WAITS)
+async def test_keep_devices_leaves_the_units_own_environment(
+        tmp_path: Path, how: str) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)
-    shell = parked_shell(fifo, env={DEVICES_ENV: "3"})
+    engine = parked_engine(how, fifo, env={DEVICES_ENV: "3"})
     try:
         assert await wake(fifo, b"-\n", wait_s=10)
-        out, _ = shell.communicate(timeout=10)
+        out, _ = engine.communicate(timeout=10)
     finally:
-        shell.kill()
-    assert out.strip() == "devices=3 args="
+        engine.kill()
+    assert out.strip() == "devices=3 args= preload=unset"
+
+
+async def test_the_preloaded_engine_waits_linked_and_named_parked(tmp_path: Path) -> None:
+    """It is the engine program itself, blocked before its main(), under a name that
+    tells the gateway it still waits; its own name comes back once woken."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    engine = parked_engine("preload", fifo)
+    try:
+        assert await settle(engine.pid, str(tmp_path / "engine.sock"), 10, PARKED_COMM)
+        assert process_name(engine.pid) == PARKED_COMM and main_waits(engine.pid)
+        assert Path(f"/proc/{engine.pid}/exe").resolve() == Path(ENGINE).resolve()
+        await asyncio.sleep(0.05)
+        assert engine.poll() is None   # still waiting: nothing ran its main()
+        assert await wake(fifo, b"-\n", wait_s=10)
+        out, _ = engine.communicate(timeout=10)
+    finally:
+        engine.kill()
+    assert out.strip() == "devices=unset args= preload=unset"
+
+
+def test_the_units_other_commands_do_not_wait(tmp_path: Path) -> None:
+    """The unit's environment reaches its ExecStartPre too: only the engine waits."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    spec = parked_spec(UnitSpec(name="u", argv=["/usr/bin/llama-server"]), str(fifo),
+                       preload())
+    out = subprocess.run([*ENV_PRINTER, "pre"], capture_output=True, text=True, timeout=10,
+                         env={"PATH": "/usr/bin:/bin", **spec.environment}).stdout
+    assert out.strip() == "devices=unset args=pre preload=unset"
 
 
 async def test_a_wake_line_that_cannot_be_written_is_no_wake(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Then the caller stops the unit and starts a new one (the shell, told nothing,
-    would run the engine without the devices placement chose)."""
+    """Then the caller stops the unit and starts a new one (the engine, told nothing,
+    would run without the devices placement chose)."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)
-    shell = parked_shell(fifo)
+    shell = parked_engine("preload", fifo)
     real_write = os.write
 
     def failing_write(fd: int, data: bytes) -> int:
@@ -84,10 +146,42 @@ async def test_a_wake_line_that_cannot_be_written_is_no_wake(
         shell.wait()
 
 
-def test_without_its_fifo_the_shell_runs_the_engine_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", WAITS)
+def test_without_its_fifo_the_engine_runs_at_once(tmp_path: Path, how: str) -> None:
     """systemd's restart of a crashed engine: the same ExecStart, the FIFO gone."""
-    out = parked_shell(tmp_path / "gone").communicate(timeout=10)[0]
-    assert out.strip() == "devices=unset args="
+    out = parked_engine(how, tmp_path / "gone").communicate(timeout=10)[0]
+    assert out.strip() == "devices=unset args= preload=unset"
+    (tmp_path / "file").write_text("")
+    out = parked_engine(how, tmp_path / "file").communicate(timeout=10)[0]
+    assert out.strip() == "devices=unset args= preload=unset"
+
+
+async def test_a_preload_that_does_not_take_is_told_from_a_wait(tmp_path: Path) -> None:
+    """settle: a program that went on instead of waiting (its socket appeared), or one
+    that never came to wait, is no parked unit."""
+    sock = tmp_path / "engine.sock"
+    busy = subprocess.Popen(["/bin/sleep", "30"])
+    try:
+        t0 = time.monotonic()
+        assert not await settle(busy.pid, str(sock), 0.1, PARKED_COMM)
+        assert time.monotonic() - t0 >= 0.1
+        sock.write_text("")
+        t0 = time.monotonic()
+        assert not await settle(busy.pid, str(sock), 10, PARKED_COMM)
+        assert time.monotonic() - t0 < 5
+    finally:
+        busy.kill()
+        busy.wait()
+    assert not await settle(busy.pid, str(sock), 10, PARKED_COMM)   # ended
+
+
+def test_which_programs_take_the_preloaded_wait(tmp_path: Path) -> None:
+    assert takes_preload(ENGINE)                   # dynamically linked against glibc
+    assert takes_preload(os.path.realpath(sys.executable))
+    assert not takes_preload("/sbin/ldconfig")     # static: it would run at once
+    (tmp_path / "script").write_text("#!/bin/sh\n")
+    assert not takes_preload(str(tmp_path / "script"))
+    assert not takes_preload(str(tmp_path / "missing"))
 
 
 async def test_a_fifo_nobody_reads_or_no_fifo_is_no_wake(tmp_path: Path) -> None:
@@ -100,6 +194,20 @@ async def test_a_fifo_nobody_reads_or_no_fifo_is_no_wake(tmp_path: Path) -> None
     assert not await wake(tmp_path / "missing", b"-\n")
     (tmp_path / "file").write_text("")
     assert not await wake(tmp_path / "file", b"-\n")
+
+
+def test_a_preloaded_parked_spec_runs_the_engines_own_command_line() -> None:
+    engine = UnitSpec(name="llm-engine-x.service", argv=["/usr/bin/llama-server", "-m", "$x"],
+                      environment={"A": "1"})
+    parked = parked_spec(engine, "/state/parked/x", "/lib/park.so")
+    assert parked.argv == engine.argv and parked.name == engine.name
+    assert parked.environment == {"A": "1", PARKED_ENV: spec_digest(engine),
+                                  "LD_PRELOAD": "/lib/park.so", "LD_BIND_NOW": "1",
+                                  PARK_FIFO_ENV: "/state/parked/x",
+                                  PARK_PROGRAM_ENV: "/usr/bin/llama-server"}
+    # a model that preloads something of its own waits behind the shell
+    own = UnitSpec(name=engine.name, argv=engine.argv, environment={"LD_PRELOAD": "/x.so"})
+    assert parked_spec(own, "/f", "/lib/park.so").argv[0] == PARK_SHELL
 
 
 def test_a_parked_spec_wraps_the_engine_and_names_it() -> None:
@@ -164,14 +272,14 @@ def test_what_marks_a_unit_as_parked(tmp_path: Path) -> None:
     shell = subprocess.Popen([PARK_SHELL, "-c", "read x"], stdin=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 10
-        while not main_is_shell(shell.pid):   # until the forked child has exec'd sh
+        while not main_waits(shell.pid):   # until the forked child has exec'd sh
             assert time.monotonic() < deadline, "the shell never ran"
             time.sleep(0.001)
         assert lot.is_parked("u", "y", marked, shell.pid)   # no FIFO, but still the shell
     finally:
         shell.kill()
         shell.wait()
-    assert not main_is_shell(0) and not main_is_shell(os.getpid())
+    assert not main_waits(0) and not main_waits(os.getpid())
 
 
 async def test_a_start_waits_for_a_discard_of_its_unit(tmp_path: Path) -> None:
