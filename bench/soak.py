@@ -238,32 +238,47 @@ def run(*argv: str) -> str:
 
 
 async def engine_units() -> dict[str, str]:
-    """Engine units by name -> ActiveState, or "parked" for a unit whose main process is
-    still the parking shell (the gateway's parked units: no engine, no slot). The states
-    and main processes of all units are read in one systemctl call, their commands right
-    after, so a swap (a stop, then a parked unit woken) rarely falls between two reads."""
+    """Engine units by name -> ActiveState, or "parked" for a unit whose main process
+    still waits to be woken (the gateway's parked units: no engine, no slot). The states,
+    main processes and environments of all units are read in one systemctl call, their
+    processes' names right after, so a swap (a stop, then a parked unit woken) rarely
+    falls between two reads."""
     out = await sh("systemctl", "list-units", "--plain", "--no-legend", "--all", ENGINE_GLOB)
     names = [line.split()[0] for line in out.splitlines()
              if line.split() and line.split()[0].endswith(".service")]
     if not names:
         return {}
-    shown = await sh("systemctl", "show", "-p", "Id,ActiveState,MainPID", *names, check=False)
+    shown = await sh("systemctl", "show", "-p", "Id,ActiveState,MainPID,Environment", *names,
+                     check=False)
     units: dict[str, str] = {}
     for block in shown.strip().split("\n\n"):
         props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
         unit, state = props.get("Id"), props.get("ActiveState", "inactive")
         if not unit:
             continue
-        units[unit] = "parked" if state == "active" and is_parking_shell(
-            props.get("MainPID", "0")) else state
+        units[unit] = "parked" if state == "active" and waits_parked(
+            props.get("MainPID", "0"), props.get("Environment", "")) else state
     return units
 
 
-def is_parking_shell(pid: str) -> bool:
+# the gateway's parked units wait as the engine held by its preloaded wait (named
+# llm-parked) or as a shell; gatewayd.core.engine_units says why (the soak may run
+# against an installed gateway: it imports none of it)
+PARKED_NAMES = frozenset({"llm-parked", "sh"})
+PARK_FIFO_ENV = "LLM_GATEWAY_PARK_FIFO="
+
+
+def waits_parked(pid: str, environment: str) -> bool:
+    """As the gateway tells it: the main process waits, or its FIFO is still there (a
+    preloaded engine between its exec and its wait is named after its binary)."""
     try:
-        return Path(f"/proc/{int(pid)}/comm").read_text().strip() == "sh"
+        if Path(f"/proc/{int(pid)}/comm").read_text().strip() in PARKED_NAMES:
+            return True
     except (OSError, ValueError):
         return False
+    fifo = next((word[len(PARK_FIFO_ENV):] for word in environment.split()
+                 if word.startswith(PARK_FIFO_ENV)), None)
+    return fifo is not None and os.path.exists(fifo)
 
 
 def proc_resources(pid: int) -> dict[str, Any]:
