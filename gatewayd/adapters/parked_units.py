@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gatewayd.core.engine_units import MODEL_ENV, PARK_SHELL, PARKED_COMM, PARKED_ENV
+from gatewayd.core.unit_spec import UnitSpec
 
 log = logging.getLogger("gatewayd.units")
 WAKE_WAIT_S = 0.5      # a unit parked a moment ago may not have opened its FIFO yet
@@ -45,6 +46,18 @@ class ParkedUnit:
     parked_at: float            # for the least recently parked to go first
     props: dict[str, Any] = field(default_factory=dict)   # its unit's state, as last seen
     model_id: str | None = None
+    # the engine unit it becomes, and the model and configuration objects it was made
+    # from: a start for those very objects wakes it without making and comparing the
+    # spec again (a reload or a catalog rescan makes new objects). None: found parked
+    spec: UnitSpec | None = None
+    made_for: tuple[object, object] | None = None
+
+    def made_from(self, model: object, config: object) -> UnitSpec | None:
+        """Its engine unit, if it was parked for exactly this model and configuration."""
+        if self.made_for is None or self.made_for[0] is not model \
+                or self.made_for[1] is not config:
+            return None
+        return self.spec
 
 
 class ParkingLot:

@@ -313,3 +313,17 @@ async def test_a_discard_that_fails_still_ends(tmp_path: Path, failing: bool) ->
     await lot.discard(ParkedUnit("u", "", tmp_path / "u", 1.0), stop)
     assert "u" not in lot.hidden
     await asyncio.wait_for(lot.settled("u"), 1)
+
+
+def test_a_unit_parked_for_these_very_objects_needs_no_new_spec(tmp_path: Path) -> None:
+    """A start for the model and configuration objects it was parked for wakes it with
+    the spec made at the park; equal but other objects (a reload, a rescan) make it anew
+    and compare digests; one found parked by a previous gateway knows none."""
+    spec = UnitSpec(name="u", argv=["/bin/x"])
+    model, config = object(), object()
+    parked = ParkedUnit("u", spec_digest(spec), tmp_path / "u", 1.0, spec=spec,
+                        made_for=(model, config))
+    assert parked.made_from(model, config) is spec
+    assert parked.made_from(object(), config) is None
+    assert parked.made_from(model, object()) is None
+    assert ParkedUnit("u", "d", tmp_path / "u", 1.0).made_from(model, config) is None
