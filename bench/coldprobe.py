@@ -191,6 +191,8 @@ async def probe(work: Path, llama: str, starts: int, verbose: bool, cold_args: s
                      facts["launch_slot_"] - facts["model loaded"])
             if "prompt eval" in facts:
                 note(f"{model} engine: first prompt eval", facts["prompt eval"])
+            if "model loaded" in facts:
+                note(f"{model} engine: own load (its log clock)", facts["model loaded"])
         await post_json(router.base + "/models/unload", {"model": rid})
         await asyncio.sleep(0.3)
         c0 = cpu_census()
@@ -214,6 +216,8 @@ async def probe(work: Path, llama: str, starts: int, verbose: bool, cold_args: s
                  facts["launch_slot_"] - facts["model loaded"])
         if "prompt eval" in facts:
             note("router engine: first prompt eval", facts["prompt eval"])
+        if "model loaded" in facts:
+            note("router engine: own load (its log clock)", facts["model loaded"])
         if verbose and i < 2:
             timeline("router", sent, [(us, m) for us, m in lines if m.startswith("[")],
                      [(took, "client: first byte")])
