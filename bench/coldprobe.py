@@ -25,17 +25,16 @@ from bench.suite import (
     EngineEvents,
     Target,
     cleanup,
+    cold_model,
     first_byte_ms,
     post_json,
     router_model_id,
     run_unit,
     say_why_it_failed,
+    tiny_models,
     wait_http,
     write_config,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import make_tiny_model
 
 MARKS = ("system info", "loading model", "model loaded", "server is listening",
          "starting the main loop", "launch_slot_", "restore", "prompt processing",
@@ -126,18 +125,66 @@ def journal_since(unit: str, since_us: int) -> list[tuple[int, str]]:
     return lines
 
 
+class Table:
+    """Figures per key, over the starts."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[float]] = {}
+
+    def note(self, key: str, value: float) -> None:
+        self.rows.setdefault(key, []).append(value)
+
+    def print(self) -> None:
+        for key, values in self.rows.items():
+            print(f"{key:60s} median {statistics.median(values):7.2f}  "
+                  f"[{min(values):.2f}-{max(values):.2f}] n={len(values)}")
+
+
+async def one_start(label: str, target: Target, model: str, unit: str, table: Table, *,
+                    child_lines: bool, events: EngineEvents | None, verbose: bool) -> None:
+    """One cold start of a model just stopped: its first byte, the CPU each process
+    spent on it, its engine's log marks and stamps, and the gateway's phases (events)."""
+    c0 = cpu_census()
+    sent = time.time()
+    took = await first_byte_ms(target, model)
+    for name, ms in census_delta(c0, cpu_census()).items():
+        if ms > 0.3:
+            table.note(f"{label} CPU ms: {name}", ms)
+    table.note(f"{label} first byte", took)
+    marks: list[tuple[float, str]] = [(took, "client: first byte")]
+    if events is not None and (at := await events.start_phases(model, sent)) is not None:
+        table.note(f"{label} send->wake", (at[0] - sent) * 1000)
+        table.note(f"{label} wake->ready", (at[1] - at[0]) * 1000)
+        table.note(f"{label} ready->first byte", took - (at[1] - sent) * 1000)
+        marks += [((e["ts"] - sent) * 1000, f"gateway: {e['state']}")
+                  for e in events.seen if e["model"] == model and e["ts"] >= sent]
+    lines = journal_since(unit, int(sent * 1e6))
+    seen: set[str] = set()
+    for us, msg in lines:
+        for mark in (*MARKS, "spawning"):
+            if mark in msg and mark not in seen:
+                seen.add(mark)
+                table.note(f"{label} log '{mark}' (journald, from send)",
+                           (us / 1e6 - sent) * 1000)
+                break
+    # the router's own lines are stamped on its clock; its child's start with [port]
+    engine = [(us, m) for us, m in lines if m.startswith("[")] if child_lines else lines
+    facts = engine_facts(engine)
+    if "model loaded" in facts:
+        table.note(f"{label} engine: own load (its log clock)", facts["model loaded"])
+        if "launch_slot_" in facts:
+            table.note(f"{label} engine: loaded->request arrives",
+                       facts["launch_slot_"] - facts["model loaded"])
+    if "prompt eval" in facts:
+        table.note(f"{label} engine: first prompt eval", facts["prompt eval"])
+    if verbose:
+        timeline(label, sent, engine, marks)
+
+
 async def probe(work: Path, llama: str, starts: int, verbose: bool, cold_args: str) -> None:
-    models = work / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    for seed, name in enumerate(("alpha", "beta", "gamma")):
-        make_tiny_model.write_model(str(models / f"tiny-{name}.gguf"), f"tiny-{name}", seed)
-    cold = work / "cold-models"
-    cold.mkdir(exist_ok=True)
-    make_tiny_model.write_model(str(cold / "tiny-cold.gguf"), "tiny-cold", 1)
+    models, cold = tiny_models(work)
     cfg = write_config(work / "gw.toml", models, llama, work / "gw-state", 18600,
-                       extra=f'[models.tiny-cold]\npath = "{cold / "tiny-cold.gguf"}"\n'
-                             "kv_cache_save = false\n"
-                             + (f"args = {json.dumps(cold_args.split())}\n" if cold_args else ""))
+                       extra=cold_model(cold, cold_args.split()))
     run_unit("bench-gateway", [PY, "-m", "gatewayd", "--config", str(cfg), "serve"],
              notify=True)
     run_unit("bench-router", [llama, "--models-dir", str(models), "--models-max", "2",
@@ -148,11 +195,7 @@ async def probe(work: Path, llama: str, starts: int, verbose: bool, cold_args: s
     rid = await router_model_id("tiny-beta")
     events = EngineEvents(gw.base)
     await events.start()
-    table: dict[str, list[float]] = {}
-
-    def note(key: str, value: float) -> None:
-        table.setdefault(key, []).append(value)
-
+    table = Table()
     for model in ("tiny-beta", "tiny-cold"):
         await first_byte_ms(gw, model)
     await first_byte_ms(router, rid)
@@ -160,71 +203,15 @@ async def probe(work: Path, llama: str, starts: int, verbose: bool, cold_args: s
         for model in ("tiny-beta", "tiny-cold"):
             await post_json(gw.base + "/admin/engines/stop", {"model": model})
             await asyncio.sleep(0.3)
-            c0 = cpu_census()
-            sent = time.time()
-            took = await first_byte_ms(gw, model)
-            for name, ms in census_delta(c0, cpu_census()).items():
-                if ms > 0.3:
-                    note(f"{model} CPU ms: {name}", ms)
-            note(f"{model} first byte", took)
-            at = await events.start_phases(model, sent)
-            if at is not None:
-                note(f"{model} send->wake", (at[0] - sent) * 1000)
-                note(f"{model} wake->ready", (at[1] - at[0]) * 1000)
-                note(f"{model} ready->first byte", took - (at[1] - sent) * 1000)
-            unit = "llm-engine-" + model.replace("-", "\\x2d") + ".service"
-            lines = journal_since(unit, int(sent * 1e6))
-            for us, msg in lines:
-                for mark in MARKS:
-                    if mark in msg:
-                        key = f"{model} log '{mark}' (journald, from send)"
-                        if key not in {k for k in table if len(table[k]) > i}:
-                            note(key, (us / 1e6 - sent) * 1000)
-                        break
-            if verbose and i < 2:
-                gateway = [((e["ts"] - sent) * 1000, f"gateway: {e['state']}")
-                           for e in events.seen if e["model"] == model and e["ts"] >= sent]
-                timeline(model, sent, lines, [*gateway, (took, "client: first byte")])
-            facts = engine_facts(lines)
-            if "model loaded" in facts and "launch_slot_" in facts:
-                note(f"{model} engine: loaded->request arrives",
-                     facts["launch_slot_"] - facts["model loaded"])
-            if "prompt eval" in facts:
-                note(f"{model} engine: first prompt eval", facts["prompt eval"])
-            if "model loaded" in facts:
-                note(f"{model} engine: own load (its log clock)", facts["model loaded"])
+            await one_start(model, gw, model, "llm-engine-" + model.replace("-", "\\x2d")
+                            + ".service", table, child_lines=False, events=events,
+                            verbose=verbose and i < 2)
         await post_json(router.base + "/models/unload", {"model": rid})
         await asyncio.sleep(0.3)
-        c0 = cpu_census()
-        sent = time.time()
-        took = await first_byte_ms(router, rid)
-        for name, ms in census_delta(c0, cpu_census()).items():
-            if ms > 0.3:
-                note(f"router CPU ms: {name}", ms)
-        note("router first byte", took)
-        lines = journal_since("bench-router.service", int(sent * 1e6))
-        for us, msg in lines:
-            for mark in (*MARKS, "spawning"):
-                if mark in msg:
-                    key = f"router log '{mark}' (journald, from send)"
-                    if key not in {k for k in table if len(table[k]) > i}:
-                        note(key, (us / 1e6 - sent) * 1000)
-                    break
-        facts = engine_facts([(us, m) for us, m in lines if m.startswith("[")])
-        if "model loaded" in facts and "launch_slot_" in facts:
-            note("router engine: loaded->request arrives",
-                 facts["launch_slot_"] - facts["model loaded"])
-        if "prompt eval" in facts:
-            note("router engine: first prompt eval", facts["prompt eval"])
-        if "model loaded" in facts:
-            note("router engine: own load (its log clock)", facts["model loaded"])
-        if verbose and i < 2:
-            timeline("router", sent, [(us, m) for us, m in lines if m.startswith("[")],
-                     [(took, "client: first byte")])
+        await one_start("router", router, rid, "bench-router.service", table,
+                        child_lines=True, events=None, verbose=verbose and i < 2)
     await events.stop()
-    for key, values in table.items():
-        print(f"{key:60s} median {statistics.median(values):7.2f}  "
-              f"[{min(values):.2f}-{max(values):.2f}] n={len(values)}")
+    table.print()
 
 
 def main() -> int:

@@ -272,21 +272,34 @@ PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, 
                        starts=1, cycles=1, open_streams=100, activations=2)}
 
 
-async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
-    results: dict[str, Any] = {"plan": plan.__dict__, "machine": machine()}
+def tiny_models(work: Path) -> tuple[Path, Path]:
+    """The generated models: tiny-alpha, -beta and -gamma in the first folder (the router's
+    models dir too), and tiny-cold in the second: tiny-beta's weights, for a model
+    configured with no KV cache kept."""
     models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
     for seed, name in enumerate(("alpha", "beta", "gamma")):
         make_tiny_model.write_model(str(models / f"tiny-{name}.gguf"), f"tiny-{name}", seed)
+    cold = work / "cold-models"
+    cold.mkdir(exist_ok=True)
+    make_tiny_model.write_model(str(cold / "tiny-cold.gguf"), "tiny-cold", 1)
+    return models, cold
+
+
+def cold_model(cold: Path, args: Sequence[str] = ()) -> str:
+    """tiny-cold's section of the gateway's configuration."""
+    return (f'[models.tiny-cold]\npath = "{cold / "tiny-cold.gguf"}"\nkv_cache_save = false\n'
+            + (f"args = {json.dumps(list(args))}\n" if args else ""))
+
+
+async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
+    results: dict[str, Any] = {"plan": plan.__dict__, "machine": machine()}
+    models, cold = tiny_models(work)   # tiny-cold: no KV cache kept (section 6)
     fake_models = work / "fake-models"
     fake_models.mkdir(exist_ok=True)
     (fake_models / "fake.gguf").write_bytes(b"GGUF")
-    cold = work / "cold-models"    # the same tiny model, with no KV cache kept (section 6)
-    cold.mkdir(exist_ok=True)
-    make_tiny_model.write_model(str(cold / "tiny-cold.gguf"), "tiny-cold", 1)
     gw_cfg = write_config(work / "gw.toml", models, llama, work / "gw-state", 18600,
-                          extra=f'[models.tiny-cold]\npath = "{cold / "tiny-cold.gguf"}"\n'
-                                "kv_cache_save = false\n")
+                          extra=cold_model(cold))
     fake_cfg = write_config(work / "fake.toml", fake_models, str(REPO / "bench/fake-llama-server"),
                             work / "fake-state", 18610)
     run_unit("bench-gateway", [PY, "-m", "gatewayd", "--config", str(gw_cfg), "serve"],
