@@ -205,13 +205,15 @@ async def settle(pid: int, socket: str, timeout_s: float, waiting_name: str) -> 
         delay = min(delay * 2, 0.05)
 
 
-def preload_library() -> str | None:
-    """The preloaded wait's library, where it was built (setup.py: a C compiler)."""
-    here = Path(__file__).resolve().parents[1]
+def preload_library(package: Path | None = None) -> str | None:
+    """The preloaded wait's library, where it was built (setup.py: a C compiler), in the
+    gatewayd package's folder (package: another, for tests). None also where its path
+    holds a space or a colon: LD_PRELOAD splits on both."""
+    here = package or Path(__file__).resolve().parents[1]
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         candidate = here / f"{PRELOAD_NAME}{suffix}"
         if candidate.is_file():
-            return str(candidate)
+            return None if {" ", ":"} & set(str(candidate)) else str(candidate)
     return None
 
 

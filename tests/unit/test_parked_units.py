@@ -175,6 +175,15 @@ async def test_a_preload_that_does_not_take_is_told_from_a_wait(tmp_path: Path) 
     assert not await settle(busy.pid, str(sock), 10, PARKED_COMM)   # ended
 
 
+def test_the_library_is_found_where_ld_preload_can_name_it(tmp_path: Path) -> None:
+    name = Path(preload()).name
+    for folder, found in (("plain", True), ("with space", False), ("with:colon", False)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_bytes(b"")
+        assert (preload_library(tmp_path / folder) is not None) is found
+    assert preload_library(tmp_path / "missing") is None
+
+
 def test_which_programs_take_the_preloaded_wait(tmp_path: Path) -> None:
     assert takes_preload(ENGINE)                   # dynamically linked against glibc
     assert takes_preload(os.path.realpath(sys.executable))
