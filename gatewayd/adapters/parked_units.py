@@ -70,6 +70,11 @@ class ParkingLot:
         self.parked: dict[str, ParkedUnit] = {}
         self.hidden: set[str] = set()
         self._discards: dict[str, asyncio.Task[None]] = {}
+        # unit -> the main process a wake turned into its engine: until that process
+        # runs again after the wake (a loaded machine: milliseconds), it is still named
+        # as waiting, and a listing must not take it for parked again (adopted, its
+        # engine's signals were held back and a surplus discard stopped it unheard)
+        self._woken: dict[str, int] = {}
 
     def fifo_for(self, instance: str) -> Path:
         return self.directory / instance
@@ -93,6 +98,11 @@ class ParkingLot:
         """Take the unit's parked entry for a start (it stays hidden until woken)."""
         return self.parked.pop(unit, None)
 
+    def woken(self, parked: ParkedUnit) -> None:
+        """The claimed unit was woken: an engine from now on, its signals heard."""
+        self.hidden.discard(parked.unit)
+        self._woken[parked.unit] = int(parked.props.get("MainPID") or 0)
+
     def surplus(self) -> list[ParkedUnit]:
         """The parked units beyond the limit, least recently parked first; taken out."""
         extra = sorted(self.parked.values(), key=lambda p: p.parked_at)
@@ -106,6 +116,8 @@ class ParkingLot:
         """Whether a unit systemd lists is a parked one (see the module's docstring)."""
         if unit in self.hidden:
             return True
+        if main_pid and self._woken.get(unit) == main_pid:
+            return False
         return bool(env.get(PARKED_ENV)) and (
             is_fifo(self.fifo_for(instance)) or main_waits(main_pid))
 
@@ -152,6 +164,13 @@ class ParkingLot:
         task = asyncio.get_running_loop().create_task(run())
         self._discards[parked.unit] = task
         return task
+
+    def discard_surplus(self, stop: Callable[[str], Awaitable[None]]
+                        ) -> list[asyncio.Task[None]]:
+        """Discard the parked units beyond the limit, all at once: a start of any of
+        their models must find its discard under way (settled), not the unit still
+        running with no entry here."""
+        return [self.discard(extra, stop) for extra in self.surplus()]
 
     async def settled(self, unit: str) -> None:
         """Returns once no discard of the unit is under way."""

@@ -201,8 +201,7 @@ class TransientEngineUnits(EngineUnitsBase):
     def reconfigure(self, config: GatewayConfig) -> None:
         super().reconfigure(config)
         self._lot.limit = config.parked_engines
-        for extra in self._lot.surplus():   # a smaller limit holds from now on
-            self._lot.discard(extra, self.stop_engine)
+        self._lot.discard_surplus(self.stop_engine)   # a smaller limit holds from now on
 
     def _specs(self, model: Model, layout: EngineLayout) -> Callable[[str | None], UnitSpec]:
         """The model's unit for the given CUDA_VISIBLE_DEVICES; the engine binary and
@@ -275,8 +274,7 @@ class TransientEngineUnits(EngineUnitsBase):
             self._takes_preload[binary] = False
             return await self.park(model)
         self._lot.parked[unit] = parked
-        for extra in self._lot.surplus():
-            await self._lot.discard(extra, self.stop_engine)
+        await asyncio.gather(*self._lot.discard_surplus(self.stop_engine))
         return True
 
     def _preloads(self, binary: str) -> bool:
@@ -309,7 +307,7 @@ class TransientEngineUnits(EngineUnitsBase):
         if (same or parked.digest == spec_digest(spec)) \
                 and parked.props.get("ActiveState") == "active" \
                 and await wake(parked.fifo, wake_line(spec, visible_devices)):
-            self._lot.hidden.discard(unit)
+            self._lot.woken(parked)
             # what the engine layer would have heard, had it watched the unit all along
             self._on_signal(unit, {k: v for k, v in parked.props.items() if v is not None})
             return True

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,10 @@ from gatewayd.adapters.parked_units import (
     takes_preload,
     wake,
 )
+from gatewayd.adapters.systemd import UNIT
+from gatewayd.adapters.unit_control import TransientEngineUnits
+from gatewayd.core.catalog import Model
+from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engine_units import (
     DEVICES_ENV,
     PARK_FIFO_ENV,
@@ -336,3 +341,80 @@ def test_a_unit_parked_for_these_very_objects_needs_no_new_spec(tmp_path: Path) 
     assert parked.made_from(object(), config) is None
     assert parked.made_from(model, object()) is None
     assert ParkedUnit("u", "d", tmp_path / "u", 1.0).made_from(model, config) is None
+
+
+async def test_the_surplus_is_discarded_all_at_once(tmp_path: Path) -> None:
+    """Each surplus unit's discard is under way before any ends: a start of its model
+    waits for it instead of meeting the unit still running with no entry."""
+    lot = ParkingLot(tmp_path, limit=1)
+    for name, at in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        lot.parked[name] = ParkedUnit(name, "", tmp_path / name, at)
+        lot.hidden.add(name)
+    release = asyncio.Event()
+    stopping: list[str] = []
+
+    async def stop(unit: str) -> None:
+        stopping.append(unit)
+        await release.wait()
+    tasks = lot.discard_surplus(stop)
+    await asyncio.sleep(0)
+    assert sorted(stopping) == ["a", "b"] and list(lot.parked) == ["c"]
+    settled = asyncio.ensure_future(lot.settled("b"))
+    await asyncio.sleep(0.01)
+    assert not settled.done() and "b" in lot.hidden
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*tasks, settled), 5)
+    assert lot.hidden == {"c"}
+
+
+class _Listing:
+    """What systemd says about one unit (the parked unit, and the engine it became)."""
+
+    def __init__(self, unit: str, pid: int, env: dict[str, str]) -> None:
+        self.unit, self.pid, self.env = unit, pid, env
+
+    async def properties(self, unit: str, interface: str) -> dict[str, Any]:
+        assert unit == self.unit
+        if interface == UNIT:
+            return {"LoadState": "loaded", "ActiveState": "active", "SubState": "running"}
+        return {"MainPID": self.pid, "NRestarts": 0,
+                "Environment": [f"{k}={v}" for k, v in self.env.items()]}
+
+
+async def test_a_woken_engine_still_named_as_waiting_is_not_taken_for_parked(
+        tmp_path: Path) -> None:
+    """Right after a wake, until the engine's process runs again (a loaded machine:
+    milliseconds), it is still named as waiting and its FIFO is gone. A listing then
+    (the reconciler's) must see the engine, not adopt a parked unit: adopted, the
+    engine's signals were held back and a surplus discard stopped it unheard (the soak
+    saw the gateway say "loading" for a unit systemd no longer had)."""
+    model_file = tmp_path / "m.gguf"
+    model_file.write_bytes(b"GGUF")
+    model = Model(id="woken", config=ModelConfig(name="woken", path=model_file),
+                  names=frozenset({"woken"}), size_bytes=4)
+    config = GatewayConfig(llama_server=ENGINE, state_dir=tmp_path, parked_engines=2)
+    listing = _Listing("", 0, {})
+    units = TransientEngineUnits(listing, config, manager="user",  # type: ignore[arg-type]
+                                 run_root=str(tmp_path / "run"))
+    layout = units.layout(model.id)
+    spec = units._specs(model, layout)(None)
+    fifo = units._lot.make_fifo(layout.instance)
+    # a woken shell park that has read its line but not yet exec'd the engine
+    waiting = subprocess.Popen([PARK_SHELL, "-c", f'read x < "{fifo}"; sleep 30; :'])
+    try:
+        units._lot.parked[layout.unit] = ParkedUnit(
+            layout.unit, spec_digest(spec), fifo, time.time(),
+            {"ActiveState": "active", "MainPID": waiting.pid}, model_id=model.id,
+            spec=spec, made_for=(model, config))
+        units._lot.hidden.add(layout.unit)
+        listing.unit, listing.pid = layout.unit, waiting.pid
+        listing.env = {**spec.environment, PARKED_ENV: spec_digest(spec)}
+        assert await units.engine_info(layout.unit) is None   # parked: no engine yet
+        assert await units.start_engine(model) == layout       # woken
+        assert not fifo.exists() and main_waits(waiting.pid)
+        info = await units.engine_info(layout.unit)
+        assert info is not None and info.main_pid == waiting.pid
+        assert layout.unit not in units._lot.hidden and units.parked() == []
+    finally:
+        waiting.kill()
+        waiting.wait()
