@@ -221,8 +221,14 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/llm-gateway-coldprobe"))
     ap.add_argument("--cold-args", default="", help="tiny-cold's engine arguments")
+    ap.add_argument("--activation", type=int, default=0, metavar="N",
+                    help="instead: N socket activations (bench/activationprobe.py)")
     a = ap.parse_args()
     try:
+        if a.activation:
+            from bench.activationprobe import probe as activations
+            asyncio.run(activations(a.work, a.llama_server, a.activation, a.verbose))
+            return 0
         asyncio.run(probe(a.work, a.llama_server, a.starts, a.verbose, a.cold_args))
     except Exception:
         say_why_it_failed()
