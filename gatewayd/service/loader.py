@@ -191,7 +191,7 @@ class Loader:
                         continue
                     return
                 case scheduler.Evict(victim, reason):
-                    await self._evict(victim, reason)
+                    await self._evict(victim, reason, room_for=need)
                 case scheduler.Drain(victim, reason):
                     log.info("draining %s (%s)", victim, reason)
                     self._slots.use(victim).draining_for = model.id
@@ -229,7 +229,11 @@ class Loader:
                                 retry_after=5, held_by=held,
                                 prefix=f"not enough GPU memory within {wait_s:g}s: ")
 
-    async def _evict(self, victim: str, reason: str) -> None:
+    async def _evict(self, victim: str, reason: str, room_for: int | None = None) -> None:
+        """Stop the victim; then wait (up to MEMORY_SETTLE_S) until its memory shows as free
+        or room_for MiB are free, whichever comes first: room enough already (a count-only
+        eviction, or a victim whose process was gone before its stop: stopped behind our
+        back, crashed) is no reason to wait for memory that will not show up again."""
         before = self._room()
         log.info("evicting %s (%s)", victim, reason)
         try:
@@ -248,7 +252,8 @@ class Loader:
             deadline = self._clock() + MEMORY_SETTLE_S
             while self._clock() < deadline:
                 now = self._room()
-                if now is None or now >= before + expect * 0.9:
+                if now is None or now >= before + expect * 0.9 or (
+                        room_for is not None and now >= room_for):
                     break
                 await asyncio.sleep(MEMORY_POLL_S)
 

@@ -567,6 +567,21 @@ def test_views_agree_again_after_signals_were_lost_or_shuffled() -> None:
                       ("settle", {})], signal_mode="shuffled", seed=seed, max_engines=2)
 
 
+
+def test_an_eviction_does_not_wait_for_memory_already_free() -> None:
+    """The victim's unit was stopped behind the gateway's back while it still served: its
+    memory shows as free before the eviction's stop, and never again after it. The
+    eviction must not wait MEMORY_SETTLE_S for it while room is there (the search found
+    a model queued behind it failing with engine_limit_reached, "held by nobody")."""
+    run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("burst", {"models": ["a", "c"], "hold": 0.75}),
+                  ("stopped_behind_our_back", {"model": "a"}),
+                  ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": 4.0}),
+                  ("check_ok", {"model": "c", "last": 1}),
+                  ("check_ok", {"model": "b", "last": 1})], gpu_fits=1)
+
 # No shrinking: a failing sequence is printed as found. Shrinking sequences with steady
 # load takes minutes; the scenarios above are the short readable cases.
 # DISPATCHER_MODEL_EXAMPLES=1000 searches longer (minutes), e.g. after a scheduler change.
