@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import http.client
 import json
 import os
@@ -98,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_command(args, gateway_address(args))
         config = load_config(args.config, required=args.config is not None)
         if args.command == "serve":
+            # off for the start: it ran ~100 times over the imports' objects (~25 ms of a
+            # socket-activated start); back on, the start's objects frozen, once the
+            # gateway serves (app.settle_collector)
+            gc.disable()
             from gatewayd.http.client_tls import deferred_ca_loading
             with deferred_ca_loading():   # the first import of aiohttp
                 from gatewayd.app import serve

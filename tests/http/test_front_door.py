@@ -880,3 +880,26 @@ async def test_metrics_endpoint_label_is_bounded(gw: Gateway) -> None:
     endpoints = {dict(labels).get("endpoint") for name, labels in m
                  if name == "llm_gateway_requests_total"}
     assert endpoints == {"other"}
+
+
+async def test_the_collector_is_back_on_once_the_gateway_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`llm-gateway serve` starts with the garbage collector off (tests/unit/test_cli.py):
+    once serving, it is on again, with the start's objects frozen out of its way."""
+    import gc
+
+    import gatewayd.app
+    monkeypatch.setattr(gatewayd.app, "COLLECTOR_SETTLE_S", 0.05)
+    gc.disable()
+    try:
+        async for gw in _gateway(tmp_path, ("a",)):
+            deadline = time.monotonic() + 5
+            while not gc.isenabled():
+                assert time.monotonic() < deadline, "the collector stayed off"
+                await asyncio.sleep(0.01)
+            assert gc.get_freeze_count() > 0
+            resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
+            assert resp.status == 200
+    finally:
+        gc.unfreeze()
+        gc.enable()
