@@ -539,7 +539,11 @@ class Driver:
             pid = main_pid(self.unit)
             start = proc_resources(pid)
             self.say(f"baseline after the warm-up: {start}; load for {spec.duration:.0f} s")
-            await self.load(spec.duration)
+            # RSS at half time too: growth that slows is a warm-up, growth that keeps its
+            # pace is a leak
+            await self.load(spec.duration / 2)
+            mid = proc_resources(pid) if main_pid(self.unit) == pid else None
+            await self.load(spec.duration / 2)
             await asyncio.sleep(spec.settle)
             end_pid = main_pid(self.unit)
             end = proc_resources(end_pid) if end_pid else {"pid": 0, "rss_mib": 0.0, "fds": 0,
@@ -555,11 +559,12 @@ class Driver:
                        .strip() or 0)
         journal = self.engine_journal_counts(cursor)
         Path(spec.outdir, f"gateway-{spec.mode}.log").write_text(self.journal(self.unit))
-        return self.result(wall, idle, start, end, idle["pid"] != end_pid, restarts, journal)
+        return self.result(wall, idle, start, end, idle["pid"] != end_pid, restarts, journal,
+                           mid)
 
     def result(self, wall: float, idle: dict[str, Any], start: dict[str, Any],
                end: dict[str, Any], pid_changed: bool, restarts: int,
-               journal: dict[str, int]) -> dict[str, Any]:
+               journal: dict[str, int], mid: dict[str, Any] | None = None) -> dict[str, Any]:
         req, smp = self.requests, self.sampler
         lat = sorted(req.latencies_ms)
         errors = sum(req.errors.values())
@@ -599,7 +604,7 @@ class Driver:
             "events_follower_reconnects": self.follower_reconnects,
             "engine_unit_starts_systemd": journal["started"],
             "engine_unit_failures_systemd": journal["failed"],
-            "gateway": {"unit": self.unit, "idle": idle, "start": start, "end": end,
+            "gateway": {"unit": self.unit, "idle": idle, "start": start, "mid": mid, "end": end,
                         "rss_change": round(rss_change, 4), "fd_change": fd_change,
                         "rss_ok": rss_ok, "fds_ok": fds_ok, "restarts": restarts},
             "samples": smp.samples,
@@ -746,6 +751,12 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
     row("gateway vs systemd, disagreeing 2 samples in a row", lambda r: r["disagreements"])
     row("**invariant violations**", lambda r: r["violations"])
     row("gateway RSS MiB (after warm-up → end)", lambda r: change(r, "rss_mib"))
+
+    def halves(r: dict[str, Any]) -> str:
+        g, half_min = r["gateway"], r["spec"]["duration"] / 120
+        a, m, b = g["start"]["rss_mib"], g["mid"]["rss_mib"], g["end"]["rss_mib"]
+        return f"{(m - a) / half_min:+.2f} / {(b - m) / half_min:+.2f}"
+    row("gateway RSS growth, MiB per minute (first half / second half)", halves)
     row("gateway open fds (after warm-up → end)", lambda r: change(r, "fds"))
     row("verdict", lambda r: "PASS" if r["passed"] else "FAIL: " + "; ".join(r["reasons"]))
     row("run error", lambda r: (r.get("error") or "-").splitlines()[0])

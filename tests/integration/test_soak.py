@@ -92,3 +92,14 @@ def test_states_that_agree_are_never_counted() -> None:
         s.observe(t, units, [engine(f"m{i}", gw) for i, (gw, _) in enumerate(pairs)],
                   "llm-engine-")
     assert s.disagreements == [] and s.unknown_states == set()
+
+
+def test_the_report_tells_a_warm_up_from_a_leak_by_the_halves() -> None:
+    def run(start: float, mid: float | None, end: float) -> dict[str, Any]:
+        return {"mode": "m", "spec": {"slots": 2, "duration": 600.0},
+                "gateway": {"start": {"rss_mib": start},
+                            "mid": None if mid is None else {"rss_mib": mid},
+                            "end": {"rss_mib": end}}}
+    table = markdown([run(40.0, 43.0, 43.5), run(40.0, 42.0, 44.0), run(40.0, None, 41.0)])
+    row = next(line for line in table.splitlines() if "per minute" in line)
+    assert row.split(" | ")[1:] == ["+0.60 / +0.10", "+0.40 / +0.40", "- |"]
