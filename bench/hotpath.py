@@ -157,6 +157,9 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return total / 1e9
 
 
+RAW = "raw"   # kinds' settings: the raw relay
+
+
 def wait_port(port: int, timeout: float = 30) -> None:
     import socket
     deadline = time.monotonic() + timeout
@@ -201,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream", action="store_true", help="256-event streams, c=1")
     ap.add_argument("--profile", metavar="NAME", help="py-spy the proxy NAME (gw, bare, ...)")
     ap.add_argument("--only", metavar="NAME", help="measure only the proxy NAME")
+    ap.add_argument("--raw", action="store_true",
+                    help="add bench/raw_relay.py: bytes passed on unparsed, the least a "
+                         "Python relay spends (raw)")
     ap.add_argument("--uvloop-too", action="store_true",
                     help="each proxy also on uvloop (NAME-uv)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         proxies: dict[str, subprocess.Popen[bytes]] = {}
         ports: dict[str, int] = {}
         kinds = [("gw", "{}", "asyncio"), ("bare", "", "asyncio")]
+        if a.raw:
+            kinds.append(("raw", RAW, "asyncio"))
         kinds += [(n, js, "asyncio") for n, _, js in (v.partition("=") for v in a.variant)]
         if a.uvloop_too:
             kinds += [(f"{n}-uv", js, "uvloop") for n, js, _ in list(kinds)]
@@ -228,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             # in this harness the gateway runs under asyncio.run: install says which loop
             install = ("import uvloop; uvloop.install(); " if loop == "uvloop" else
                        "import os; os.environ['LLM_GATEWAY_EVENT_LOOP'] = 'asyncio'; ")
-            if not settings:   # the bare proxy
+            if settings in ("", RAW):   # the bare proxy, the raw relay
+                module = "bench.raw_relay" if settings == RAW else "bench.bare_proxy"
                 code = (f"{install}import sys, runpy; sys.argv[1:] = ['--socket', {socket!r}, "
-                        f"'--port', '{ports[name]}']; runpy.run_module('bench.bare_proxy', "
+                        f"'--port', '{ports[name]}']; runpy.run_module({module!r}, "
                         "run_name='__main__')")
             else:
                 root = work / name
@@ -239,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 code = (f"{install}import asyncio, bench.hotpath as h; "
                         f"asyncio.run(h._serve_gateway({str(root)!r}, {ports[name]}))")
             proxies[name] = subprocess.Popen([*PIN_PROXY, PY, "-c", code],
-                                             env={**env, "HOTPATH_CONFIG": settings or "{}"},
+                                             env={**env, "HOTPATH_CONFIG":
+                                                  settings if settings.startswith("{") else "{}"},
                                              stdout=subprocess.DEVNULL)
         procs += proxies.values()
         for port in ports.values():
