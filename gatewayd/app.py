@@ -50,6 +50,7 @@ from gatewayd.http import admin_api, client_tls, openai_api
 from gatewayd.http.auth import ACCESS, Access
 from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
+from gatewayd.http.native_relay import NATIVE_RELAY, NativeRelay
 from gatewayd.http.proxy import learn_engine_slots
 from gatewayd.http.remotes import Remotes
 from gatewayd.service.dispatcher import Dispatcher
@@ -189,6 +190,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file) if config.records_enabled else None
     engine_client = EngineClient(config.read_timeout_s)
+    app[NATIVE_RELAY] = native_relay = NativeRelay()
 
     def connections_follow(old: Engine, new: Engine) -> None:
         if old.holds_slot and not new.holds_slot:
@@ -231,6 +233,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         await reloader.close()
         await remotes.close()
         await engine_client.close()
+        native_relay.close()
         if records is not None:
             records.flush()
             await asyncio.to_thread(records.close)  # drains every queued record

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import cast
@@ -105,6 +106,22 @@ class EngineResponse:
 
     def resume(self) -> None:
         self._conn.resume()
+
+    @property
+    def read_timeout_s(self) -> float:
+        return self._conn.read_timeout_s
+
+    def detach(self) -> int | None:
+        """For http/native_relay: a duplicate of the connection's socket, to be read
+        elsewhere until reattach(), its reading here paused and its read timer off; None
+        if the body is not chunked or not between two chunks, or something of it is
+        buffered here (the relay then stays in Python)."""
+        return self._conn.detach()
+
+    def reattach(self, unread: bytes, idle_s: float) -> None:
+        """Reading back here, with the bytes read elsewhere and not used (parsed as if
+        they had just arrived); idle_s: since the engine's last byte."""
+        self._conn.reattach(unread, idle_s)
 
     def release(self) -> None:
         """Done with it: a complete answer on a reusable connection goes back to the pool,
@@ -307,7 +324,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: _Pool, read_timeout_s: float) -> None:
         self._pool = pool
-        self._read_timeout = read_timeout_s
+        self._read_timeout = self.read_timeout_s = read_timeout_s
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.open = False
@@ -467,6 +484,30 @@ class _Connection(asyncio.Protocol):
     def resume(self) -> None:
         self._held = False
         self._resume_reading()
+
+    def detach(self) -> int | None:
+        transport = self.transport
+        if transport is None or not self.open or transport.is_closing() or self._paused \
+                or self._state != _BODY or not self._at_chunk_start() or self._body \
+                or self._error is not None or self._sink is not None:
+            return None
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return None
+        fd = os.dup(sock.fileno())
+        self._pause_reading()
+        self._cancel_timer()
+        return fd
+
+    def reattach(self, unread: bytes, idle_s: float) -> None:
+        self._last_io = self._loop.time() - idle_s
+        self._resume_reading()
+        if unread:
+            self.data_received(unread)
+            self._last_io = self._loop.time() - idle_s
+        if idle_s >= self._read_timeout and self._state != _DONE:
+            self._fail(TimeoutError(f"no answer from the engine for {self._read_timeout:g} s"))
+            self._wake()
 
     def _pause_reading(self) -> None:
         if not self._paused and self.transport is not None:

@@ -48,6 +48,7 @@ from gatewayd.http.engine_client import (
     EngineResponse,
 )
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
+from gatewayd.http.native_relay import NATIVE_RELAY, Forwarded, NativeRelay
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
 HOP_BY_HOP = frozenset({
@@ -274,7 +275,13 @@ async def _relay_stream(request: web.Request, upstream: Answer,
                     await _write(request, response, data, record, out.stall_timeout_s, sent)
                     if isinstance(upstream, EngineResponse) and writer is not None \
                             and request.method != "HEAD":
-                        # the head and the first event are out: the rest is pushed
+                        # the head and the first event are out: the rest is pushed, by
+                        # relay.c while it can, then from the engine connection's callback
+                        native = request.app.get(NATIVE_RELAY)
+                        if chunked and native is not None and sse.between_events \
+                                and native.usable(request, upstream):
+                            await _relay_native(native, request, upstream, sse, record,
+                                                out.stall_timeout_s, sent)
                         await _relay_pushed(request, upstream, writer, sse, record, chunked,
                                             out.stall_timeout_s, sent)
                         break
@@ -400,6 +407,27 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
             raise _ClientGone() from None
         raise
     if gone:
+        raise _ClientGone()
+
+
+async def _relay_native(native: NativeRelay, request: web.Request, upstream: EngineResponse,
+                        sse: SseRelay, record: CallRecord, stall_timeout_s: float,
+                        sent: _Sent) -> None:
+    """As much of the stream as relay.c passes on (http/native_relay): the same bytes as
+    _relay_pushed's, framed the same way; it stops where Python is needed, and
+    _relay_pushed goes on from there with what it read and did not send."""
+    def took(done: Forwarded) -> None:
+        sse.took_elsewhere(done.last_chunk, done.events)
+        record.bytes_out += done.data_bytes
+        if done.client_gone:
+            sent.dropped = True   # the send that failed held events
+        if done.reason == "stalled":
+            record.error_code = "client_stalled"
+
+    done = await native.forward(request, upstream, stall_timeout_s, took)
+    if done is not None and done.client_gone:
+        if done.reason == "stalled" and request.transport is not None:
+            request.transport.abort()
         raise _ClientGone()
 
 

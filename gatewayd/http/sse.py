@@ -115,6 +115,18 @@ class SseRelay:
         self._count(data)
         return True
 
+    @property
+    def between_events(self) -> bool:
+        """Nothing of an incomplete event is held here."""
+        return not self._pending
+
+    def took_elsewhere(self, last: bytes, events: int) -> None:
+        """Whole events passed on without feed() (http/native_relay): `last`, the last of
+        them (b"": none), and the number of content events among them."""
+        if last:
+            self._last = last
+        self.content_events += events
+
     def flush(self) -> bytes:
         """Whatever is left when the upstream ends (an unterminated last event)."""
         rest, self._pending = self._pending, b""

@@ -1,0 +1,167 @@
+"""A stream's events passed from the engine to the client by gatewayd.http._relay (relay.c),
+in a thread of its own, with no interpreter per event.
+
+After the answer's head and first event (sent by http/proxy as always), the relay hands
+both sockets to relay.c until something needs Python: an event naming usage, the last
+chunk, odd framing, the engine's end or failure, a client that left or stalled, a
+cancelled handler. Then it takes the connection back with whatever was read and not
+sent, and http/proxy's Python relay finishes the stream as it would have from the
+start: the client sees the same bytes either way, the record the same counts.
+
+Only where it cannot go wrong: a local engine's chunked body between two chunks with
+nothing buffered, a chunked answer to a plain (not TLS) client with nothing waiting in
+its transport, a free thread (at most `max_streams` at once; the rest relay in Python).
+LLM_GATEWAY_NATIVE_RELAY=0 turns it off (benchmarks compare both; a fallback if it
+ever misbehaves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import ModuleType
+
+from aiohttp import web
+
+from gatewayd.http.engine_client import EngineResponse
+
+_native: ModuleType | None
+try:
+    from gatewayd.http import _relay
+    _native = _relay
+except ImportError:   # not built (no C compiler where it was installed): Python's relay
+    _native = None
+
+MAX_STREAMS = 256     # native streams at once (a thread each, blocked in poll)
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """What relay.c did: why it stopped, and what it passed on."""
+
+    reason: str         # handback, engine_eof, engine_error, idle, client_gone, stalled,
+    errno: int          # cancelled
+    events: int         # content events passed on (as SseRelay counts them)
+    last_chunk: bytes   # the last chunk passed on, framing and all (b"": none)
+    data_bytes: int     # their data, without the framing
+
+    @property
+    def client_gone(self) -> bool:
+        return self.reason in ("client_gone", "stalled")
+
+
+_REASONS = ("handback", "engine_eof", "engine_error", "idle", "client_gone", "stalled",
+            "cancelled")
+
+
+class NativeRelay:
+    """The threads relay.c runs in, and the streams it has now."""
+
+    def __init__(self, max_streams: int = MAX_STREAMS) -> None:
+        enabled = os.environ.get("LLM_GATEWAY_NATIVE_RELAY", "1") not in ("0", "no", "false")
+        self.enabled = _native is not None and enabled
+        self._max = max_streams
+        self._pool: ThreadPoolExecutor | None = None
+        self._cancels: set[int] = set()   # each running stream's eventfd
+        self.streams = 0                   # streams it has taken part of, since the start
+
+    @property
+    def active(self) -> int:
+        return len(self._cancels)
+
+    def usable(self, request: web.Request, upstream: object) -> bool:
+        transport = request.transport
+        return (self.enabled and isinstance(upstream, EngineResponse)
+                and len(self._cancels) < self._max and transport is not None
+                and not transport.is_closing()
+                and transport.get_extra_info("sslcontext") is None
+                and transport.get_write_buffer_size() == 0
+                and transport.get_extra_info("socket") is not None)
+
+    async def forward(self, request: web.Request, upstream: EngineResponse,
+                      stall_timeout_s: float, took: Callable[[Forwarded], None]
+                      ) -> Forwarded | None:
+        """Runs relay.c on this stream until it stops, then calls took() with what it did
+        and returns it; None if it could not start (the stream is then as it was). If the
+        handler is cancelled meanwhile, relay.c is stopped and waited for (it returns at
+        once), took() called, the connection taken back, and CancelledError re-raised."""
+        assert _native is not None
+        transport = request.transport
+        assert transport is not None
+        engine_fd = upstream.detach()
+        if engine_fd is None:
+            return None
+        client_fd = cancel_fd = -1
+        try:
+            client_fd = os.dup(transport.get_extra_info("socket").fileno())
+            cancel_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except OSError:
+            for fd in (engine_fd, client_fd):
+                if fd != -1:
+                    os.close(fd)
+            upstream.reattach(b"", 0.0)
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._max, thread_name_prefix="relay")
+        self._cancels.add(cancel_fd)
+        self.streams += 1
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._pool, _native.forward, engine_fd, client_fd,
+                                       cancel_fd, upstream.read_timeout_s, stall_timeout_s)
+        cancelled = False
+        try:
+            while not running.done():
+                try:
+                    await asyncio.shield(running)
+                except asyncio.CancelledError:
+                    # the client left, or the gateway stops: relay.c returns at once
+                    cancelled = True
+                    with contextlib.suppress(OSError):
+                        os.eventfd_write(cancel_fd, 1)
+                except Exception:   # running.result() below raises it
+                    pass
+        finally:
+            self._cancels.discard(cancel_fd)
+            fds = (engine_fd, client_fd, cancel_fd)
+            if running.done():
+                _close(fds)
+            else:   # left by something else than a cancel: never close what relay.c uses
+                with contextlib.suppress(OSError):
+                    os.eventfd_write(cancel_fd, 1)
+                running.add_done_callback(lambda _: _close(fds))
+        try:
+            result = running.result()
+        except Exception:   # (MemoryError from relay.c): the stream stays Python's
+            upstream.reattach(b"", 0.0)
+            raise
+        reason, errno, unread, events, last_chunk, data_bytes, idle_s, unsent = result
+        done = Forwarded(_REASONS[reason], errno, events, last_chunk, data_bytes)
+        upstream.reattach(b"" if done.client_gone or reason == _native.CANCELLED else unread,
+                          idle_s)
+        if unsent and not transport.is_closing():
+            transport.write(unsent)   # the rest of a chunk a cancel cut: first, whole
+        took(done)
+        if cancelled:
+            raise asyncio.CancelledError()
+        return done
+
+    def close(self) -> None:
+        """Stops every stream relay.c has (the gateway stops) and lets its threads go."""
+        for cancel_fd in list(self._cancels):
+            with contextlib.suppress(OSError):
+                os.eventfd_write(cancel_fd, 1)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _close(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+NATIVE_RELAY = web.AppKey("native_relay", NativeRelay)
