@@ -191,6 +191,9 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     records = RecordWriter(config.records_file) if config.records_enabled else None
     engine_client = EngineClient(config.read_timeout_s)
     app[NATIVE_RELAY] = native_relay = NativeRelay()
+    if native_relay.why_off is not None:
+        log.info("streams are relayed in Python (more CPU per event): %s",
+                 native_relay.why_off)
 
     def connections_follow(old: Engine, new: Engine) -> None:
         if old.holds_slot and not new.holds_slot:

@@ -65,8 +65,14 @@ class NativeRelay:
     """The threads relay.c runs in, and the streams it has now."""
 
     def __init__(self, max_streams: int = MAX_STREAMS) -> None:
-        enabled = os.environ.get("LLM_GATEWAY_NATIVE_RELAY", "1") not in ("0", "no", "false")
-        self.enabled = _native is not None and enabled
+        # why streams are relayed in Python only (None: they are not)
+        self.why_off: str | None = None
+        if os.environ.get("LLM_GATEWAY_NATIVE_RELAY", "1") in ("0", "no", "false"):
+            self.why_off = "turned off by LLM_GATEWAY_NATIVE_RELAY"
+        elif _native is None:
+            self.why_off = ("gatewayd/http/relay.c was not built where the gateway was "
+                            "installed (no C compiler or Python headers)")
+        self.enabled = self.why_off is None
         self._max = max_streams
         self._pool: ThreadPoolExecutor | None = None
         self._cancels: set[int] = set()   # each running stream's eventfd

@@ -284,3 +284,19 @@ def test_a_cancel_in_the_middle_of_a_chunk_gives_its_rest_back(pipes: Pipes) -> 
             break
         got += piece
     assert got + unsent == c
+
+
+def test_why_the_native_relay_is_off_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway logs it at the start: an install without relay.c still works, at more
+    CPU per event, and its operator can see why."""
+    monkeypatch.setenv("LLM_GATEWAY_NATIVE_RELAY", "0")
+    off = native_relay.NativeRelay()
+    assert not off.enabled and "LLM_GATEWAY_NATIVE_RELAY" in (off.why_off or "")
+    monkeypatch.delenv("LLM_GATEWAY_NATIVE_RELAY")
+    monkeypatch.setattr(native_relay, "_native", None)
+    unbuilt = native_relay.NativeRelay()
+    assert not unbuilt.enabled and "relay.c was not built" in (unbuilt.why_off or "")
+    monkeypatch.undo()
+    if _relay is not None:
+        on = native_relay.NativeRelay()
+        assert on.enabled and on.why_off is None
