@@ -203,6 +203,8 @@ class Snapshot:
     parked: int = 0                     # engine units parked (no engine, no slot)
     kv_cache: Mapping[tuple[str, str], int] = field(default_factory=dict)
     upstreams: list[tuple[str, bool, int]] = field(default_factory=list)  # (name, up, in flight)
+    native_relay_streams: int = 0       # streams relay.c passed on (past the first event)
+    native_relay_active: int = 0        # ... passing on now
 
     def families(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -272,6 +274,13 @@ class Snapshot:
             up.add_metric([name], 1.0 if is_up else 0.0)
             busy.add_metric([name], in_flight_)
         yield from (up, busy)
+        yield CounterMetricFamily("llm_gateway_native_relay_streams",
+                                  "Streams whose events past the first the native relay "
+                                  "(gatewayd/http/relay.c) passed on; the rest went in Python",
+                                  value=self.native_relay_streams)
+        yield GaugeMetricFamily("llm_gateway_native_relay_active",
+                                "Streams the native relay is passing on now",
+                                value=self.native_relay_active)
 
 
 def _bound(value: float) -> str:

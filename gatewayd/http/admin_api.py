@@ -27,6 +27,7 @@ from gatewayd.core.errors import GpuUnavailable, InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
 from gatewayd.http.engine_client import EngineClient, EngineConnectionError
+from gatewayd.http.native_relay import NATIVE_RELAY
 from gatewayd.http.proxy import own_get
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
@@ -179,6 +180,8 @@ async def metrics(request: web.Request) -> web.Response:
                         records_dropped=front.records.dropped if front.records else 0,
                         kv_cache=mgr.slots.counts if mgr.slots is not None else {},
                         upstreams=[(r.name, r.up, r.in_flight) for r in front.remotes.remotes()])
+    if (native := request.app.get(NATIVE_RELAY)) is not None:
+        snapshot.native_relay_streams, snapshot.native_relay_active = native.streams, native.active
     engines = mgr.engines()
     infos = await asyncio.gather(*(mgr.info(e) for e in engines))
     for engine, info in zip(engines, infos, strict=True):

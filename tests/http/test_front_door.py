@@ -216,8 +216,13 @@ async def test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events(
     (row,) = await gw.records(1)
     assert row["outcome"] == "ok" and row["completion_tokens"] == 12
     assert row["bytes_out"] == sum(len(p) for p in pieces)
-    relayed = gw.client.app[native_relay.NATIVE_RELAY].streams
-    assert relayed == (1 if request.node.callspec.params["gw"] == "native" else 0)
+    relayed = 1 if request.node.callspec.params["gw"] == "native" else 0
+    assert gw.client.app[native_relay.NATIVE_RELAY].streams == relayed
+    text = await (await gw.client.get("/admin/metrics")).text()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}
+    assert samples["llm_gateway_native_relay_streams_total"] == relayed
+    assert samples["llm_gateway_native_relay_active"] == 0
 
 
 @BOTH_RELAYS
