@@ -109,7 +109,7 @@ class EngineResponse:
 
     @property
     def read_timeout_s(self) -> float:
-        return self._conn.read_timeout_s
+        return self._conn._read_timeout
 
     def detach(self) -> int | None:
         """For http/native_relay: a duplicate of the connection's socket, to be read
@@ -324,7 +324,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: _Pool, read_timeout_s: float) -> None:
         self._pool = pool
-        self._read_timeout = self.read_timeout_s = read_timeout_s
+        self._read_timeout = read_timeout_s
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.open = False
@@ -506,8 +506,7 @@ class _Connection(asyncio.Protocol):
             self.data_received(unread)
             self._last_io = self._loop.time() - idle_s
         if idle_s >= self._read_timeout and self._state != _DONE:
-            self._fail(TimeoutError(f"no answer from the engine for {self._read_timeout:g} s"))
-            self._wake()
+            self._time_out()
 
     def _pause_reading(self) -> None:
         if not self._paused and self.transport is not None:
@@ -693,6 +692,9 @@ class _Connection(asyncio.Protocol):
         if self._loop.time() < due:
             self._timer = self._loop.call_at(due, self._check)
             return
+        self._time_out()
+
+    def _time_out(self) -> None:
         self._fail(TimeoutError(f"no answer from the engine for {self._read_timeout:g} s"))
         self._wake()
 

@@ -47,7 +47,7 @@ class Forwarded:
     """What relay.c did: why it stopped, and what it passed on."""
 
     reason: str         # handback, engine_eof, engine_error, idle, client_gone, stalled,
-    errno: int          # cancelled
+                        # cancelled
     events: int         # content events passed on (as SseRelay counts them)
     last_chunk: bytes   # the last chunk passed on, framing and all (b"": none)
     data_bytes: int     # their data, without the framing
@@ -57,8 +57,10 @@ class Forwarded:
         return self.reason in ("client_gone", "stalled")
 
 
-_REASONS = ("handback", "engine_eof", "engine_error", "idle", "client_gone", "stalled",
-            "cancelled")
+# relay.c's reasons by their own constants' names (HANDBACK -> "handback", ...)
+_REASONS = {getattr(_native, name): name.lower() for name in (
+    "HANDBACK", "ENGINE_EOF", "ENGINE_ERROR", "IDLE", "CLIENT_GONE", "STALLED", "CANCELLED")
+} if _native is not None else {}
 
 
 class NativeRelay:
@@ -72,11 +74,14 @@ class NativeRelay:
         elif _native is None:
             self.why_off = ("gatewayd/http/relay.c was not built where the gateway was "
                             "installed (no C compiler or Python headers)")
-        self.enabled = self.why_off is None
         self._max = max_streams
         self._pool: ThreadPoolExecutor | None = None
         self._cancels: set[int] = set()   # each running stream's eventfd
         self.streams = 0                   # streams it has taken part of, since the start
+
+    @property
+    def enabled(self) -> bool:
+        return self.why_off is None
 
     @property
     def active(self) -> int:
@@ -148,9 +153,9 @@ class NativeRelay:
         except Exception:   # (MemoryError from relay.c): the stream stays Python's
             upstream.reattach(b"", 0.0)
             raise
-        reason, errno, unread, events, last_chunk, data_bytes, idle_s, unsent = result
-        done = Forwarded(_REASONS[reason], errno, events, last_chunk, data_bytes)
-        upstream.reattach(b"" if done.client_gone or reason == _native.CANCELLED else unread,
+        reason, _errno, unread, events, last_chunk, data_bytes, idle_s, unsent = result
+        done = Forwarded(_REASONS[reason], events, last_chunk, data_bytes)
+        upstream.reattach(b"" if done.client_gone or done.reason == "cancelled" else unread,
                           idle_s)
         if unsent and not transport.is_closing():
             transport.write(unsent)   # the rest of a chunk a cancel cut: first, whole

@@ -30,7 +30,6 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -125,14 +124,13 @@ static struct scanned scan(const char *buf, size_t len)
 }
 
 /* All of p to the client: 0, or why not. The client may take nothing for stall_timeout
- * (measured from the last byte it took). *left: what was not sent. */
+ * (measured from the last byte it took). *left (the caller sets it to n): what is not sent. */
 static int send_all(int fd, int cancel, const char *p, size_t n, double stall_timeout,
                     int *err, size_t *left)
 {
     double deadline = 0;
     while (n) {
         ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-        *left = n;
         if (w > 0) {
             p += w;
             n -= (size_t)w;
