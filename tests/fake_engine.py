@@ -7,7 +7,8 @@ connection closed after every stream), the Responses API and Anthropic messages
 501, a whisper-style transcription answer padded with whitespace. Behaviour is
 chosen by the prompt text: "die after N" drops the connection mid-stream,
 "slow N" waits N ms between tokens, "pad N" makes each token N bytes longer, "linger N"
-waits N ms between the stream's final event and its end. It
+waits N ms between the stream's final event and its end, "split N" sends the first
+token's chunk in two writes N ms apart. It
 never replaces the real engine in the
 end-to-end tests.
 
@@ -230,6 +231,18 @@ class FakeEngine:
             await event({**base, "object": obj, "choices": [
                 {"index": 0, "finish_reason": None,
                  "delta": {"role": "assistant", "content": None}}]})
+        if split := re.search(r"split (\d+)", prompt):
+            # the next token's chunk arrives in two writes, split (N-th byte) ms apart: a
+            # reader is in the middle of a chunk meanwhile
+            word, words = words[0], words[1:]
+            data = b"data: " + json.dumps({**base, "object": obj, "choices": [
+                {"index": 0, "finish_reason": None, "delta": {"content": word}}]}).encode()
+            framed = b"%x\r\n%b\n\n\r\n" % (len(data) + 2, data)
+            assert request.transport is not None
+            request.transport.write(framed[:20])
+            await asyncio.sleep(int(split.group(1)) / 1000)
+            request.transport.write(framed[20:])
+            self.events_sent += 1
         for i, word in enumerate(words):
             if die and i == int(die.group(1)):
                 assert request.transport is not None

@@ -265,6 +265,8 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     sse = SseRelay(drop_usage_event=out.drop_usage_event)
     delivered = False  # the engine's answer ended and all of it was written to the client
     sent = _Sent()
+    native = request.app.get(NATIVE_RELAY)
+    native_tries = NATIVE_TRIES if chunked and native is not None and native.enabled else 0
     try:
         try:
             while chunk := await upstream.read_some():
@@ -277,11 +279,13 @@ async def _relay_stream(request: web.Request, upstream: Answer,
                             and request.method != "HEAD":
                         # the head and the first event are out: the rest is pushed, by
                         # relay.c while it can, then from the engine connection's callback
-                        native = request.app.get(NATIVE_RELAY)
-                        if chunked and native is not None and sse.between_events \
-                                and native.usable(request, upstream):
-                            await _relay_native(native, request, upstream, sse, record,
-                                                out.stall_timeout_s, sent)
+                        if native_tries and native is not None:
+                            native_tries -= 1
+                            if not (sse.between_events and native.usable(request, upstream)
+                                    and await _relay_native(native, request, upstream, sse,
+                                                            record, out.stall_timeout_s,
+                                                            sent)) and native_tries:
+                                continue   # more came meanwhile: sent, then tried again
                         await _relay_pushed(request, upstream, writer, sse, record, chunked,
                                             out.stall_timeout_s, sent)
                         break
@@ -410,12 +414,19 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
         raise _ClientGone()
 
 
+# events sent in Python while the engine connection is not ready for relay.c (something
+# of the answer arrived while the first event was being written, and is buffered or half
+# parsed), before giving up on it for the stream: short or bursty answers go pushed
+NATIVE_TRIES = 8
+
+
 async def _relay_native(native: NativeRelay, request: web.Request, upstream: EngineResponse,
                         sse: SseRelay, record: CallRecord, stall_timeout_s: float,
-                        sent: _Sent) -> None:
+                        sent: _Sent) -> bool:
     """As much of the stream as relay.c passes on (http/native_relay): the same bytes as
     _relay_pushed's, framed the same way; it stops where Python is needed, and
-    _relay_pushed goes on from there with what it read and did not send."""
+    _relay_pushed goes on from there with what it read and did not send. False if relay.c
+    could not take the stream now (nothing changed)."""
     def took(done: Forwarded) -> None:
         sse.took_elsewhere(done.last_chunk, done.events)
         record.bytes_out += done.data_bytes
@@ -425,10 +436,13 @@ async def _relay_native(native: NativeRelay, request: web.Request, upstream: Eng
             record.error_code = "client_stalled"
 
     done = await native.forward(request, upstream, stall_timeout_s, took)
-    if done is not None and done.client_gone:
+    if done is None:
+        return False
+    if done.client_gone:
         if done.reason == "stalled" and request.transport is not None:
             request.transport.abort()
         raise _ClientGone()
+    return True
 
 
 def _client_left(record: CallRecord, upstream: Answer) -> None:

@@ -225,6 +225,22 @@ async def test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events(
     assert samples["llm_gateway_native_relay_active"] == 0
 
 
+async def test_relay_c_takes_a_stream_whose_engine_was_mid_chunk_at_the_first_event(
+        gw: Gateway) -> None:
+    """The engine connection is in the middle of a chunk when the first event has been
+    sent (relay.c cannot start there): that event goes in Python, and relay.c takes the
+    stream at the next one, instead of leaving all of it to Python."""
+    resp = await gw.client.post("/v1/chat/completions", json=chat(
+        "a", stream=True, prompt="split 60 slow 5", max_tokens=12))
+    got = events(await resp.read())
+    assert [e["choices"][0]["delta"].get("content") for e in got[1:13]] == \
+        [f" w{i}" for i in range(12)]
+    assert got[-1] == "[DONE]"
+    assert gw.client.app[native_relay.NATIVE_RELAY].streams == 1
+    (row,) = await gw.records(1)
+    assert row["outcome"] == "ok" and row["completion_tokens"] == 12
+
+
 @BOTH_RELAYS
 async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
         gw: Gateway, request: pytest.FixtureRequest) -> None:
