@@ -80,6 +80,7 @@ def bind(path: Path, group: str | None) -> socket.socket:
 
 @dataclass(frozen=True)
 class Peer:
+    """Who is on the other end of an admin-socket connection (SO_PEERCRED and groups)."""
     pid: int
     uid: int
     gid: int

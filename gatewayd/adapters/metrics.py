@@ -182,6 +182,7 @@ class GatewayMetrics:
 
 @dataclass
 class EngineFigures:
+    """One engine's figures for a metrics scrape, as the gateway sees it."""
     model: str
     state: str
     restarts: int

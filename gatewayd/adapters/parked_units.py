@@ -40,6 +40,7 @@ PRELOAD_NAME = "_engine_park"   # gatewayd/_engine_park*.so, built from engine_p
 
 @dataclass
 class ParkedUnit:
+    """A unit created ahead of its engine's start, its main process waiting on a FIFO."""
     unit: str
     digest: str                 # the engine unit it becomes (engine_units.spec_digest)
     fifo: Path

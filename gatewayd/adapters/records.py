@@ -57,6 +57,7 @@ MIGRATIONS = [
 
 @dataclass
 class CallRecord:
+    """One call as the records database keeps it (a row of the calls table)."""
     ts: float
     method: str
     endpoint: str

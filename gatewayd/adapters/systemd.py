@@ -93,6 +93,7 @@ def unit_name_from_path(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class ListedUnit:
+    """A unit as ListUnitsByPatterns names it."""
     name: str
 
 

@@ -45,6 +45,7 @@ def digest(key: str) -> str:
 
 @dataclass(frozen=True)
 class ApiKey:
+    """One API key: its name, its digest (never the key) and what it may do."""
     name: str
     sha256: str
     models: frozenset[str]      # ids or aliases, casefolded as the catalog's names; "*": all
@@ -58,6 +59,7 @@ class ApiKey:
 
 @dataclass(frozen=True)
 class KeyRing:
+    """The configured API keys; identifies the one a request presents."""
     keys: tuple[ApiKey, ...]
 
     def identify(self, presented: str | None, scope: str) -> ApiKey:

@@ -32,6 +32,7 @@ CAPABILITIES: Mapping[ModelKind, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Model:
+    """One servable model: its configuration, the names it answers to, its header facts."""
     id: str
     config: ModelConfig
     names: frozenset[str]           # casefolded names that resolve to this model

@@ -76,6 +76,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """The gateway's whole configuration, as read from its TOML file and checked."""
     models_dir: Path | None = None
     models: tuple[ModelConfig, ...] = ()
     max_engines: int = 4

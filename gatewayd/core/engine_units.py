@@ -64,6 +64,7 @@ def engine_instance(model_id: str) -> str:
 
 @dataclass(frozen=True)
 class EngineLayout:
+    """Where a model's engine lives: its unit, runtime directory and socket."""
     model_id: str
     instance: str
     unit: str

@@ -47,6 +47,7 @@ def holds_slot(state: EngineState, restarting: bool, exit_unconfirmed: bool = Fa
 
 @dataclass(frozen=True)
 class Failure:
+    """Why an engine last failed, with the tail of its journal."""
     reason: str
     exit_code: int | None = None
     signal: int | None = None
@@ -60,6 +61,7 @@ class Failure:
 
 @dataclass(frozen=True)
 class Engine:
+    """One engine's state in the state machine (an immutable snapshot; events make new ones)."""
     model_id: str
     unit: str
     socket: str
@@ -90,6 +92,7 @@ class Engine:
 
 @dataclass(frozen=True)
 class StartRequested:
+    """The gateway asked systemd to start the engine's unit."""
     now: float
 
 
@@ -109,17 +112,20 @@ class UnitChanged:
 
 @dataclass(frozen=True)
 class HealthReady:
+    """The engine answered its health check: it serves."""
     now: float
 
 
 @dataclass(frozen=True)
 class StartFailed:
+    """The start could not be issued (systemd refused it, the unit could not be made)."""
     now: float
     reason: str
 
 
 @dataclass(frozen=True)
 class LoadTimedOut:
+    """The engine did not become ready within its load timeout."""
     now: float
     seconds: float
 
@@ -135,16 +141,19 @@ class Unresponsive:
 
 @dataclass(frozen=True)
 class StopRequested:
+    """The gateway asked systemd to stop the engine's unit."""
     now: float
 
 
 @dataclass(frozen=True)
 class UnitGone:
+    """systemd no longer knows the unit (stopped and garbage-collected)."""
     now: float
 
 
 @dataclass(frozen=True)
 class LogsRead:
+    """The tail of the engine's journal, read after a failure."""
     lines: tuple[str, ...]
 
 

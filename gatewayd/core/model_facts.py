@@ -22,6 +22,7 @@ FILE_TYPES = {
 
 @dataclass
 class GgufFacts:
+    """What a GGUF file's header says about the model (read without loading it)."""
     path: str
     file_size: int
     version: int | None = None

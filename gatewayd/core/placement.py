@@ -57,6 +57,7 @@ class Placed:
 
 @dataclass(frozen=True)
 class Room:
+    """One device's memory as placement plans it: free, promised, and what eviction frees."""
     device: DeviceMemory
     pending_mib: int = 0
     evictable_mib: int = 0

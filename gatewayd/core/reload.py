@@ -26,6 +26,7 @@ RESTART_ONLY = ("listen_host", "listen_port", "bus", "unit_mode", "state_dir",
 
 @dataclass(frozen=True)
 class ReloadPlan:
+    """What a configuration reload changes, model by model."""
     added: tuple[str, ...]          # models the new configuration adds
     removed: tuple[str, ...]        # models it drops (a running engine stops once idle)
     restart: tuple[str, ...]        # running engines whose unit settings changed

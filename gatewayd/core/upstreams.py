@@ -107,6 +107,7 @@ def discovered_ids(body: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class RemoteModel:
+    """A model served by a remote upstream, under the name it knows it by."""
     upstream: str
     id: str          # the name the upstream knows it by (sent as "model")
 

@@ -34,6 +34,7 @@ STATUS_PAGE_PATHS = frozenset({"/admin", "/admin/"})
 
 @dataclass
 class Access:
+    """Who may reach what: the key ring and which admin routes are public."""
     keys: KeyRing | None = None
     admin_public: bool = False
     metrics_public: bool = False       # /admin/metrics on the public port, keyless

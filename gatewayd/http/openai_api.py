@@ -77,6 +77,7 @@ BLOCKED_PATHS = frozenset({"/load"})   # whisper-server: loads any path; a bad o
 
 @dataclass
 class FrontDoor:
+    """The OpenAI-compatible handlers' collaborators, shared by every request."""
     config: GatewayConfig
     engines: EngineManager
     dispatcher: Dispatcher

@@ -22,6 +22,7 @@ QueueListener = Callable[[str, int], None]
 
 @dataclass
 class Use:
+    """An engine's use: calls in flight, the last use, and the calls waiting for a turn."""
     in_flight: int = 0
     last_used: float = 0.0
     waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
