@@ -69,7 +69,7 @@ class InstantEngine(asyncio.Protocol):
     """llama-server's answers with no model behind them. Streams: one event per write,
     `gap_s` apart, as an engine generating tokens does (so each is its own read)."""
 
-    events = 256
+    events = int(os.environ.get("HOTPATH_EVENTS", "256"))
     gap_s = 0.00015   # the tiny model on this machine: ~7000 tokens/s
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3)
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--stream", action="store_true", help="256-event streams, c=1")
+    ap.add_argument("--events", type=int, default=256,
+                    help="events per stream (the fixed part of a stream's cost shows "
+                         "against fewer)")
     ap.add_argument("--profile", metavar="NAME", help="py-spy the proxy NAME (gw, bare, ...)")
     ap.add_argument("--only", metavar="NAME", help="measure only the proxy NAME")
     ap.add_argument("--raw", action="store_true",
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hp", dir="/tmp"))   # short: sun_path
     socket = str(work / "engine.sock")
     procs: list[subprocess.Popen[bytes]] = []
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOTPATH_EVENTS": str(a.events)}
     try:
         procs.append(subprocess.Popen([*PIN_CLIENT, PY, "-c",
                                        "import asyncio, bench.hotpath as h; "

@@ -76,7 +76,7 @@ class NativeRelay:
                             "installed (no C compiler or Python headers)")
         self._max = max_streams
         self._pool: ThreadPoolExecutor | None = None
-        self._cancels: set[int] = set()   # each running stream's eventfd
+        self._running: dict[int, int] = {}   # each running stream's eventfd: its engine fd
         self.streams = 0                   # streams it has taken part of, since the start
 
     @property
@@ -85,12 +85,12 @@ class NativeRelay:
 
     @property
     def active(self) -> int:
-        return len(self._cancels)
+        return len(self._running)
 
     def usable(self, request: web.Request, upstream: object) -> bool:
         transport = request.transport
         return (self.enabled and isinstance(upstream, EngineResponse)
-                and len(self._cancels) < self._max and transport is not None
+                and len(self._running) < self._max and transport is not None
                 and not transport.is_closing()
                 and transport.get_extra_info("sslcontext") is None
                 and transport.get_write_buffer_size() == 0
@@ -122,7 +122,7 @@ class NativeRelay:
         if self._pool is None:   # (imported here: ~1.3 ms less for a socket-activated start)
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(self._max, thread_name_prefix="relay")
-        self._cancels.add(cancel_fd)
+        self._running[cancel_fd] = engine_fd
         self.streams += 1
         loop = asyncio.get_running_loop()
         running = loop.run_in_executor(self._pool, _native.forward, engine_fd, client_fd,
@@ -135,18 +135,16 @@ class NativeRelay:
                 except asyncio.CancelledError:
                     # the client left, or the gateway stops: relay.c returns at once
                     cancelled = True
-                    with contextlib.suppress(OSError):
-                        os.eventfd_write(cancel_fd, 1)
+                    _interrupt(cancel_fd, engine_fd)
                 except Exception:   # running.result() below raises it
                     pass
         finally:
-            self._cancels.discard(cancel_fd)
+            self._running.pop(cancel_fd, None)
             fds = (engine_fd, client_fd, cancel_fd)
             if running.done():
                 _close(fds)
             else:   # left by something else than a cancel: never close what relay.c uses
-                with contextlib.suppress(OSError):
-                    os.eventfd_write(cancel_fd, 1)
+                _interrupt(cancel_fd, engine_fd)
                 running.add_done_callback(lambda _: _close(fds))
         try:
             result = running.result()
@@ -166,12 +164,19 @@ class NativeRelay:
 
     def close(self) -> None:
         """Stops every stream relay.c has (the gateway stops) and lets its threads go."""
-        for cancel_fd in list(self._cancels):
-            with contextlib.suppress(OSError):
-                os.eventfd_write(cancel_fd, 1)
+        for cancel_fd, engine_fd in list(self._running.items()):
+            _interrupt(cancel_fd, engine_fd)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _interrupt(cancel_fd: int, engine_fd: int) -> None:
+    """relay.c stops at once: its cancel signalled, and a read waiting on the engine woken
+    (the engine connection's reading is shut down: a cancelled stream is not read on)."""
+    assert _native is not None
+    with contextlib.suppress(OSError):
+        _native.interrupt(cancel_fd, engine_fd)
 
 
 def _close(fds: tuple[int, ...]) -> None:

@@ -58,6 +58,11 @@ class Pipes:
         assert self.result is not None
         return self.result
 
+    def interrupt(self) -> None:
+        """As the gateway stops relay.c: the cancel signalled, the engine's read woken."""
+        assert _relay is not None
+        _relay.interrupt(self.cancel, self._relay_ends[0].fileno())
+
     def read_client(self, size: int, timeout: float = 10.0) -> bytes:
         self.client.settimeout(timeout)
         got = b""
@@ -81,7 +86,7 @@ def pipes() -> Iterator[Pipes]:
               os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
     yield p
     if p.thread is not None and p.thread.is_alive():
-        os.eventfd_write(p.cancel, 1)
+        p.interrupt()
         p.thread.join(10)
     for s in (engine, engine_end, client_end, client):
         s.close()
@@ -199,9 +204,67 @@ def test_a_cancel_stops_it_at_once(pipes: Pipes) -> None:
     first = chunk(event("a"))
     pipes.engine.sendall(first)
     assert pipes.read_client(len(first)) == first
-    os.eventfd_write(pipes.cancel, 1)
+    pipes.interrupt()
     reason, _, _, events, last, *_ = pipes.finish(timeout=2)
     assert reason == _relay.CANCELLED and events == 1 and last == first
+
+
+@pytest.mark.parametrize("how", ["handback", "idle", "cancelled"])
+def test_the_engine_socket_is_non_blocking_again_however_it_ends(
+        pipes: Pipes, how: str) -> None:
+    """relay.c waits in a blocking read with SO_RCVTIMEO on the engine's socket (shared
+    with the event loop's): both are put back before it returns, or the loop's next read
+    of that connection would block the gateway."""
+    assert _relay is not None
+    engine_end = pipes._relay_ends[0]
+    pipes.start(read_timeout=0.3 if how == "idle" else 10.0)
+    blocked_at = time.monotonic() + 5
+    while not os.get_blocking(engine_end.fileno()):   # it waits in a blocking read
+        assert time.monotonic() < blocked_at, "relay.c never blocked on the engine"
+        time.sleep(0.005)
+    if how == "handback":
+        pipes.engine.sendall(b"0\r\n\r\n")
+    elif how == "cancelled":
+        pipes.interrupt()
+    reason, *_ = pipes.finish()
+    assert reason == getattr(_relay, how.upper())
+    assert os.get_blocking(engine_end.fileno()) is False
+    timeout = engine_end.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
+    assert timeout == bytes(16)   # (struct timeval: none, as before)
+
+
+def test_an_interrupt_before_it_starts_is_not_lost(pipes: Pipes) -> None:
+    assert _relay is not None
+    pipes.interrupt()
+    pipes.start()
+    reason, *_ = pipes.finish(timeout=2)
+    assert reason == _relay.CANCELLED
+
+
+def test_an_engine_end_that_is_no_socket_is_polled(pipes: Pipes) -> None:
+    """Where the engine's descriptor takes no socket options (a pipe here), relay.c polls
+    before each read: the same events pass, the same cancel stops it."""
+    assert _relay is not None
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    client_end = pipes._relay_ends[1]
+    results: list[Result] = []
+    thread = threading.Thread(target=lambda: results.append(_relay.forward(
+        read_end, client_end.fileno(), pipes.cancel, 10.0, 10.0)))
+    thread.start()
+    try:
+        first = chunk(event("a"))
+        os.write(write_end, first)
+        assert pipes.read_client(len(first)) == first
+        os.eventfd_write(pipes.cancel, 1)   # (no socket to shut down: the cancel alone)
+        thread.join(2)
+        assert not thread.is_alive() and results[0][0] == _relay.CANCELLED
+        assert results[0][3] == 1 and os.get_blocking(read_end) is False
+    finally:
+        os.eventfd_write(pipes.cancel, 1)
+        thread.join(10)
+        os.close(read_end)
+        os.close(write_end)
 
 
 class _Transport:
@@ -272,7 +335,7 @@ def test_a_cancel_in_the_middle_of_a_chunk_gives_its_rest_back(pipes: Pipes) -> 
             got = pipes.client.recv(1024)
         except BlockingIOError:
             time.sleep(0.01)
-    os.eventfd_write(pipes.cancel, 1)
+    pipes.interrupt()
     reason, _, unread, events, last, data_bytes, _, unsent = pipes.finish()
     assert reason == _relay.CANCELLED and unread == b""
     assert 0 < len(unsent) < len(c) and c.endswith(unsent)
