@@ -7,14 +7,28 @@ The retries are counted (GET /bare/retries), so the benchmark can report them. I
 on the event loop the gateway runs on (uvloop where installed).
 
     python -m bench.bare_proxy --socket /run/llm-engine-x/engine.sock --port 18602
+    python -m bench.bare_proxy --socket ...    # on systemd's socket (socket activation)
+
+Socket-activated, it is the floor of the gateway's activation too: Python, aiohttp and
+uvloop imported, an app built, the first request answered (GET /bare/retries, which needs
+no engine), with nothing of the gateway's.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import socket
+from collections.abc import Callable
 
-import aiohttp
-from aiohttp import web
+from gatewayd.http.client_tls import deferred_ca_loading
+
+# aiohttp reads the system's CA bundle into two TLS contexts at import (~100 ms each here);
+# the gateway defers that (gatewayd/http/client_tls.py) and so does its floor: no TLS here
+with deferred_ca_loading():
+    import aiohttp
+    from aiohttp import web
 
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
@@ -81,13 +95,33 @@ def build(socket: str) -> web.Application:
     return app
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The gateway's choice of event loop (gatewayd.app.event_loop_factory), so the floor
+    stays the floor: not imported from there, which would load the whole gateway into a
+    floor that is also measured starting (socket activation)."""
+    if os.environ.get("LLM_GATEWAY_EVENT_LOOP", "uvloop") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int,
+                    help="where to listen; without it, on the socket systemd passes (fd 3: "
+                         "socket activation, as the gateway's llm-gateway.socket)")
     a = ap.parse_args()
-    # the gateway's event loop, so the floor stays the floor (gatewayd.app.event_loop_factory)
-    from gatewayd.app import event_loop_factory
     factory = event_loop_factory()
-    web.run_app(build(a.socket), host="127.0.0.1", port=a.port, access_log=None, print=None,
-                loop=factory() if factory else None)
+    loop = factory() if factory else None
+    if a.port is not None:
+        web.run_app(build(a.socket), host="127.0.0.1", port=a.port, access_log=None,
+                    print=None, loop=loop)
+    elif os.environ.get("LISTEN_FDS") == "1" and os.environ.get("LISTEN_PID") == str(os.getpid()):
+        web.run_app(build(a.socket), sock=socket.socket(fileno=3), access_log=None,
+                    print=None, loop=loop)
+    else:
+        ap.error("--port, or a socket from systemd (LISTEN_FDS=1)")

@@ -86,7 +86,11 @@ def write_report(r: dict[str, Any], out: Path) -> None:
               f"- RSS idle: {fp['rss_idle_mib']} MiB; with {fp['open_streams']} open streams: "
               f"{fp['rss_peak_open_streams_mib']} MiB ({fp['open_stream_errors']} errors)",
               f"- socket activation to the first answer: "
-              f"{fp['socket_activation_to_first_answer_ms']} ms", "",
+              f"{fp['socket_activation_to_first_answer_ms']} ms"
+              + (f" (a bare aiohttp proxy, socket-activated the same way: "
+                 f"{fp['bare_socket_activation_to_first_answer_ms']} ms, the floor of any "
+                 f"aiohttp gateway on this machine)"
+                 if "bare_socket_activation_to_first_answer_ms" in fp else ""), "",
               f"Run took {r.get('seconds', '?')} s. Raw numbers: results.json; plot: latency.png."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(r, out / "latency.png")

@@ -407,7 +407,7 @@ async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
     results["cold_swap"] = await cold_and_swap(plan)
 
     # 5. footprint
-    results["footprint"] = await footprint(plan, fake_cfg)
+    results["footprint"] = await footprint(plan, fake_cfg, fake_socket)
 
     # 6. a long prompt again after its engine was stopped: KV cache restored, or cold
     results["kv_restore"] = await kv_restore(plan)
@@ -607,7 +607,7 @@ def engine_loads_ms(unit: str, model: str) -> list[float]:
     return loads
 
 
-async def footprint(plan: Plan, fake_cfg: Path) -> dict[str, Any]:
+async def footprint(plan: Plan, fake_cfg: Path, fake_socket: str) -> dict[str, Any]:
     pid = main_pid("bench-gateway-fake.service")
     idle = rss_mib(pid)
     peak = idle
@@ -622,27 +622,41 @@ async def footprint(plan: Plan, fake_cfg: Path) -> dict[str, Any]:
             peak = max(peak, rss_mib(pid))
             await asyncio.sleep(0.2)
         errors = sum(1 for t in tasks if t.exception() is not None)
-    # socket activation to the first answer
-    activation = []
+    # socket activation to the first answer: the gateway's, and a bare aiohttp proxy's
+    # (Python, aiohttp and uvloop imported, an app built: the floor on this machine),
+    # alternating
+    activation: dict[str, list[float]] = {"gateway": [], "bare": []}
+    paths = {"gateway": ([PY, "-m", "gatewayd", "--config", str(fake_cfg), "serve"],
+                         "Type=notify", "/health"),
+             "bare": ([PY, "-m", "bench.bare_proxy", "--socket", fake_socket],
+                      "Type=simple", "/bare/retries")}
     for i in range(plan.activations):
-        unit = f"bench-sa{i}"
-        Path(f"/run/systemd/system/{unit}.socket").write_text(
-            f"[Socket]\nListenStream=127.0.0.1:{18620 + i}\n")
-        Path(f"/run/systemd/system/{unit}.service").write_text(
-            f"[Unit]\nRequires={unit}.socket\n[Service]\nType=notify\n"
-            f"WorkingDirectory={REPO}\nExecStart={PY} -m gatewayd --config {fake_cfg} serve\n")
-        sh("systemctl", "daemon-reload")
-        sh("systemctl", "start", f"{unit}.socket")
-        t0 = time.perf_counter()
-        async with aiohttp.ClientSession() as s, \
-                s.get(f"http://127.0.0.1:{18620 + i}/health") as resp:
-            await resp.read()
-        activation.append((time.perf_counter() - t0) * 1000)
-        sh("systemctl", "stop", f"{unit}.socket", f"{unit}.service")
+        for j, name in enumerate(("gateway", "bare") if i % 2 == 0 else ("bare", "gateway")):
+            argv, service_type, path = paths[name]
+            unit, port = f"bench-sa{i}-{name}", 18620 + 2 * i + j
+            Path(f"/run/systemd/system/{unit}.socket").write_text(
+                f"[Socket]\nListenStream=127.0.0.1:{port}\n")
+            Path(f"/run/systemd/system/{unit}.service").write_text(
+                f"[Unit]\nRequires={unit}.socket\n[Service]\n{service_type}\n"
+                f"WorkingDirectory={REPO}\nExecStart={' '.join(argv)}\n")
+            sh("systemctl", "daemon-reload")
+            sh("systemctl", "start", f"{unit}.socket")
+            t0 = time.perf_counter()
+            async with aiohttp.ClientSession() as s, \
+                    s.get(f"http://127.0.0.1:{port}{path}") as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{name}'s socket activation: HTTP {resp.status}")
+            activation[name].append((time.perf_counter() - t0) * 1000)
+            sh("systemctl", "stop", f"{unit}.socket", f"{unit}.service")
     return {"rss_idle_mib": round(idle, 1), "rss_peak_open_streams_mib": round(peak, 1),
             "open_streams": plan.open_streams, "open_stream_errors": errors,
-            "socket_activation_to_first_answer_ms": round(statistics.median(activation), 1),
-            "socket_activation_samples_ms": [round(a, 1) for a in activation]}
+            "socket_activation_to_first_answer_ms": round(
+                statistics.median(activation["gateway"]), 1),
+            "socket_activation_samples_ms": [round(a, 1) for a in activation["gateway"]],
+            "bare_socket_activation_to_first_answer_ms": round(
+                statistics.median(activation["bare"]), 1),
+            "bare_socket_activation_samples_ms": [round(a, 1) for a in activation["bare"]]}
 
 
 def write_config(path: Path, models: Path, llama: str, state: Path, port: int,
