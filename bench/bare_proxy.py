@@ -17,11 +17,10 @@ no engine), with nothing of the gateway's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
-from collections.abc import Callable
 
+from gatewayd.adapters.event_loop import event_loop_factory  # the floor on the gateway's loop
 from gatewayd.http.client_tls import deferred_ca_loading
 
 # aiohttp reads the system's CA bundle into two TLS contexts at import (~100 ms each here);
@@ -93,19 +92,6 @@ def build(socket: str) -> web.Application:
     app.router.add_get("/bare/retries", retries)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
-
-
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The gateway's choice of event loop (gatewayd.app.event_loop_factory), so the floor
-    stays the floor: not imported from there, which would load the whole gateway into a
-    floor that is also measured starting (socket activation)."""
-    if os.environ.get("LLM_GATEWAY_EVENT_LOOP", "uvloop") == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":
