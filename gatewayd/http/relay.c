@@ -244,17 +244,17 @@ static PyObject *forward(PyObject *self, PyObject *args)
         }
         ssize_t got = read(engine, buf + len, BUF_SIZE - len);
         if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) {
                 if (!blocking)
                     continue;
+                /* SO_RCVTIMEO counts from each read's start: after a signal, or a timer
+                 * that ended a little early, only the rest of read_timeout is waited */
                 double left = last_read + read_timeout - now_s();
                 if (left <= 0) {
-                    reason = IDLE;   /* SO_RCVTIMEO ran out */
+                    reason = IDLE;
                     break;
                 }
-                set_read_timeout(engine, left);   /* (a signal restarted the read) */
+                set_read_timeout(engine, left);
                 continue;
             }
             reason = ENGINE_ERROR;

@@ -4,6 +4,7 @@ function run in a thread as the gateway runs it, every way it can stop."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -163,6 +164,25 @@ def test_engine_silence_ends_after_the_read_timeout(pipes: Pipes) -> None:
     reason, _, unread, _, _, _, idle, _ = pipes.finish()
     assert reason == _relay.IDLE and unread == b""
     assert idle >= 0.3 and time.monotonic() - t0 >= 0.3
+
+
+def test_a_signal_during_the_wait_does_not_extend_the_read_timeout(pipes: Pipes) -> None:
+    """SO_RCVTIMEO counts from each read's start: a read restarted after a signal (EINTR)
+    waits only for the rest of read_timeout, not a whole one more."""
+    assert _relay is not None
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)   # (no SA_RESTART: EINTR)
+    try:
+        t0 = time.monotonic()
+        pipes.start(read_timeout=0.5)
+        time.sleep(0.35)                 # relay.c is waiting on the silent engine
+        assert pipes.thread is not None and pipes.thread.ident is not None
+        signal.pthread_kill(pipes.thread.ident, signal.SIGUSR1)
+        reason, *_ = pipes.finish()
+        took = time.monotonic() - t0
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert reason == _relay.IDLE
+    assert 0.5 <= took < 0.75, took      # a whole timeout more would end at 0.85 at least
 
 
 def test_a_client_that_takes_nothing_is_stalled_and_its_bytes_not_counted(
