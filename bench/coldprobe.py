@@ -219,7 +219,7 @@ def main() -> int:
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--starts", type=int, default=10)
     ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--work", type=Path, default=Path("/var/tmp/llm-gateway-coldprobe"))
+    ap.add_argument("--work", type=Path, default=Path("/srv/llm-gateway-coldprobe"))
     ap.add_argument("--cold-args", default="", help="tiny-cold's engine arguments")
     ap.add_argument("--activation", type=int, default=0, metavar="N",
                     help="instead: N socket activations (bench/activationprobe.py)")

@@ -256,8 +256,16 @@ async def engine_units() -> dict[str, str]:
         unit, state = props.get("Id"), props.get("ActiveState", "inactive")
         if not unit:
             continue
-        units[unit] = "parked" if state == "active" and waits_parked(
-            props.get("MainPID", "0"), props.get("Environment", "")) else state
+        environment = props.get("Environment", "")
+        # a unit being parked is "activating" until its main process runs: with the
+        # engines' sandbox (their own user, a mount namespace) that is ~0.1 s, often
+        # enough for a sample to land in it; it is no engine either. Nor is a parked unit
+        # being discarded (deactivating, its main process still the wait): its
+        # namespace's teardown makes that moment longer too
+        being_parked = state == "activating" and PARKED_ENV in environment
+        units[unit] = "parked" if being_parked or (
+            state in ("active", "deactivating")
+            and waits_parked(props.get("MainPID", "0"), environment)) else state
     return units
 
 
@@ -266,6 +274,7 @@ async def engine_units() -> dict[str, str]:
 # against an installed gateway: it imports none of it)
 PARKED_NAMES = frozenset({"llm-parked", "sh"})
 PARK_FIFO_ENV = "LLM_GATEWAY_PARK_FIFO="
+PARKED_ENV = "LLM_GATEWAY_PARKED="   # set on a parked unit (the engine unit it becomes)
 
 
 def waits_parked(pid: str, environment: str) -> bool:

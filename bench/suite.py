@@ -699,7 +699,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mode", choices=sorted(PLANS), default="full")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--llama-server", required=True)
-    ap.add_argument("--work", type=Path, default=Path("/var/tmp/llm-gateway-bench"))
+    ap.add_argument("--work", type=Path, default=Path("/srv/llm-gateway-bench"),
+                    help="models and state; not under /tmp or /var/tmp, which engines "
+                         "see privately")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

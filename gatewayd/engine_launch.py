@@ -46,8 +46,21 @@ def has_private_network() -> bool:
     """True when this process does not share the system's network namespace."""
     try:
         return os.stat("/proc/self/ns/net").st_ino != os.stat("/proc/1/ns/net").st_ino
-    except PermissionError:  # unprivileged: a systemd private namespace has only lo
-        return [name for _, name in socket.if_nameindex()] == ["lo"]
+    except OSError:
+        # not root (PID 1's namespace is not ours to look at), or PID 1 hidden
+        # (ProtectProc=invisible): a systemd private namespace has only lo. Read from
+        # /proc/net/dev, this namespace's interfaces: no socket needed, so a sandbox
+        # with RestrictAddressFamilies= (no AF_NETLINK) can tell too
+        return interfaces() == ["lo"]
+
+
+def interfaces(dev: str = "/proc/net/dev") -> list[str]:
+    """The network interfaces of this namespace."""
+    try:
+        lines = Path(dev).read_text().splitlines()[2:]   # two header lines
+    except OSError:
+        return []
+    return [line.split(":", 1)[0].strip() for line in lines if ":" in line]
 
 
 def loopback_works() -> bool:
@@ -134,7 +147,8 @@ def proxyd() -> str:
 
 
 def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
-    os.umask(0o077)  # the unix socket is srwx------
+    # the unix socket's mode comes from the unit's UMask=: srwx------ for a transient
+    # unit (a root gateway), srwxrwx--- for llm-engine@ (the gateway is in its group)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)  # a stale socket would make the bind fail
     private = has_private_network()
@@ -173,7 +187,7 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
         children.append(server)
         if not private:
             wait_exclusive_listener(server, port)
-    # Bound here, under umask 077 (srwx------), and handed to systemd-socket-proxyd
+    # Bound here, under the unit's UMask=, and handed to systemd-socket-proxyd
     # as fd 3 by the socket-activation protocol (LISTEN_FDS/LISTEN_PID).
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
@@ -196,7 +210,9 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
 
 
 def run_settings(path: str) -> int:
-    """Template mode: llm-engine@.service runs this with the settings file the gateway wrote.
+    """Template mode: llm-engine@.service runs this with the settings file the gateway wrote
+    (a copy systemd hands over as a credential: the engine's user cannot read the gateway's
+    state directory).
 
     {"backend": "llama"|"whisper", "argv": [...], "socket": "...", "env": {...}}
     A llama engine is exec'd (its process becomes the unit's main process); a whisper
@@ -211,7 +227,6 @@ def run_settings(path: str) -> int:
     argv = [str(a) for a in settings["argv"]]
     if settings.get("backend") == "whisper":
         return run(settings["socket"], int(settings.get("port", 8080)), argv)
-    os.umask(0o077)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(settings["socket"])   # llama-server refuses to start on a stale socket
     os.execv(argv[0], argv)

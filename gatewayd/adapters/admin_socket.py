@@ -6,13 +6,16 @@ configured) under its runtime directory: systemd's $RUNTIME_DIRECTORY
 else /run/llm-gateway. File permissions keep strangers from connecting; each
 request is checked again by the peer's credentials (SO_PEERCRED): root, the
 gateway's own user, or a member of the admin group (`[admin] group`; else the
-gateway's own group, which the socket file belongs to). The CLI talks to it by
+gateway's own group, which the socket file belongs to). The peer's supplementary
+groups are the kernel's record from connect() (SO_PEERGROUPS), not
+/proc/<pid>/status read later: by then the pid may be another process's. The CLI talks to it by
 default, so it needs neither the configuration file nor a key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import os
 import socket
@@ -22,6 +25,12 @@ from pathlib import Path
 
 SOCKET_NAME = "admin.sock"
 _PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+# Linux's SO_PEERGROUPS (4.13; Python has no constant for it): the peer's supplementary
+# groups as they were at connect(). 59 on every architecture but alpha/mips/parisc/sparc.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_GID = 4                          # bytes per gid_t
+_GROUPS_FIRST_TRY = 64            # most users have a handful of groups
+_NGROUPS_MAX = 65536              # the kernel's limit: the buffer that always fits
 
 
 def default_path() -> Path:
@@ -88,23 +97,29 @@ class Peer:
 
 
 def peer_of(sock: socket.socket) -> Peer | None:
-    """Who connected (the kernel's word: SO_PEERCRED), with their supplementary groups."""
+    """Who connected, in the kernel's words: SO_PEERCRED, and SO_PEERGROUPS for the
+    supplementary groups. Both were recorded when the peer connected, so a peer that
+    has exited (its pid reused) or changed its groups since changes nothing. None:
+    unknown, which admits nobody."""
     try:
         pid, uid, gid = _PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        groups = peer_groups(sock)
     except OSError:
         return None
-    return Peer(pid, uid, gid, _groups(pid))
+    return Peer(pid, uid, gid, groups)
 
 
-def _groups(pid: int) -> frozenset[int]:
+def peer_groups(sock: socket.socket) -> frozenset[int]:
+    """The peer's supplementary groups at connect() (SO_PEERGROUPS); OSError if the
+    kernel cannot say (then the peer is unknown: refused, never guessed from /proc)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return frozenset(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return frozenset()
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GID * _GROUPS_FIRST_TRY)
+    except OSError as e:
+        if e.errno != errno.ERANGE:   # ERANGE: more groups than the buffer holds
+            raise
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GID * _NGROUPS_MAX)
+    return frozenset(struct.unpack(f"{len(raw) // _GID}I", raw[:len(raw) // _GID * _GID]))
 
 
 def may_administer(peer: Peer | None, own_uid: int, admin_gid: int | None) -> bool:

@@ -81,9 +81,12 @@ class ParkingLot:
         return self.directory / instance
 
     def make_fifo(self, instance: str) -> Path:
-        """A fresh FIFO for the instance (a leftover one is replaced), readable by the
-        engine's user only."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        """A fresh FIFO for the instance (a leftover one is replaced), 0600: the unit
+        hands it to the engine's user as it starts (engine_units.parked_spec), so the
+        directory lets others pass (0711) but not list."""
+        self.directory.mkdir(mode=0o711, parents=True, exist_ok=True)
+        if stat.S_IMODE(self.directory.stat().st_mode) != 0o711:   # made 0700 before
+            os.chmod(self.directory, 0o711)
         fifo = self.fifo_for(instance)
         with contextlib.suppress(FileNotFoundError):
             fifo.unlink()

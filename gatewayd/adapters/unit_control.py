@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
+import pwd
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,12 +41,14 @@ from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig
 from gatewayd.core.engine_units import (
     DEVICES_ENV,
+    ENGINE_USER,
     MODEL_ENV,
     PARK_SHELL,
     PARKED_COMM,
     SOCKET_ENV,
     UNIT_PREFIX,
     EngineLayout,
+    gateway_secrets,
     keeps_kv_cache,
     parked_spec,
     resource_limits,
@@ -54,9 +58,15 @@ from gatewayd.core.engine_units import (
     template_settings,
     transient_spec,
     unit_patterns,
+    unreadable_by_engine,
     wake_line,
 )
-from gatewayd.core.errors import EngineBinaryMissing, UnitAlreadyActive, UnitOperationFailed
+from gatewayd.core.errors import (
+    ConfigError,
+    EngineBinaryMissing,
+    UnitAlreadyActive,
+    UnitOperationFailed,
+)
 from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
 from gatewayd.core.unit_spec import UnitSpec
 
@@ -205,12 +215,18 @@ class TransientEngineUnits(EngineUnitsBase):
 
     def _specs(self, model: Model, layout: EngineLayout) -> Callable[[str | None], UnitSpec]:
         """The model's unit for the given CUDA_VISIBLE_DEVICES; the engine binary and
-        the slot directory looked up once."""
+        the slot directory looked up once. On the system manager the engine runs as
+        ENGINE_USER: a model or binary that user cannot read is a clear error here, not
+        an engine that fails to load."""
         binary = resolve_binary(*server_binary(model, self._config))
+        system = self.manager == "system"
+        if system:
+            check_engine_can_read(model, binary)
         slot_save_path = self._slot_save_path(model, layout)
         return lambda visible_devices: transient_spec(
             model, layout, binary, private_network=self.private_network,
-            slot_save_path=slot_save_path, visible_devices=visible_devices)
+            slot_save_path=slot_save_path, visible_devices=visible_devices, system=system,
+            hidden=gateway_secrets(self._config) if system else ())
 
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
@@ -364,11 +380,26 @@ class TemplateEngineUnits(EngineUnitsBase):
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, template=True)
 
+    def _slot_save_path(self, model: Model, layout: EngineLayout) -> str | None:
+        """The slot directory, shared with the engine's user through group llm-engine:
+        the engine writes its slot files there, the gateway counts and deletes them."""
+        path = super()._slot_save_path(model, layout)
+        if path is None:
+            return None
+        try:
+            share_with_engines(Path(path))
+        except (OSError, KeyError) as e:
+            log.warning("%s: its KV cache directory cannot be shared with the engine's "
+                        "user %s (%s); it runs without one", model.id, ENGINE_USER, e)
+            return None
+        return path
+
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
         self.settings_dir.mkdir(parents=True, exist_ok=True)
         binary = resolve_binary(*server_binary(model, self._config))
+        check_engine_can_read(model, binary)
         write_atomic(self.settings_dir / f"{layout.instance}.json",
                      json.dumps(template_settings(
                          model, layout, binary, slot_save_path=self._slot_save_path(model, layout),
@@ -390,6 +421,67 @@ class TemplateEngineUnits(EngineUnitsBase):
         env = settings.get("env") or {}
         return replace(info, model_id=settings.get("model"), socket=settings.get("socket"),
                        visible_devices=env.get(DEVICES_ENV))
+
+
+def engine_identity() -> tuple[int | None, frozenset[int]]:
+    """ENGINE_USER's uid and groups; (None, {}) where it is not a static user (a dynamic
+    one of that name then: it owns nothing and is in no group)."""
+    try:
+        user = pwd.getpwnam(ENGINE_USER)
+    except KeyError:
+        return None, frozenset()
+    return user.pw_uid, frozenset(os.getgrouplist(ENGINE_USER, user.pw_gid))
+
+
+def path_chain(path: str) -> list[tuple[str, int, int, int]]:
+    """(path, mode, uid, gid) of every directory the engine passes to reach a file, the
+    way it is named and the way a symlink leads, from / down; then the file's own."""
+    named, real = Path(os.path.abspath(path)), Path(os.path.realpath(path))
+    chain: list[tuple[str, int, int, int]] = []
+    seen: set[Path] = set()
+    for parent in (named.parent, real.parent):
+        for directory in [*reversed(parent.parents), parent]:
+            if directory not in seen:
+                seen.add(directory)
+                st = os.stat(directory)
+                chain.append((str(directory), st.st_mode, st.st_uid, st.st_gid))
+    st = os.stat(real)
+    return [*chain, (str(real), st.st_mode, st.st_uid, st.st_gid)]
+
+
+def check_engine_can_read(model: Model, binary: str) -> None:
+    """ConfigError naming the file and the reason where the engine's user could not
+    read the model (its mmproj) or run the engine server."""
+    uid, gids = engine_identity()
+    files = [str(model.config.path), binary]
+    if model.config.mmproj:
+        files.append(str(model.config.mmproj))
+    for name in files:
+        try:
+            chain = path_chain(name)
+        except OSError:
+            continue   # missing: the engine's own error says so
+        if why := unreadable_by_engine(chain, uid, gids):
+            raise ConfigError(f"{model.id}: {name} is not readable by the engine user "
+                              f"{ENGINE_USER}: {why}; move it, or give that user read "
+                              "access", model=model.id)
+
+
+def share_with_engines(directory: Path, group: str = ENGINE_USER) -> None:
+    """Hand a model's KV directory to the engines' group: 0770, so the engine writes its
+    slot files there (0660 and its group under its UMask=0007) and the gateway counts
+    and deletes them. The group comes from the parent, kv-cache/, setgid 2710
+    llm-gateway:llm-engine by the package's tmpfiles.d: the gateway never calls chown
+    (its unit's SystemCallFilter=~@privileged forbids it) nor sets a setgid bit
+    (RestrictSUIDSGID=). OSError where the directories are not the group's; KeyError: no
+    such group."""
+    gid = grp.getgrnam(group).gr_gid
+    for path in (directory.parent, directory):
+        if path.stat().st_gid != gid:
+            raise OSError(f"{path} is not group {group}: the package's tmpfiles.d makes "
+                          f"{directory.parent} setgid {group} (systemd-tmpfiles --create)")
+    if directory.stat().st_mode & 0o777 != 0o770:
+        os.chmod(directory, 0o770)
 
 
 def unit_environment(service: Mapping[str, Any]) -> dict[str, str]:

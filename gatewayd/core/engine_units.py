@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import PurePosixPath
 
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelKind
@@ -30,6 +32,19 @@ SOCKET_ENV = "LLM_GATEWAY_SOCKET"
 DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 MAX_INSTANCE = 64          # /run/llm-engine-<instance>/engine.sock stays < 108 bytes
 WHISPER_PORT = 8080        # inside the engine's private network namespace
+# The engines' identity, never the gateway's: a static system user where the package
+# made one (sysusers.d), else DynamicUser= allocates one of that name per start
+ENGINE_USER = "llm-engine"
+# PrivateTmp= gives every engine a /tmp and /var/tmp of its own: files there are unseen
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+# DevicePolicy=closed lets through /dev/null & co. and these: the NVIDIA GPUs
+# (frontend: /dev/nvidia0.. and /dev/nvidiactl; uvm: unified memory; caps: MIG)
+GPU_DEVICES = ("char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps")
+_AF_INET, _AF_INET6 = 2, 10
+_ANY = [(_AF_INET, bytes(4), 0), (_AF_INET6, bytes(16), 0)]
+_LOOPBACK = [(_AF_INET, bytes([127, 0, 0, 0]), 8), (_AF_INET6, bytes(15) + b"\x01", 128)]
+_EPERM = 1
+ADMIN_SOCKET = "/run/llm-gateway/admin.sock"   # a root gateway's (adapters/admin_socket)
 _UNIT_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:_.")
 
 
@@ -195,14 +210,114 @@ def resource_limits(model: Model) -> list[tuple[str, str, object]]:
     return limits
 
 
+def gateway_secrets(config: GatewayConfig) -> list[str]:
+    """What an engine must never see of the gateway's, whatever the files' modes: the
+    call records, the configuration, the API keys and upstream keys, the admin socket.
+    (A root gateway's files are often world-readable under its umask.)"""
+    records = str(config.records_file)
+    paths = [records, f"{records}-wal", f"{records}-shm", f"{records}-journal",
+             str(config.admin_socket or ADMIN_SOCKET)]
+    paths += [str(p) for p in (config.source, config.auth_keys_file) if p is not None]
+    paths += [str(u.api_key_file) for u in config.upstreams if u.api_key_file is not None]
+    return paths
+
+
+def engine_sandbox(model: Model, *, system: bool, slot_save_path: str | None = None,
+                   hidden: Sequence[str] = ()) -> list[tuple[str, str, object]]:
+    """What confines an engine unit, as StartTransientUnit properties; the same as
+    llm-engine@.service's (units/). An engine parses untrusted models, prompts, images
+    and audio: one that is compromised must not become the gateway or root.
+
+    system: a unit of the system manager (the gateway is root), which can give the
+    engine the whole sandbox. A user manager cannot change identity or set up mount
+    namespaces and BPF firewalls for an unprivileged user: what it can enforce is kept
+    (seccomp and the no-new-privileges bit: system calls, address families, personality,
+    realtime, namespaces)."""
+    llama = model.backend is Backend.LLAMA
+    # llama-server listens on its unix socket only; whisper-server on a loopback port
+    # (in its own network namespace where systemd can make one) behind the unix socket
+    families = ["AF_UNIX"] if llama else ["AF_UNIX", "AF_INET"]
+    props: list[tuple[str, str, object]] = [
+        ("NoNewPrivileges", "b", True),
+        ("LockPersonality", "b", True),
+        ("RestrictRealtime", "b", True),
+        ("RestrictSUIDSGID", "b", True),
+        ("RestrictNamespaces", "t", 0),   # = yes: no namespace of its own
+        ("RestrictAddressFamilies", "(bas)", (True, families)),
+        ("SystemCallArchitectures", "as", ["native"]),
+        ("SystemCallFilter", "(bas)", (True, ["@system-service"])),
+        ("SystemCallFilter", "(bas)", (False, ["@privileged"])),
+        ("SystemCallErrorNumber", "i", _EPERM),   # a denied call fails, not the engine
+    ]
+    if not system:
+        return props
+    props += [
+        ("CapabilityBoundingSet", "t", 0),
+        ("PrivateTmp", "b", True),
+        ("ProtectSystem", "s", "strict"),      # models and everything else read-only
+        ("ProtectHome", "s", "read-only"),     # models may live in home directories
+        ("ProtectProc", "s", "invisible"),
+        ("ProtectKernelTunables", "b", True),
+        ("ProtectKernelModules", "b", True),
+        ("ProtectKernelLogs", "b", True),
+        ("ProtectControlGroups", "b", True),
+        ("ProtectClock", "b", True),
+        ("ProtectHostname", "b", True),
+        ("RemoveIPC", "b", True),
+        ("DevicePolicy", "s", "closed"),
+        ("DeviceAllow", "a(ss)", [(device, "rw") for device in GPU_DEVICES]),
+        # no IP at all for a unix-socket engine; whisper's loopback only
+        ("IPAddressDeny", "a(iayu)", _ANY),
+    ]
+    if not llama:
+        props.append(("IPAddressAllow", "a(iayu)", _LOOPBACK))
+    if slot_save_path is not None:
+        # the one place it writes besides its runtime directory: the KV folders (the
+        # template's too). Not its own folder alone: systemd 252 writes the path into the
+        # transient unit's file unescaped, and reads an instance's "\x2d" back as "x2d"
+        # after a daemon-reexec (the unit then fails, 226/NAMESPACE); "-": may be missing
+        props.append(("ReadWritePaths", "as", [f"-{PurePosixPath(slot_save_path).parent}"]))
+    if hidden:   # "-": one that does not exist is no error
+        props.append(("InaccessiblePaths", "as", [f"-{path}" for path in hidden]))
+    return props
+
+
+def unreadable_by_engine(chain: Sequence[tuple[str, int, int, int]], uid: int | None,
+                         gids: frozenset[int]) -> str | None:
+    """Why the engine's user cannot read a file, or None if it can. chain: (path, st_mode,
+    st_uid, st_gid) of every directory from / down, then of the file itself; uid None: a
+    dynamic user (owns nothing, in no group: the "other" bits decide)."""
+    for n, (path, mode, owner, group) in enumerate(chain):
+        if path == "/" or not path:
+            continue
+        if tmp := next((t for t in PRIVATE_TMP if path == t or path.startswith(t + "/")),
+                       None):
+            return f"{path} is in {tmp}, which the engine's private {tmp} hides (PrivateTmp=)"
+        need = 0o4 if n == len(chain) - 1 else 0o1   # the file: read; a directory: search
+        if uid is not None and owner == uid:
+            bits = mode >> 6
+        elif group in gids:
+            bits = mode >> 3
+        else:
+            bits = mode
+        if not bits & need:
+            what = "read" if need == 0o4 else "search (x)"
+            return f"{path} (mode {mode & 0o7777:04o}) does not let user {ENGINE_USER} {what} it"
+    return None
+
+
 def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
                    private_network: bool = True, slot_save_path: str | None = None,
-                   visible_devices: str | None = None) -> UnitSpec:
+                   visible_devices: str | None = None, system: bool = False,
+                   hidden: Sequence[str] = ()) -> UnitSpec:
     """The transient service unit that runs this model's engine.
 
     private_network: whisper engines get a network namespace of their own (their TCP
     port reachable by nobody); where systemd cannot set one up properly, they listen
-    on a free loopback port behind the same unix socket (engine_launch)."""
+    on a free loopback port behind the same unix socket (engine_launch).
+    system: a unit of the system manager: it runs as ENGINE_USER in the whole sandbox
+    (engine_sandbox), its KV directory handed over to that user at each start; hidden:
+    paths it must not see at all (gateway_secrets)."""
     env = engine_env(model, layout, visible_devices)
     extra: dict[str, tuple[str, object]] = {
         # llama-server refuses to start on a leftover socket file. The runtime directory
@@ -210,6 +325,9 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         # engine after a daemon-reexec. (As ExecStopPost it would cost the cold start
         # nothing, but a crash then passes through deactivating/stop-post, which reads
         # as a stop: the slot freed while systemd restarts the engine. Tried, reverted.)
+        # (Inside the sandbox, so a unit being parked takes ~0.1 s more to reach its wait
+        # on a loaded host; a privileged ExecStartPreEx= would not, but systemd 252 loses
+        # those at a daemon-reexec, which is when this one is needed: tried, reverted.)
         "ExecStartPre": ("a(sasb)", [["/bin/rm", exec_args(["/bin/rm", "-f", "--", layout.socket]),
                                       False]]),
         "LogExtraFields": ("aay", [f"{MODEL_ENV}={model.id}".encode()]),
@@ -229,6 +347,10 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         slice=ENGINES_SLICE,
         restart_sec=1.0,
         extra=extra,
+        user=ENGINE_USER if system else None,
+        hand_over=(slot_save_path,) if system and slot_save_path is not None else (),
+        sandbox=engine_sandbox(model, system=system, slot_save_path=slot_save_path,
+                               hidden=hidden),
     )
 
 
@@ -272,6 +394,8 @@ def parked_spec(spec: UnitSpec, fifo: str, preload: str | None = None) -> UnitSp
     environment sets LD_PRELOAD of its own is parked behind the shell (the preloaded
     wait clears LD_PRELOAD for the engine's children)."""
     environment = {**spec.environment, PARKED_ENV: spec_digest(spec)}
+    if spec.user:   # the engine's user opens the FIFO
+        spec = replace(spec, hand_over=(*spec.hand_over, fifo))
     if preload is not None and "LD_PRELOAD" not in spec.environment:
         return replace(spec, environment={**environment, "LD_PRELOAD": preload,
                                           "LD_BIND_NOW": "1", PARK_FIFO_ENV: fifo,

@@ -34,6 +34,14 @@ class UnitSpec:
     syslog_identifier: str | None = None
     slice: str | None = None
     extra: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
+    # The unit's own identity (DynamicUser=yes with this name: systemd uses the static
+    # user of that name where one exists, else allocates one), and the paths a
+    # privileged ExecStartPre hands over to it (chown) before the main process runs.
+    user: str | None = None
+    hand_over: Sequence[str] = ()
+    # properties appended as given: sandboxing settings, some named twice
+    # (SystemCallFilter= allow list, then deny list)
+    sandbox: Sequence[tuple[str, str, Any]] = ()
 
     def properties(self) -> list[tuple[str, str, Any]]:
         """(name, D-Bus signature, value) for StartTransientUnit's a(sv) array."""
@@ -63,8 +71,22 @@ class UnitSpec:
             props["SyslogIdentifier"] = ("s", self.syslog_identifier)
         if self.slice:
             props["Slice"] = ("s", self.slice)
+        if self.user:
+            props["DynamicUser"] = ("b", True)
+            props["User"] = ("s", self.user)
+            props["Group"] = ("s", self.user)
+            if self.hand_over:
+                # "+": run as root outside the sandbox; ignore-failure: a path it cannot
+                # hand over fails where the engine uses it (logged), not the start.
+                # systemd 252 drops a privileged ExecStartPreEx= at a daemon-reexec (it
+                # reads back its own "+" line as nothing): only systemd's own restart of
+                # a unit created before a reexec runs without it, the folder already its
+                chown = ["/bin/chown", "-R", f"{self.user}:{self.user}", "--",
+                         *self.hand_over]
+                props["ExecStartPreEx"] = ("a(sasas)", [
+                    [chown[0], exec_args(chown), ["privileged", "ignore-failure"]]])
         props.update(self.extra)
-        return [(key, sig, value) for key, (sig, value) in props.items()]
+        return [(key, sig, value) for key, (sig, value) in props.items()] + list(self.sandbox)
 
 
 def exec_args(argv: Sequence[str]) -> list[str]:

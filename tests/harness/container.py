@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,15 @@ def _become_subreaper() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def engine_workdir(prefix: str) -> Path:
+    """A host directory to bind into a container for models and state that its engines
+    must read: outside /tmp and /var/tmp (an engine has a private /tmp of its own) and
+    passable by the engines' user (mkdtemp makes it 0700)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/srv"))
+    path.chmod(0o755)
+    return path
 
 
 class SystemdContainer:

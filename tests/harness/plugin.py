@@ -115,7 +115,8 @@ class InsideRun:
             return
         try:
             proc = box.run(sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                           "-o", "addopts=", "-q", "-rfEs", "--color=no", *self.nodeids,
+                           "-o", "addopts=", "-q", "-rfEs", "--color=no",
+                           f"--basetemp={INSIDE_BASETEMP}", *self.nodeids,
                            properties={"WorkingDirectory": str(REPO)}, env=env, check=False,
                            timeout=INSIDE_TIMEOUT_S)
             self.output = proc.stdout + proc.stderr
@@ -205,6 +206,33 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.section(
         f"inside the systemd container: {len(run.nodeids)} tests, {run.seconds:.1f}s")
     terminalreporter.write(run.error + "\n" if run.error else run.output)
+
+
+# -- inside the container: what the engines' user may read ---------------------------
+#
+# Inside, engines run as their own user (llm-engine, a dynamic one here) with a private
+# /tmp and /var/tmp, as in production. So the test session is laid out the way a user's
+# models would be: its temporary directories outside /tmp and passable by others (0711;
+# pytest makes them 0700); the engine builds under /root are made reachable when the
+# container starts (SystemdContainer.start). The sandbox itself is never relaxed.
+INSIDE_BASETEMP = "/srv/llmgw-pytest"   # given to the inside pytest as --basetemp
+
+
+def _passable_temp_dirs() -> None:
+    mktemp = pytest.TempPathFactory.mktemp
+
+    def passable(self: pytest.TempPathFactory, basename: str,
+                 numbered: bool = True) -> Path:
+        path = mktemp(self, basename, numbered)
+        for directory in (self.getbasetemp(), path):
+            os.chmod(directory, 0o711)
+        return path
+
+    pytest.TempPathFactory.mktemp = passable   # type: ignore[method-assign]
+
+
+if IN_CONTAINER:
+    _passable_temp_dirs()
 
 
 # -- inside the container: the report the host reads -------------------------------

@@ -136,6 +136,10 @@ cmd_start() {
       </dev/null >"$d/console.log" 2>&1 &
   for _ in $(seq 50); do [[ -s $d/supervisor.pid ]] && break; sleep 0.02; done
   st=$(wait_running "$name" "$t0") || { cmd_stop "$name"; exit 1; }
+  # engines run as their own user (llm-engine): let it pass /root to the engine builds
+  # and models bound under it (~/.cache/llm-gateway), as it would reach an installed
+  # binary; the container's / is an overlay, so the host's /root is untouched
+  cmd_exec "$name" chmod o+x /root
   echo "systemd-container: $name is $st after $(elapsed "$t0")s (supervisor $(sup_pid "$name"), leader $(leader "$name"))"
   if [[ $st == degraded ]]; then cmd_exec "$name" systemctl --failed --no-legend >&2 || true; fi
   return 0

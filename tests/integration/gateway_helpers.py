@@ -59,6 +59,8 @@ class GatewayService:
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers=headers)
         try:
@@ -170,3 +172,36 @@ def speech_wav(path: Path, text: str = "hello world") -> Path:
     """Real speech to transcribe: espeak-ng's voice saying text, as a WAV file."""
     subprocess.run(["espeak-ng", "-w", str(path), text], check=True)
     return path
+
+
+# What a compromised engine would try (python3 -c PROBE RECORDS KEYFILE ADMIN_SOCKET):
+# prints a JSON object, for each attempt "ok" or the error it met.
+COMPROMISED_ENGINE_PROBE = r"""
+import json, socket, subprocess, sys
+records, keys, sock = sys.argv[1:4]
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+attempt("records", lambda: open(records, "rb").read(1))
+attempt("keys", lambda: open(keys, "rb").read(1))
+def admin():
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sock)
+        s.sendall(b"GET /admin/status HTTP/1.0\r\n\r\n")
+        answer = s.recv(100)
+        if b" 200 " not in answer.split(b"\r\n", 1)[0]:
+            raise PermissionError(answer[:40])
+attempt("admin_socket", admin)
+def start(argv):
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise PermissionError(proc.stderr.strip()[-200:])
+attempt("start_unit", lambda: start(["systemctl", "start", "systemd-tmpfiles-clean.service"]))
+attempt("transient_unit", lambda: start(["systemd-run", "--quiet", "--collect",
+                                         "--unit=llmgw-probe-evil", "/bin/true"]))
+print(json.dumps(out))
+"""

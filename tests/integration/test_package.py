@@ -19,6 +19,7 @@ import pytest
 
 from tests.harness.container import SystemdContainer, why_unavailable
 from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
+from tests.integration.gateway_helpers import COMPROMISED_ENGINE_PROBE
 
 pytestmark = [pytest.mark.container, pytest.mark.engine, pytest.mark.slow]
 
@@ -125,26 +126,58 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     refused = box.exec("runuser", "-u", "bob", "--", "llm-gateway", "status", check=False)
     assert refused.returncode == 1 and "permission denied" in refused.stderr, refused.stderr
 
-    # a request autoloads an engine: an llm-engine@ instance running as llm-gateway
+    # a request autoloads an engine: an llm-engine@ instance running as llm-engine, never
+    # the gateway's user; the gateway reaches its socket through the llm-engine group
     answer = json.loads(box.shell(
-        "curl -sf http://127.0.0.1:8080/v1/chat/completions -d "
-        "'{\"model\":\"tiny-alpha\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+        "curl -sf http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' "
+        "-d '{\"model\":\"tiny-alpha\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
         "\"max_tokens\":3}'"))
     assert answer["usage"]["completion_tokens"] == 3
     engine_pid = box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip()
-    assert box.shell(f"ps -o user= -p {engine_pid}").strip() == "llm-gateway"
+    assert box.shell(f"ps -o user:20=,group:20= -p {engine_pid}").split() == ["llm-engine"] * 2
+    assert "llm-gateway" not in box.shell("id -nG llm-engine")
+    security = box.shell(f"systemd-analyze security '{ENGINE}' --no-pager | tail -1")
+    engine_exposure = float(security.split(f"{ENGINE}:")[1].split()[0])
+    print(f"systemd-analyze security exposure of {ENGINE}: {engine_exposure}")
+    assert engine_exposure <= 2.5, security
+
+    # a compromised engine: its user, in its own mount namespace, reaches none of the
+    # gateway's secrets (a key file as an administrator would keep an upstream's key)
+    box.shell("install -m640 -g llm-gateway /dev/null /etc/llm-gateway/upstream.key && "
+              "echo sk-secret > /etc/llm-gateway/upstream.key")
+    probe = ["/usr/bin/python3", "-c", COMPROMISED_ENGINE_PROBE,
+             "/var/lib/llm-gateway/records.db", "/etc/llm-gateway/upstream.key",
+             "/run/llm-gateway/admin.sock"]
+    assert set(json.loads(box.exec(*probe).stdout).values()) == {"ok"}   # root: all of it
+    denied = json.loads(box.exec(
+        "nsenter", "-t", engine_pid, "-m", "setpriv", "--reuid=llm-engine",
+        "--regid=llm-engine", "--init-groups", "--no-new-privs", "--inh-caps=-all",
+        "--bounding-set=-all", *probe).stdout)
+    assert all(denied[what].startswith("PermissionError: [Errno 13]")
+               for what in ("records", "keys", "admin_socket")), denied
+    for what in ("start_unit", "transient_unit"):   # polkit's no (our rule, or its default)
+        assert any(no in denied[what] for no in (
+            "Access denied", "Interactive authentication required")), denied
+    assert box.exec("runuser", "-u", "llm-engine", "--", "systemctl", "restart", ENGINE,
+                    check=False).returncode != 0
     # per-model limits reach the instance (SetUnitProperties, allowed by the same rule)
     limits = box.shell(f"systemctl show -p MemoryMax -p CPUQuotaPerSecUSec '{ENGINE}'")
     assert "MemoryMax=536870912" in limits and "CPUQuotaPerSecUSec=1.500000s" in limits
     assert "llama-server" in box.shell(f"cat /proc/{engine_pid}/comm")
     wait(box, f"journalctl -u '{ENGINE}' -o cat --no-pager | grep -q listening")
 
-    # polkit: the gateway's user may manage its engines, and nothing else
+    # polkit: the gateway's user may manage its engines with the verbs it uses, and
+    # nothing else: not another verb (reload: refused by polkit before systemd could say
+    # the unit has no reload), not another unit, no transient unit of an engine's name
     assert box.exec("runuser", "-u", "llm-gateway", "--", "systemctl", "restart", ENGINE,
                     check=False).returncode == 0
     for argv in (["systemctl", "stop", "dbus.service"],
                  ["systemctl", "start", "llm-gateway-evil@x.service"],
-                 ["systemd-run", "--unit=evil", "/bin/true"]):
+                 ["systemctl", "reload", ENGINE],
+                 ["systemctl", "freeze", ENGINE],
+                 ["systemd-run", "--unit=evil", "/bin/true"],
+                 ["systemd-run", "--unit=llm-engine@evil.service", "-p", "User=root",
+                  "/bin/true"]):
         denied = box.exec("runuser", "-u", "llm-gateway", "--", *argv, check=False)
         assert denied.returncode != 0 and "Access denied" in denied.stderr, (argv, denied)
     assert box.shell("systemctl is-active dbus.service").strip() == "active"
@@ -162,8 +195,8 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     assert box.shell(f"systemctl show -p MainPID --value '{ENGINE}'").strip() == engine_pid
 
     # the KV cache survives a stop in the sandboxed template units too (ReadWritePaths=)
-    box.shell("curl -sf http://127.0.0.1:8080/v1/completions -d "
-              "'{\"model\":\"tiny-alpha\",\"prompt\":\"one two three\",\"max_tokens\":2}'")
+    box.shell("curl -sf http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\":\"tiny-alpha\",\"prompt\":\"one two three\",\"max_tokens\":2}'")
     for verb in ("stop", "start"):
         box.shell(f"llm-gateway {verb} tiny-alpha")
     wait(box, "journalctl -u llm-gateway -o cat --no-pager | "
@@ -179,7 +212,8 @@ t0 = time.monotonic()
 while time.monotonic() - t0 < 4:
     req = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions", data=json.dumps(
         {"model": "tiny-alpha", "max_tokens": 1,
-          "messages": [{"role": "user", "content": "x"}]}).encode())
+          "messages": [{"role": "user", "content": "x"}]}).encode(),
+        headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             results.append(resp.status)
@@ -225,7 +259,8 @@ PY
                  "/lib/systemd/system/llm-gateway.service",
                  "/lib/systemd/system/llm-engine@.service"):
         assert box.exec("test", "-e", path, check=False).returncode != 0, path
-    assert box.exec("getent", "passwd", "llm-gateway", check=False).returncode != 0
+    for user in ("llm-gateway", "llm-engine"):
+        assert box.exec("getent", "passwd", user, check=False).returncode != 0, user
     assert box.shell("systemctl list-units --no-legend --all 'llm-*'").strip() == ""
     assert ":8080 " not in box.shell("ss -ltn")
     assert box.exec("test", "-e", "/run/llm-gateway/admin.sock", check=False).returncode != 0

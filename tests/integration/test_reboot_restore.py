@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import make_tiny_model
 import pytest
 
-from tests.harness.container import SystemdContainer, why_unavailable
+from tests.harness.container import SystemdContainer, engine_workdir, why_unavailable
 from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
 
 pytestmark = [pytest.mark.container, pytest.mark.engine]
@@ -29,8 +28,9 @@ UNIT = "llm-gateway-test.service"
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:
-    # under /var/tmp: the container's /tmp is its own tmpfs
-    path = Path(tempfile.mkdtemp(prefix="llmgw-reboot-", dir="/var/tmp"))
+    # not under /tmp or /var/tmp: the container's /tmp is its own tmpfs, and an engine
+    # has a private /tmp and /var/tmp (PrivateTmp=)
+    path = engine_workdir("llmgw-reboot-")
     yield path
     shutil.rmtree(path)
 

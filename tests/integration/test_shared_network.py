@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import wave
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.harness.container import SystemdContainer, why_unavailable
+from tests.harness.container import SystemdContainer, engine_workdir, why_unavailable
 from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
 
 pytestmark = [pytest.mark.container, pytest.mark.engine]
@@ -27,10 +29,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """The model and state: not in /tmp, which the engine's PrivateTmp= hides."""
+    path = engine_workdir("llmgw-shnet-")
+    yield path
+    shutil.rmtree(path)
+
+
 def test_whisper_serves_in_a_container_that_shares_the_host_network(
-        tmp_path: Path, tiny_whisper: Path) -> None:
+        workdir: Path, tiny_whisper: Path) -> None:
     if reason := why_unavailable():
         unavailable(reason)
+    tmp_path = workdir
     whisper = engine_binary("WHISPER_SERVER")
     port = _free_port()
     wav = tmp_path / "silence.wav"

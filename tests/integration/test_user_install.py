@@ -61,7 +61,8 @@ def test_user_install_runs_engines_under_the_users_manager(models: Path) -> None
                  "sed -i 's|^llama_server = .*|llama_server = \"/usr/local/bin/llama-server\"|'"
                  " ~/.config/llm-gateway/gateway.toml")
         answer = json.loads(as_alice(
-            "curl -sf http://127.0.0.1:18700/v1/chat/completions -d "
+            "curl -sf http://127.0.0.1:18700/v1/chat/completions "
+            "-H 'Content-Type: application/json' -d "
             "'{\"model\":\"tiny-alpha\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
             "\"max_tokens\":2}'"))
         assert answer["usage"]["completion_tokens"] == 2

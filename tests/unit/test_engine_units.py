@@ -12,15 +12,18 @@ from gatewayd.adapters.unit_control import info_from_properties, manager_can_con
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
 from gatewayd.core.engine_units import (
+    ENGINE_USER,
     MAX_INSTANCE,
     EngineLayout,
     engine_env,
     engine_fingerprint,
     engine_instance,
     escape_unit_component,
+    parked_spec,
     server_argv,
     template_settings,
     transient_spec,
+    unreadable_by_engine,
 )
 from gatewayd.core.model_facts import GgufFacts
 from gatewayd.core.unit_spec import exec_args
@@ -178,3 +181,126 @@ def test_a_reranker_is_known_by_its_header_and_started_with_rerank(tmp_path: Pat
     chat = Model(id="r", config=ModelConfig(name="r", path=path, kind=ModelKind.CHAT),
                  facts=facts, names=frozenset({"r"}))
     assert not {"--rerank", "--embeddings"} & set(server_argv(chat, layout, "/bin/ls"))
+
+
+# -- the engine's identity and sandbox (issue 33: "an engine is the gateway") ----------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _props(spec: object) -> dict[str, list[tuple[str, object]]]:
+    """Every property by name, repeats kept (SystemCallFilter= is given twice)."""
+    out: dict[str, list[tuple[str, object]]] = {}
+    for name, sig, value in spec.properties():   # type: ignore[attr-defined]
+        out.setdefault(name, []).append((sig, value))
+    return out
+
+
+def test_a_system_engine_runs_as_its_own_user_in_the_sandbox(tmp_path: Path) -> None:
+    model = _model("m", tmp_path / "m.gguf")
+    layout = EngineLayout.for_model(model.id)
+    kv = str(tmp_path / "kv-cache" / layout.instance)
+    props = _props(transient_spec(model, layout, "/opt/llama-server", slot_save_path=kv,
+                                  system=True))
+    # never root, never the gateway's user: llm-engine (static if the package made it)
+    assert props["DynamicUser"] == [("b", True)]
+    assert props["User"] == props["Group"] == [("s", ENGINE_USER)] and ENGINE_USER != "root"
+    one = {name: values[0] for name, values in props.items()}
+    assert one["ProtectSystem"] == ("s", "strict") and one["ProtectHome"] == ("s", "read-only")
+    for flag in ("PrivateTmp", "NoNewPrivileges", "ProtectKernelTunables", "RemoveIPC",
+                 "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups",
+                 "LockPersonality", "RestrictRealtime", "RestrictSUIDSGID", "ProtectClock"):
+        assert one[flag] == ("b", True), flag
+    assert one["CapabilityBoundingSet"] == ("t", 0)
+    assert one["RestrictNamespaces"] == ("t", 0)
+    assert one["RestrictAddressFamilies"] == ("(bas)", (True, ["AF_UNIX"]))
+    assert one["IPAddressDeny"][1] == [(2, bytes(4), 0), (10, bytes(16), 0)]   # any
+    assert "IPAddressAllow" not in props and "PrivateNetwork" not in props
+    assert props["SystemCallFilter"] == [("(bas)", (True, ["@system-service"])),
+                                         ("(bas)", (False, ["@privileged"]))]
+    # the GPUs stay reachable, nothing else of /dev
+    assert one["DevicePolicy"] == ("s", "closed")
+    assert {d for d, _ in one["DeviceAllow"][1]} >= {  # type: ignore[attr-defined]
+        "char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps"}
+    # writable: its KV folder (and its runtime directory); handed to it, as root, first
+    assert one["ReadWritePaths"] == ("as", [f"-{tmp_path / 'kv-cache'}"])
+    pre = one["ExecStartPreEx"][1][0]   # type: ignore[index]
+    assert pre[1] == ["/bin/chown", "-R", "llm-engine:llm-engine", "--", kv]
+    assert pre[2] == ["privileged", "ignore-failure"]
+
+
+def test_a_whisper_engine_gets_loopback_and_af_inet_only(tmp_path: Path) -> None:
+    model = _model("w", tmp_path / "w.bin", backend=Backend.WHISPER)
+    props = _props(transient_spec(model, EngineLayout.for_model("w"), "/opt/whisper-server",
+                                  system=True))
+    assert props["RestrictAddressFamilies"] == [("(bas)", (True, ["AF_UNIX", "AF_INET"]))]
+    assert props["IPAddressAllow"][0][1] == [(2, b"\x7f\0\0\0", 8), (10, bytes(15) + b"\x01", 128)]
+    assert props["PrivateNetwork"] == [("b", True)] and "ExecStartPreEx" not in props
+
+
+def test_a_user_managers_engine_keeps_what_a_user_manager_can_enforce(tmp_path: Path) -> None:
+    props = _props(transient_spec(_model("m", tmp_path / "m.gguf"), EngineLayout.for_model("m"),
+                                  "/opt/llama-server"))
+    # a user manager cannot change identity nor set up namespaces for an unprivileged user
+    for name in ("DynamicUser", "User", "ProtectSystem", "PrivateTmp", "IPAddressDeny",
+                 "ExecStartPreEx", "DevicePolicy"):
+        assert name not in props, name
+    assert props["NoNewPrivileges"] == [("b", True)]
+    assert props["RestrictAddressFamilies"] == [("(bas)", (True, ["AF_UNIX"]))]
+
+
+def test_a_parked_system_engine_is_handed_its_fifo(tmp_path: Path) -> None:
+    model = _model("m", tmp_path / "m.gguf")
+    spec = transient_spec(model, EngineLayout.for_model("m"), "/opt/llama-server", system=True)
+    parked = _props(parked_spec(spec, "/var/lib/x/parked/m.fifo"))
+    assert parked["ExecStartPreEx"][0][1][0][1][-1] == "/var/lib/x/parked/m.fifo"  # type: ignore[index]
+    assert "ExecStartPreEx" not in _props(parked_spec(transient_spec(
+        model, EngineLayout.for_model("m"), "/opt/llama-server"), "/f"))
+
+
+def test_what_the_engine_user_cannot_read_is_named() -> None:
+    d, f = 0o040755, 0o100644
+    ok = [("/", d, 0, 0), ("/srv", d, 0, 0), ("/srv/m.gguf", f, 0, 0)]
+    assert unreadable_by_engine(ok, None, frozenset()) is None
+    private = [("/", d, 0, 0), ("/root", 0o040700, 0, 0), ("/root/m.gguf", f, 0, 0)]
+    assert "/root (mode 0700) does not let user llm-engine search" in str(
+        unreadable_by_engine(private, None, frozenset()))
+    # the static user reads through its group, not a dynamic one
+    grouped = [("/", d, 0, 0), ("/m", 0o040750, 0, 990), ("/m/a", 0o100640, 0, 990)]
+    assert unreadable_by_engine(grouped, 991, frozenset({990})) is None
+    assert "does not let" in str(unreadable_by_engine(grouped, None, frozenset()))
+    assert "does not let user llm-engine read" in str(unreadable_by_engine(
+        [("/", d, 0, 0), ("/m", 0o100600, 0, 0)], None, frozenset()))
+    hidden = [("/", d, 0, 0), ("/tmp", 0o041777, 0, 0), ("/tmp/m", f, 0, 0)]
+    assert "private /tmp hides" in str(unreadable_by_engine(hidden, None, frozenset()))
+
+
+def test_the_template_unit_sandboxes_its_engine_as_llm_engine() -> None:
+    """llm-engine@.service: the packaged engines' identity, and what the gateway unit
+    needs to reach them (the test_package container test runs both for real)."""
+    engine = (REPO / "units/llm-engine@.service").read_text().splitlines()
+    gateway = (REPO / "units/llm-gateway.service").read_text().splitlines()
+    for line in ("User=llm-engine", "Group=llm-engine", "UMask=0007", "NoNewPrivileges=yes",
+                 "RuntimeDirectoryMode=0750", "ProtectSystem=strict", "PrivateTmp=yes",
+                 "IPAddressDeny=any", "DevicePolicy=closed", "CapabilityBoundingSet=",
+                 "LoadCredential=settings:/var/lib/llm-gateway/engines/%i.json"):
+        assert line in engine, line
+    assert not any(line.startswith(("User=llm-gateway", "Group=llm-gateway",
+                                    "SupplementaryGroups=")) for line in engine)
+    assert "SupplementaryGroups=systemd-journal llm-engine" in gateway
+    sysusers = (REPO / "packaging/sysusers.d/llm-gateway.conf").read_text()
+    assert "u llm-engine " in sysusers
+
+
+def test_the_launcher_tells_a_private_network_without_a_socket(tmp_path: Path) -> None:
+    """Sandboxed (RestrictAddressFamilies=: no AF_NETLINK; ProtectProc=invisible: no PID 1),
+    the whisper launcher reads this namespace's interfaces from /proc/net/dev."""
+    from gatewayd import engine_launch
+    dev = tmp_path / "dev"
+    header = ("Inter-|   Receive\n"
+              " face |bytes    packets errs drop fifo frame compressed multicast|bytes\n")
+    dev.write_text(header + "    lo: 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n")
+    assert engine_launch.interfaces(str(dev)) == ["lo"]
+    dev.write_text(header + "    lo: 0 0\n  eth0: 1 2\n")
+    assert engine_launch.interfaces(str(dev)) == ["lo", "eth0"]
+    assert engine_launch.interfaces(str(tmp_path / "none")) == []
