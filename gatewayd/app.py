@@ -47,12 +47,13 @@ from gatewayd.core.config import Backend, GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
+from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, client_tls, openai_api
-from gatewayd.http.auth import ACCESS, Access
+from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers, own_host_names
 from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
 from gatewayd.http.native_relay import NATIVE_RELAY, NativeRelay
-from gatewayd.http.proxy import learn_engine_slots
+from gatewayd.http.proxy import BOUNDS, Bounds, learn_engine_slots
 from gatewayd.http.remotes import Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -68,6 +69,7 @@ DRAIN_POLL_S = 0.05
 # after the drain: how long the answers still open get to write their shutting_down error
 ABANDON_GRACE_S = 2.0
 COLLECTOR_SETTLE_S = 1.0   # after the start, the garbage collector back on (settle_collector)
+DAY_S = 86400.0
 CONFIG = web.AppKey("config", GatewayConfig)
 NOTIFIER = web.AppKey("notifier", Notifier)
 RESTORE = web.AppKey("restore", asyncio.Task[None])
@@ -151,6 +153,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
              len(catalog), units.mode, manager, gpu.description)
     check_binaries(catalog, config)
     await adopt(engines)
+    await engines.drop_unconfigured_kv_caches()
     # Restore (and preload) runs in the background, one engine at a time, while we serve.
     app[RESTORE] = asyncio.get_running_loop().create_task(restore(engines))
     dispatcher.start_timers()
@@ -189,8 +192,16 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     engines.subscribe(lambda old, new: admin_api.publish_engine(hub, engines, old, new))
     dispatcher.subscribe_queue(lambda model, depth: hub.publish(
         {"type": "queue", "model": model, "depth": depth}))
-    records = RecordWriter(config.records_file) if config.records_enabled else None
-    engine_client = EngineClient(config.read_timeout_s)
+    records = RecordWriter(config.records_file, max_age_s=config.records_max_age_days * DAY_S,
+                           max_bytes=config.records_max_bytes) if config.records_enabled else None
+    engine_client = EngineClient(config.read_timeout_s, queue_limit=config.queue_limit)
+    app[BOUNDS] = bounds = Bounds()
+    bounds.follow(config)
+
+    def connection_queue_limit(model: Model) -> int:
+        # the model's queue_limit: its requests waiting for a turn at its ready engine
+        limit = model.config.queue_limit
+        return engines.config.queue_limit if limit is None else limit
     app[NATIVE_RELAY] = native_relay = NativeRelay()
     if native_relay.why_off is not None:
         log.info("streams are relayed in Python (more CPU per event): %s",
@@ -206,6 +217,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     async def learn_slots(model: Model, socket: str) -> None:
         # before the engine is ready: a burst waiting for it then meets the limit, and the
         # first request does not share the engine with this question
+        engine_client.set_queue_limit(socket, connection_queue_limit(model))
         if model.backend is Backend.LLAMA:
             setup = (f"{settings_stamp(model, engines.config)}:"
                      f"{binary_identity(server_binary(model, engines.config)[0])}")
@@ -222,9 +234,18 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
 
     async def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
         front.config = new
+        bounds.follow(new)
+        engine_client.queue_limit = new.queue_limit
+        for engine in engines.engines():
+            if engine.holds_slot and (model := engines.catalog.get(engine.model_id)):
+                engine_client.set_queue_limit(engine.socket, connection_queue_limit(model))
+        if records is not None:
+            records.max_age_s = new.records_max_age_days * DAY_S
+            records.max_bytes = new.records_max_bytes
         app[ACCESS].keys = new.api_keys
         app[ACCESS].admin_public = new.admin_public
         app[ACCESS].metrics_public = new.admin_public_metrics
+        app[ACCESS].browser = browser_policy(new)
         if UNITS in app:
             app[UNITS].reconfigure(new)
         await remotes.reconfigure(new.upstreams)
@@ -270,16 +291,22 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
-    app[ACCESS] = Access(config.api_keys, config.admin_public, config.admin_public_metrics)
+    app[ACCESS] = Access(config.api_keys, config.admin_public, config.admin_public_metrics,
+                         browser=browser_policy(config))
     app[SHUTDOWN] = Shutdown()
     app[NOTIFIER] = notifier or Notifier()
     app[admin_api.EVENTS] = EventHub()
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(front_door)
     app.on_startup.append(_collector_after_start)
+    app.on_response_prepare.append(cors_headers)
     admin_api.add_routes(app)
     openai_api.add_routes(app)   # last: it ends with the catch-all proxy route
     return app
+
+
+def browser_policy(config: GatewayConfig) -> BrowserPolicy:
+    return BrowserPolicy.of(config.allowed_hosts, config.allowed_origins, own_host_names())
 
 
 def serve(config: GatewayConfig) -> None:
@@ -302,7 +329,8 @@ async def _serve(config: GatewayConfig) -> None:
     # The drain (up to shutdown_timeout_s) is ours (_open_requests_end); aiohttp's own
     # wait only gives the answers cut at its end the moment to say so.
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           handler_cancellation=True, shutdown_timeout=ABANDON_GRACE_S)
+                           handler_cancellation=True, shutdown_timeout=ABANDON_GRACE_S,
+                           **PARSER_LIMITS)
     await runner.setup()
     sock, admin_sock = inherited_sockets()
     site: web.BaseSite

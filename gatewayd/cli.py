@@ -443,11 +443,12 @@ def _exchange(url: str, method: str, path: str, data: bytes | None = None, *,
               timeout: float) -> Iterator[http.client.HTTPResponse]:
     """One request to the gateway at url: http://HOST:PORT, or unix:PATH (its admin
     socket). Sends $LLM_GATEWAY_API_KEY (an admin key, where keys are on) if set."""
-    headers = {"Content-Type": "application/json", "Host": "llm-gateway"}
+    headers = {"Content-Type": "application/json"}
     if key := os.environ.get(API_KEY_ENV):
         headers["Authorization"] = f"Bearer {key}"
     conn: http.client.HTTPConnection
     if url.startswith("unix:"):
+        headers["Host"] = "localhost"   # on TCP, http.client names the URL's host
         conn = _UnixConnection(url.removeprefix("unix:"), timeout)
     else:
         parsed = urllib.parse.urlsplit(url)

@@ -8,7 +8,9 @@ connection closed after every stream), the Responses API and Anthropic messages
 chosen by the prompt text: "die after N" drops the connection mid-stream,
 "slow N" waits N ms between tokens, "pad N" makes each token N bytes longer, "linger N"
 waits N ms between the stream's final event and its end, "split N" sends the first
-token's chunk in two writes N ms apart. It
+token's chunk in two writes N ms apart. A hostile engine too: "chunk size X" answers with a
+chunk of size line X, "endless event N" streams an event of N KiB with no end (a blank
+line; "endless event N!": after a whole event), "huge N" answers N KiB of JSON. It
 never replaces the real engine in the
 end-to-end tests.
 
@@ -18,7 +20,6 @@ Run standalone: python -m tests.fake_engine SOCKET_PATH
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import re
 import sys
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+MARK = "X-Request-Id"   # which fake engine answered
 
 
 @dataclass
@@ -49,7 +52,9 @@ class FakeEngine:
     peak_in_flight: int = 0
     runner: web.AppRunner | None = None
 
-    def app(self) -> web.Application:
+    def app(self, *, catch_all: bool = True) -> web.Application:
+        """catch_all: every other path answered by `anything` (routes added after it
+        would never be reached: leave it to the caller that adds some)."""
         app = web.Application(client_max_size=1024**3)
         app.router.add_get("/health", self.health)
         app.router.add_get("/props", self.props)
@@ -60,12 +65,22 @@ class FakeEngine:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/audio/transcriptions", self.transcribe)
+        if catch_all:
+            app.router.add_route("*", "/{tail:.*}", self.anything)   # the witness of the rest
         app.on_response_prepare.append(self._mark)
         return app
 
+    async def anything(self, request: web.Request) -> web.Response:
+        """Any other path (llama-server's /slots, /load, ...): seen, then llama-server's
+        404, so a test can tell what reached an engine that should not have."""
+        await self._seen(request)
+        return web.json_response({"error": {"code": 404, "message": "File Not Found",
+                                            "type": "not_found_error"}}, status=404)
+
     async def _mark(self, request: web.Request, response: web.StreamResponse) -> None:
-        """Every answer says it came from this engine (tests tell relayed from own)."""
-        response.headers["X-Fake-Engine"] = self.name
+        """Every answer says it came from this engine (tests tell relayed from own), in a
+        header the gateway passes on (engines' own headers are dropped: proxy.py)."""
+        response.headers[MARK] = self.name
 
     async def start(self, socket: str) -> None:
         Path(socket).parent.mkdir(parents=True, exist_ok=True)
@@ -104,13 +119,43 @@ class FakeEngine:
 
     async def transcribe(self, request: web.Request) -> web.Response:
         body = await self._seen(request)
-        return web.json_response({"text": " hello from " + self.name + "\n"},
-                                 headers={"X-Body-Sha256": hashlib.sha256(body).hexdigest()})
+        del body
+        return web.json_response({"text": " hello from " + self.name + "\n"})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))
         prompt = " ".join(str(m.get("content")) for m in payload.get("messages", []))
+        if hostile := re.search(r"(chunk size|endless event|huge) (\S+)", prompt):
+            return await self._hostile(request, hostile.group(1), hostile.group(2))
         return await self._counted(self._answer(request, payload, prompt, chat=True))
+
+    async def _hostile(self, request: web.Request, how: str, arg: str) -> web.StreamResponse:
+        if how == "huge":   # one JSON answer of arg KiB
+            return web.json_response({"choices": [], "pad": "x" * (int(arg) * 1024)})
+        if how == "endless event":   # an event's bytes with no blank line, then silence
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            try:
+                if arg != arg.rstrip("!"):   # "endless event N!": one whole event first
+                    await response.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
+                await response.write(b"data: ")
+                for _ in range(int(arg.rstrip("!")) // 64):
+                    await response.write(b"x" * 65536)
+                    self.events_sent += 1
+                for _ in range(600):   # until the gateway lets go (30 s at most)
+                    if request.transport is None or request.transport.is_closing():
+                        raise ConnectionResetError
+                    await asyncio.sleep(0.05)
+            except ConnectionError:
+                self.disconnects += 1   # the gateway let go of the answer
+            return response
+        # a chunk whose size line is arg, written raw, then the connection closed
+        assert request.transport is not None
+        request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n" + arg.encode()
+                                + b"\r\n{}\r\n0\r\n\r\n")
+        request.transport.close()
+        raise asyncio.CancelledError   # (no answer of aiohttp's after ours)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))

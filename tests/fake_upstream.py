@@ -46,9 +46,10 @@ class FakeUpstream:
         return self.engine.requests
 
     def app(self) -> web.Application:
-        app = self.engine.app()
+        app = self.engine.app(catch_all=False)
         app.middlewares.append(self._gate)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_route("*", "/{tail:.*}", self.engine.anything)
         return app
 
     @web.middleware

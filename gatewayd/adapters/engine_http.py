@@ -13,6 +13,9 @@ import asyncio
 import socket as socket_module
 
 MAX_ANSWER = 16 << 20   # /slots with many slots is tens of KB; anything this big is no engine
+# a chunk's size: 15 hex digits stay below 2**60 (and so fit any size type on the way)
+MAX_CHUNK_DIGITS = 15
+HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class BadAnswer(ValueError):
@@ -38,12 +41,12 @@ async def exchange(socket: str, method: str, target: str, body: bytes = b"", *,
             # written would reset the engine's side of the connection
             parts: list[bytes] = []
             size = 0
-            while size < max_answer:
-                more = await loop.sock_recv(sock, min(65536, max_answer - size))
-                if not more:
-                    break
-                parts.append(more)
+            while more := await loop.sock_recv(sock, 65536):
                 size += len(more)
+                if size > max_answer:   # a cut answer would parse as a shorter one
+                    raise BadAnswer(f"{method} {target}: the answer is over "
+                                    f"{max_answer} bytes")
+                parts.append(more)
             answer = b"".join(parts)
     finally:
         sock.close()
@@ -69,6 +72,17 @@ def parse_status(answer: bytes) -> int | None:
     return int(line[1])
 
 
+def chunk_size(line: bytes) -> int | None:
+    """A chunk-size line's size (extensions after `;` ignored), or None unless it is plain
+    hex digits, at most MAX_CHUNK_DIGITS of them: int(x, 16) alone also takes a sign, a
+    0x prefix, underscores and surrounding whitespace, and a negative size walked a
+    parser backwards (forever)."""
+    digits = line.split(b";", 1)[0].rstrip(b" \t")
+    if not 0 < len(digits) <= MAX_CHUNK_DIGITS or digits.strip(HEX_DIGITS):
+        return None
+    return int(digits, 16)
+
+
 def dechunk(data: bytes) -> bytes:
     """A chunked body's content (the trailer, if any, is dropped)."""
     out: list[bytes] = []
@@ -77,10 +91,9 @@ def dechunk(data: bytes) -> bytes:
         line_end = data.find(b"\r\n", at)
         if line_end < 0:
             raise BadAnswer("a chunked answer ends in the middle")
-        try:
-            size = int(data[at:line_end].split(b";", 1)[0], 16)
-        except ValueError:
-            raise BadAnswer("a chunk's size is not a number") from None
+        size = chunk_size(data[at:line_end])
+        if size is None:
+            raise BadAnswer(f"a chunk's size is not hex digits: {data[at:line_end][:40]!r}")
         if size == 0:
             return b"".join(out)
         start = line_end + 2

@@ -7,8 +7,9 @@ files are restored into the same slots before it is marked ready, so a repeated 
 prompt skips its prefill (timings.cache_n). A directory carries a stamp of the engine's
 settings: files written by an engine started differently (another file, context size,
 arguments) are discarded, never restored. Each model's directory is bounded
-(kv_cache_max_mb, oldest files removed first). Every failure is logged and counted and
-never stops a stop or a start.
+(kv_cache_max_mb, oldest files removed first), and the directories of models no longer
+configured are deleted (prune: at the start and at each reload). Every failure is logged
+and counted and never stops a stop or a start.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +112,31 @@ class SlotCache:
         log.info("%s: KV cache restored: %d token(s) in %d slot file(s), %.0f ms", model_id,
                  restored, len(files), (time.monotonic() - started) * 1000)
         return restored
+
+    def prune(self, keep: Collection[str]) -> list[str]:
+        """Delete the directories of engine instances not in keep (models that left the
+        configuration: nothing would ever restore or bound their files); the names
+        deleted. Blocking: off the event loop."""
+        try:
+            found = [p for p in self.root.iterdir() if p.is_dir() and p.name not in keep]
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            log.warning("cannot look for KV cache directories to drop in %s: %s", self.root, e)
+            return []
+        removed = []
+        for where in found:
+            try:
+                shutil.rmtree(where)
+            except OSError as e:
+                log.warning("cannot delete the KV cache directory %s: %s", where, e)
+                continue
+            removed.append(where.name)
+        if removed:
+            self.counts["prune", "removed"] += len(removed)
+            log.info("KV cache directories of models no longer configured deleted: %s",
+                     ", ".join(sorted(removed)))
+        return removed
 
     def _bound(self, where: Path) -> None:
         """Oldest slot files first, until the directory fits max_bytes."""

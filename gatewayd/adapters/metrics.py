@@ -42,6 +42,11 @@ REJECTIONS = frozenset({"concurrency_limit", "queue_full", "engine_limit_reached
                         "insufficient_gpu", "model_not_loaded", "no_engine_ready",
                         "engine_busy"})
 EVICTION_REASONS = frozenset({"evicted", "idle_ttl"})
+# llm_gateway_bounded's `bound` label of a call refused or cut off by a bound, by its
+# error code (the bounds counted elsewhere come with the scrape's Snapshot)
+BOUND_OF_CODE: Mapping[str, str] = {"queue_full": "queue_limit",
+                                    "answer_too_large": "max_answer_mb",
+                                    "event_too_large": "max_event_mb"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 LOAD_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
@@ -119,6 +124,12 @@ class GatewayMetrics:
         self.evictions = _Counts("llm_gateway_evictions",
                                  "Engines stopped by the gateway to make room or when idle",
                                  ["reason"])
+        self.bounded = _Counts("llm_gateway_bounded",
+                               "What the bounds refused, cut off or deleted, by bound: calls "
+                               "(queue_limit, max_answer_mb, max_event_mb), engine answers "
+                               "(engine_framing), records (records_max_age_days, "
+                               "records_max_mb), KV cache directories (kv_cache_unconfigured)",
+                               ["bound"])
         self._clock = clock
         self._started: dict[str, float] = {}
 
@@ -140,6 +151,8 @@ class GatewayMetrics:
             self.tokens.inc((model, "completion"), record.completion_tokens)
         if status in (429, 503) and record.error_code in REJECTIONS:
             self.rejected.inc((model, record.error_code))
+        if (bound := BOUND_OF_CODE.get(record.error_code or "")) is not None:
+            self.bounded.inc((bound,))
 
     # -- engine state changes ----------------------------------------------------------
 
@@ -174,7 +187,12 @@ class GatewayMetrics:
         """The exposition: the counters, the snapshot's figures, and (if given) each
         engine's own metrics with a `model` label."""
         from prometheus_client import generate_latest
-        out = generate_latest(_Once([*self.families(), *snapshot.families()]))
+        bounded = _Counts(self.bounded.name, self.bounded.doc, self.bounded.labels)
+        for key, value in (*self.bounded.values.items(),
+                           *(((bound,), n) for bound, n in snapshot.bounded.items())):
+            bounded.inc(key, value)
+        out = generate_latest(_Once([*self.families(), bounded.family(),
+                                     *snapshot.families()]))
         if engine_metrics:
             out += generate_latest(_Once(relabel(engine_metrics)))
         return out
@@ -206,6 +224,7 @@ class Snapshot:
     upstreams: list[tuple[str, bool, int]] = field(default_factory=list)  # (name, up, in flight)
     native_relay_streams: int = 0       # streams relay.c passed on (past the first event)
     native_relay_active: int = 0        # ... passing on now
+    bounded: Mapping[str, int] = field(default_factory=dict)   # counted outside the calls
 
     def families(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

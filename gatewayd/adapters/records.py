@@ -6,6 +6,9 @@ the first). The thread, with its own connection, writes each batch in one
 transaction, so a burst of calls costs one fsync and one thread wake-up, and
 the event loop never waits on the disk. close() drains everything before it
 returns. WAL mode lets `llm-gateway records` read while the gateway writes.
+Retention (records.max_age_days, records.max_mb) is the same thread's: at its start and
+then every PRUNE_EVERY_S, between batches, it deletes the records past their age and the
+oldest beyond the size, a few thousand rows per transaction, never on the request path.
 Schema changes are numbered migrations tracked in PRAGMA user_version.
 """
 
@@ -120,10 +123,18 @@ class RecordWriter:
     BATCH = 500
     LINGER_S = 0.2
     RETRY_S = 0.5
+    PRUNE_ROWS = 5000         # rows deleted per transaction: the write lock is held briefly
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_age_s: float = 0, max_bytes: int = 0,
+                 prune_every_s: float = 60.0) -> None:
         self.path = path
         self.dropped = 0          # records lost to failed writes (logged; /admin/status)
+        # retention (0: none); read by the writer thread, so a reload may change them
+        self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
+        self.pruned: dict[str, int] = {"age": 0, "size": 0}   # rows deleted, by bound
+        self._prune_every_s = prune_every_s
+        self._next_prune = 0.0    # (monotonic) at the thread's start
         self._queue: queue.SimpleQueue[list[CallRecord] | None] = queue.SimpleQueue()
         self._pending: list[CallRecord] = []
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -177,7 +188,12 @@ class RecordWriter:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(
+                    timeout=max(0.0, self._next_prune - time.monotonic()))
+            except queue.Empty:
+                self._prune()
+                continue
             stopping = item is None
             batch = list(item or [])
             while stopping or len(batch) < self.BATCH:   # whatever else is there already
@@ -197,6 +213,53 @@ class RecordWriter:
                     log.exception("dropped %d call records", len(batch))
             if stopping:
                 return
+            if time.monotonic() >= self._next_prune:
+                self._prune()
+
+    def _prune(self) -> None:
+        """Retention: the records older than max_age_s, then the oldest while the data
+        (pages in use, not the file: SQLite reuses freed pages) is over max_bytes."""
+        self._next_prune = time.monotonic() + self._prune_every_s
+        before = sum(self.pruned.values())
+        try:
+            if self.max_age_s > 0:
+                self.pruned["age"] += self._delete("WHERE ts < ?", time.time() - self.max_age_s)
+            for _ in range(20):   # each round aims at 90% of the bound
+                used = self._used_bytes()
+                if self.max_bytes <= 0 or used <= self.max_bytes:
+                    break
+                (rows,) = self._db.execute("SELECT count(*) FROM calls").fetchone()
+                if not rows:
+                    break
+                share = 1 - 0.9 * self.max_bytes / used
+                self.pruned["size"] += self._delete(
+                    "ORDER BY ts", limit=max(1, int(rows * share)))
+        except sqlite3.Error as e:   # a busy or full disk: tried again at the next round
+            log.warning("deleting old call records from %s failed: %s", self.path, e)
+        if (deleted := sum(self.pruned.values()) - before) > 0:
+            log.info("deleted %d call records past records.max_age_days or records.max_mb",
+                     deleted)
+
+    def _used_bytes(self) -> int:
+        def pragma(name: str) -> int:
+            (value,) = self._db.execute(f"PRAGMA {name}").fetchone()
+            return int(value)
+        return (pragma("page_count") - pragma("freelist_count")) * pragma("page_size")
+
+    def _delete(self, where: str, *args: float, limit: int | None = None) -> int:
+        """Delete the rows `SELECT id FROM calls <where>` names (up to limit), PRUNE_ROWS
+        per transaction; how many."""
+        deleted = 0
+        while limit is None or deleted < limit:
+            step = self.PRUNE_ROWS if limit is None else min(self.PRUNE_ROWS, limit - deleted)
+            with self._db:
+                cursor = self._db.execute(
+                    f"DELETE FROM calls WHERE id IN (SELECT id FROM calls {where} LIMIT ?)",
+                    (*args, step))
+            deleted += cursor.rowcount
+            if cursor.rowcount < step:
+                break
+        return deleted
 
     def _statement(self, n: int) -> str:
         sql = self._statements.get(n)

@@ -7,6 +7,7 @@ keys are errors, so a typo never silently does nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -92,18 +93,32 @@ class GatewayConfig:
     load_timeout_s: float = 300.0
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
+    # [listen] allowed_hosts: Host names (besides loopback names, the address a client
+    # connected to and this machine's hostname) that name this gateway; "*": any.
+    # allowed_origins: web origins ("https://app.example") whose pages may call it
+    # (besides its own, the status page); "*": any page (then keys are the only guard)
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     default_model: str | None = None
     autoload: bool = True                # a request for a stopped model starts it
     eviction_wait_s: float = 30.0        # how long a start waits for room to free up
     kv_cache_max_mb: int = 4096          # saved slot files per model, oldest removed first
     queue_limit: int = 100               # default per-model queue limit
     max_body_bytes: int = 256 * 1024 * 1024
+    # an answer read whole (not streamed) past this: 502 answer_too_large; one streamed
+    # event past this without its end: the stream ends with an event_too_large error event
+    max_answer_bytes: int = 256 * 1024 * 1024
+    max_event_bytes: int = 4 * 1024 * 1024
     read_timeout_s: float = 600.0
     shutdown_timeout_s: float = 30.0
     records_enabled: bool = True
     records_path: Path | None = None          # default: <state_dir>/records.db
     records_store_text: bool = False
     records_text_max_bytes: int = 4096
+    # records older than this, and the oldest beyond this size, are deleted by the
+    # writer thread (0: no such bound)
+    records_max_age_days: float = 30.0
+    records_max_bytes: int = 1024 * 1024 * 1024
     # a ready engine's /health is asked every interval; `misses` answers in a row missing
     # (none within timeout) mean it hangs: it is killed and systemd restarts it (0: never)
     health_interval_s: float = 5.0
@@ -135,7 +150,8 @@ _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_se
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
-             "kv_cache_max_mb", "auth", "admin", "upstreams", "parked_engines"}
+             "kv_cache_max_mb", "auth", "admin", "upstreams", "parked_engines",
+             "max_answer_mb", "max_event_mb"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -148,7 +164,8 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     base = base or (source.parent if source else Path("."))
     listen = data.get("listen", {})
     _expect(listen, dict, where, "listen")
-    _no_unknown(listen, {"host", "port"}, f"{where} [listen]")
+    _no_unknown(listen, {"host", "port", "allowed_hosts", "allowed_origins"},
+                f"{where} [listen]")
 
     max_engines = _expect(data.get("max_engines", 4), int, where, "max_engines")
     if max_engines not in MAX_ENGINES_RANGE:
@@ -168,10 +185,13 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
                           f"{', '.join(m.value for m in UnitMode)}") from None
     records = data.get("records", {})
     _expect(records, dict, where, "records")
-    _no_unknown(records, {"enabled", "path", "store_text", "text_max_bytes"}, f"{where} [records]")
+    _no_unknown(records, {"enabled", "path", "store_text", "text_max_bytes", "max_age_days",
+                          "max_mb"}, f"{where} [records]")
     max_body_mb = _expect(data.get("max_body_mb", 256), int, where, "max_body_mb")
     if max_body_mb < 1:
         raise ConfigError(f"{where}: max_body_mb must be at least 1")
+    max_answer_mb = _at_least_1(data.get("max_answer_mb", 256), where, "max_answer_mb")
+    max_event_mb = _at_least_1(data.get("max_event_mb", 4), where, "max_event_mb")
     health = data.get("health", {})
     _expect(health, dict, where, "health")
     _no_unknown(health, {"interval_s", "timeout_s", "misses"}, f"{where} [health]")
@@ -182,6 +202,12 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     _expect(admin, dict, where, "admin")
     _no_unknown(admin, {"socket", "group", "public", "public_metrics"}, f"{where} [admin]")
     upstreams = parse_upstreams(data.get("upstreams", {}), base, where)
+    for upstream in upstreams:   # (parse_upstreams lets inf and nan through)
+        for option in ("connect_timeout_s", "read_timeout_s", "health_interval_s"):
+            seconds = getattr(upstream, option)
+            if seconds is not None and not math.isfinite(seconds):
+                raise ConfigError(f"{where}: upstreams.{upstream.name}.{option} = {seconds} "
+                                  "is not a finite number of seconds")
     spilling = [m.name for m in models if m.spill_over]
     if spilling and not upstreams:
         raise ConfigError(f"{where}: spill_over is set for {', '.join(spilling)} but there is "
@@ -206,8 +232,12 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
                                        "load_timeout_s")),
         listen_host=_expect(listen.get("host", "127.0.0.1"), str, where, "listen.host"),
         listen_port=port,
+        allowed_hosts=_hosts(listen.get("allowed_hosts", []), where),
+        allowed_origins=_origins(listen.get("allowed_origins", []), where),
         default_model=_optional(data.get("default_model"), str, where, "default_model"),
         max_body_bytes=max_body_mb * 1024 * 1024,
+        max_answer_bytes=max_answer_mb * 1024 * 1024,
+        max_event_bytes=max_event_mb * 1024 * 1024,
         read_timeout_s=float(_positive(data.get("read_timeout_s", 600), where,
                                        "read_timeout_s")),
         shutdown_timeout_s=float(_positive(data.get("shutdown_timeout_s", 30), where,
@@ -224,6 +254,10 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
                                    "records.store_text"),
         records_text_max_bytes=_non_negative(records.get("text_max_bytes", 4096), where,
                                              "records.text_max_bytes"),
+        records_max_age_days=float(_finite(records.get("max_age_days", 30), where,
+                                           "records.max_age_days")),
+        records_max_bytes=_non_negative(records.get("max_mb", 1024), where,
+                                        "records.max_mb") * 1024 * 1024,
         health_interval_s=float(_positive(health.get("interval_s", 5), where,
                                           "health.interval_s")),
         health_timeout_s=float(_positive(health.get("timeout_s", 5), where,
@@ -238,6 +272,36 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         upstreams=upstreams,
         source=source,
     )
+
+
+def _names(value: Any, where: str, key: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ConfigError(f"{where}: {key} must be a list of non-empty strings")
+    return [v.strip().lower() for v in value]
+
+
+def _hosts(value: Any, where: str) -> tuple[str, ...]:
+    """Host names as a Host header carries them, without the port: "gpu-box",
+    "gpu-box.lan", "192.168.1.5", "[fe80::1]" (or "*")."""
+    hosts = _names(value, where, "listen.allowed_hosts")
+    for host in hosts:
+        if host != "*" and ((":" in host.strip("[]") and not host.startswith("["))
+                            or "/" in host or " " in host):
+            raise ConfigError(f"{where}: listen.allowed_hosts: {host!r} is not a host name "
+                              "(no scheme, port or path; an IPv6 address in brackets)")
+    return tuple(h.rstrip(".") for h in hosts)
+
+
+def _origins(value: Any, where: str) -> tuple[str, ...]:
+    """Web origins as a browser's Origin header carries them: scheme://host[:port]."""
+    origins = _names(value, where, "listen.allowed_origins")
+    for origin in origins:
+        scheme, sep, rest = origin.partition("://")
+        if origin != "*" and (not sep or scheme not in ("http", "https") or not rest
+                              or "/" in rest):
+            raise ConfigError(f"{where}: listen.allowed_origins: {origin!r} is not an "
+                              "origin (scheme://host[:port], no path; or \"*\")")
+    return tuple(origins)
 
 
 def _kind(value: Any, backend: Backend, where: str, key: str) -> ModelKind | None:
@@ -328,10 +392,28 @@ def _non_negative(value: Any, where: str, key: str) -> int:
     return number
 
 
-def _positive(value: Any, where: str, key: str) -> float:
+def _finite(value: Any, where: str, key: str) -> float:
+    """A number of seconds, days...: not negative, and finite (TOML has inf and nan; an
+    infinite timeout is no timeout, and relay.c's wait would overflow on it)."""
     number: float = _expect(value, (int, float), where, key)
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: {key} = {number} is not a finite number")
+    if number < 0:
+        raise ConfigError(f"{where}: {key} cannot be negative")
+    return number
+
+
+def _positive(value: Any, where: str, key: str) -> float:
+    number = _finite(value, where, key)
     if number <= 0:
         raise ConfigError(f"{where}: {key} must be positive")
+    return number
+
+
+def _at_least_1(value: Any, where: str, key: str) -> int:
+    number: int = _expect(value, int, where, key)
+    if number < 1:
+        raise ConfigError(f"{where}: {key} must be at least 1")
     return number
 
 
@@ -345,7 +427,7 @@ def _bytes(value: Any, where: str, key: str) -> int | None:
         number = float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
     except (ValueError, IndexError):
         number = -1
-    if number <= 0:
+    if not math.isfinite(number) or number <= 0:
         raise ConfigError(f"{where}: {key} = {value!r} is not a size (use e.g. \"512M\" or "
                           "\"8G\")")
     return int(number)
@@ -360,7 +442,7 @@ def _percent(value: Any, where: str, key: str) -> float | None:
         number = float(text.removesuffix("%")) if text.endswith("%") else -1.0
     except ValueError:
         number = -1.0
-    if number <= 0:
+    if not math.isfinite(number) or number <= 0:
         raise ConfigError(f"{where}: {key} = {value!r} is not a CPU quota (use e.g. \"200%\")")
     return number
 

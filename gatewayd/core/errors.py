@@ -46,7 +46,7 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
-    headers: ClassVar[Mapping[str, str]] = {}   # sent with the error (WWW-Authenticate)
+    headers: Mapping[str, str] = {}   # sent with the error (WWW-Authenticate)
 
     def __init__(self, message: str, *, param: str | None = None,
                  retry_after: int | None = None, **extra: Any) -> None:
@@ -167,12 +167,12 @@ class ModelNotLoaded(GatewayError):
 
 class MissingApiKey(GatewayError):
     status, type, code = 401, "invalid_request_error", "missing_api_key"
-    headers: ClassVar[Mapping[str, str]] = {"WWW-Authenticate": 'Bearer realm="llm-gateway"'}
+    headers: Mapping[str, str] = {"WWW-Authenticate": 'Bearer realm="llm-gateway"'}
 
 
 class InvalidApiKey(GatewayError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
-    headers: ClassVar[Mapping[str, str]] = {"WWW-Authenticate": 'Bearer realm="llm-gateway"'}
+    headers: Mapping[str, str] = {"WWW-Authenticate": 'Bearer realm="llm-gateway"'}
 
 
 class ScopeNotAllowed(GatewayError):
@@ -190,6 +190,41 @@ class AdminNotPublic(GatewayError):
 
 class ModelNotAllowed(GatewayError):
     status, type, code = 403, "invalid_request_error", "model_not_allowed"
+
+
+class RouteNotFound(GatewayError):
+    """The path is not in the route table (core/routes.py): nothing behind it runs."""
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    """The path is in the route table, but not for this method."""
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: str) -> None:
+        super().__init__(message)
+        self.headers = {"Allow": allow}
+
+
+class HostNotAllowed(GatewayError):
+    """The Host header names another server (a DNS rebinding page, a misdirected
+    request): answered 421 before anything runs."""
+    status, type, code = 421, "invalid_request_error", "host_not_allowed"
+
+
+class OriginNotAllowed(GatewayError):
+    """A web page of another origin (not in [listen] allowed_origins) asked."""
+    status, type, code = 403, "invalid_request_error", "origin_not_allowed"
+
+
+class UnsupportedMediaType(GatewayError):
+    """A JSON endpoint sent another content type (a web form's, text/plain...)."""
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
+class HeadersTooLarge(GatewayError):
+    """The request's head is over what the gateway parses."""
+    status, type, code = 431, "invalid_request_error", "request_header_fields_too_large"
 
 
 class ShuttingDown(GatewayError):
@@ -242,3 +277,17 @@ class AccessDenied(UnitOperationFailed):
     """polkit (or the bus policy) said no to a unit operation."""
 
     status, type, code = 403, "permission_error", "access_denied"
+
+
+class AnswerTooLarge(GatewayError):
+    """An engine's or upstream's answer read whole went past max_answer_mb: refused rather
+    than held in memory."""
+
+    status, type, code = 502, "server_error", "answer_too_large"
+
+
+class EventTooLarge(AnswerTooLarge):
+    """One event of a stream went past max_event_mb without its end (a blank line): the
+    stream ends with this as its error event (its status was sent)."""
+
+    code = "event_too_large"

@@ -6,7 +6,7 @@ journald directly; tests pass fakes, app.py passes the real adapters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,6 +89,11 @@ class SlotStore(Protocol):
 
     async def restore(self, model_id: str, socket: str, instance: str) -> int:
         """Restore the saved slots into the engine at socket; tokens restored."""
+        ...
+
+    def prune(self, keep: Collection[str]) -> list[str]:
+        """Delete the saved slots of every engine instance not in keep; the instances
+        deleted. Blocking (the file system): run it off the event loop."""
         ...
 
 

@@ -59,9 +59,32 @@ class UpstreamConfig:
     def discovers(self) -> bool:
         return self.models is None
 
+    @property
+    def shown_url(self) -> str:
+        """The URL as it may be shown (status, logs, errors): without user:password@."""
+        return without_userinfo(self.url)
+
+    def redact(self, text: str) -> str:
+        """text with this upstream's credentials taken out (an error's words may quote
+        the URL)."""
+        if self.url != self.shown_url:
+            text = text.replace(self.url, self.shown_url)
+            userinfo = urlsplit(self.url).netloc.rpartition("@")[0]
+            text = text.replace(userinfo, "***")
+        if self.api_key:
+            text = text.replace(self.api_key, "***")
+        return text
+
     def url_for(self, path_qs: str) -> str:
         """Our /v1/chat/completions?x → <base>/chat/completions?x."""
         return self.url + path_qs[len(REMOTE_PREFIX) - 1:]
+
+
+def without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 class UpstreamState(StrEnum):
@@ -166,9 +189,11 @@ def _parse_upstream(name: str, table: Any, base: Path, where: str) -> UpstreamCo
                           "e.g. \"http://gpu-box:8080/v1\")")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{where}: {key}.url = {url!r} is not an http:// or https:// URL")
+        raise ConfigError(f"{where}: {key}.url = {without_userinfo(url)!r} is not an http:// "
+                          "or https:// URL")
     if parts.query or parts.fragment:
-        raise ConfigError(f"{where}: {key}.url = {url!r}: a base URL has no ?query or #part")
+        raise ConfigError(f"{where}: {key}.url = {without_userinfo(url)!r}: a base URL has "
+                          "no ?query or #part")
     models = table.get("models")
     if models is not None and (not isinstance(models, list) or not models
                                or not all(isinstance(m, str) and m.strip() for m in models)):

@@ -182,6 +182,12 @@ async def metrics(request: web.Request) -> web.Response:
                         upstreams=[(r.name, r.up, r.in_flight) for r in front.remotes.remotes()])
     if (native := request.app.get(NATIVE_RELAY)) is not None:
         snapshot.native_relay_streams, snapshot.native_relay_active = native.streams, native.active
+    kv_counts = mgr.slots.counts if mgr.slots is not None else {}
+    pruned = front.records.pruned if front.records else {}
+    snapshot.bounded = {"engine_framing": front.engine_client.refused["framing"],
+                        "records_max_age_days": pruned.get("age", 0),
+                        "records_max_mb": pruned.get("size", 0),
+                        "kv_cache_unconfigured": kv_counts.get(("prune", "removed"), 0)}
     engines = mgr.engines()
     infos = await asyncio.gather(*(mgr.info(e) for e in engines))
     for engine, info in zip(engines, infos, strict=True):
@@ -267,6 +273,8 @@ def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) 
 async def follow_events(request: web.Request) -> web.StreamResponse:
     """SSE: a snapshot first, then every engine state change and queue depth change."""
     mgr, hub = request.app[ENGINES], request.app[EVENTS]
+    if request.method == "HEAD":   # the head only: aiohttp would send a stream's body too
+        return web.Response(headers=SSE_HEADERS)
     queue = hub.follow()
     response = web.StreamResponse(headers=SSE_HEADERS)
     try:

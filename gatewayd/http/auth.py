@@ -1,85 +1,241 @@
-"""Who may call what, at the HTTP edge (the key rules are core/auth.py's).
+"""The gate: who may call what, at the HTTP edge, deny by default.
 
-`check_access` runs first in the error middleware (so a refusal is rendered in
-the caller's dialect), before routing:
-- a request on the admin unix socket: `/admin/*` (and `/health`) only, for a peer
-  the kernel says is root, the gateway's user or in the admin group
-  (adapters/admin_socket.py); no key needed;
-- on the public port: `/admin/*` only while `[admin] public` (404 admin_not_public
-  otherwise; `/admin/metrics` alone, keyless, while `[admin] public_metrics`); with
-  keys on, a key with the path's scope (admin or inference). With keys off, it costs a
-  few attribute reads.
-The key found is kept on the request (`request[API_KEY]`) for the handler's model
-check and the call record. What is in force lives in `app[ACCESS]`, replaced by a
-configuration reload.
+`check_access` runs first in the error middleware (so a refusal is rendered in the
+caller's dialect), before any handler, in this order:
+
+1. On the admin unix socket: the route table's PUBLIC and ADMIN routes only (an
+   inference path is a 404 there), for a peer the kernel says is root, the gateway's
+   user or in the admin group (adapters/admin_socket.py); no key needed.
+2. On the public port: the Host must name this gateway and an Origin, where one is
+   sent, must be its own or an allowed one (core/origins.py): a web page the user has
+   open gets nothing, keys or no keys.
+3. The route table (core/routes.py): a path not in it is a 404, a method not listed a
+   405. Nothing else runs for them.
+4. ADMIN routes on the public port only while `[admin] public` (404 admin_not_public
+   otherwise; `GET /admin/metrics` alone, keyless, while `[admin] public_metrics`).
+5. With keys on, a key with the route's scope (admin or inference); PUBLIC routes and
+   the status page's shell need none.
+6. A JSON route refuses a body of another content type (415), a multipart route one
+   that is not multipart.
+
+The route found and the key are kept on the request (`request[ROUTE]`,
+`request[API_KEY]`) for the handlers. What is in force lives in `app[ACCESS]`,
+replaced by a configuration reload.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gatewayd.adapters.admin_socket import may_administer, peer_of
 from gatewayd.core.auth import ADMIN, INFERENCE, ApiKey, KeyRing, presented_key
-from gatewayd.core.errors import AdminNotAllowed, AdminNotPublic
+from gatewayd.core.errors import (
+    AdminNotAllowed,
+    AdminNotPublic,
+    HeadersTooLarge,
+    HostNotAllowed,
+    OriginNotAllowed,
+    RouteNotFound,
+    UnsupportedMediaType,
+)
+from gatewayd.core.origins import BrowserPolicy
+from gatewayd.core.routes import TABLE, Body, Caller, Matched
 
 API_KEY = web.RequestKey("api_key", ApiKey)
-OPEN_PATHS = frozenset({"/health", "/favicon.ico"})   # liveness checks carry no key
+ROUTE = web.RequestKey("route", Matched)
+CORS_ORIGIN = web.RequestKey("cors_origin", str)   # an allowed page of another origin
 CREDENTIAL_HEADERS = ("Authorization", "X-Api-Key")
 METRICS_PATH = "/admin/metrics"
-STATUS_PAGE_PATHS = frozenset({"/admin", "/admin/"})
+MODEL_PATH, MODEL_PREFIX = "/v1/models/{id}", "/v1/models/"
+# what a page of an allowed origin may send and read (CORS)
+CORS_REQUEST_HEADERS = ("Authorization, X-Api-Key, Content-Type, Accept, OpenAI-Beta, "
+                        "Anthropic-Version, Anthropic-Beta, X-Stainless-Retry-Count, "
+                        "X-Stainless-Timeout, X-Stainless-Lang, X-Stainless-Package-Version, "
+                        "X-Stainless-OS, X-Stainless-Arch, X-Stainless-Runtime, "
+                        "X-Stainless-Runtime-Version, Anthropic-Dangerous-Direct-Browser-Access")
+CORS_MAX_AGE_S = 600
+# The request head the gateway takes: a field or request line of 8 KiB (aiohttp's own
+# default), 32 KiB in all. aiohttp's parser is given more room (PARSER_LIMITS, up to
+# 64 KiB) so that a head between the two is answered here, a 431 in the caller's JSON
+# dialect, rather than by the parser's plain-text 400 and a traceback in the log.
+MAX_FIELD_BYTES = 8190
+MAX_HEAD_BYTES = 32 * 1024
+PARSER_LIMITS: dict[str, Any] = {"max_line_size": 65536, "max_field_size": 65536}
+
+
+def own_host_names() -> frozenset[str]:
+    """This machine's host name, short and as the resolver knows it (no lookup: that
+    could block the start)."""
+    name = socket.gethostname().lower()
+    return frozenset({name, name.split(".", 1)[0]})
 
 
 @dataclass
 class Access:
-    """Who may reach what: the key ring and which admin routes are public."""
+    """Who may reach what: the key ring, which admin routes are public, and which Host
+    names and web origins name this gateway."""
     keys: KeyRing | None = None
     admin_public: bool = False
     metrics_public: bool = False       # /admin/metrics on the public port, keyless
     admin_socket: str | None = None    # the admin socket's path, once bound
     admin_gid: int | None = None
     own_uid: int = field(default_factory=os.getuid)
+    browser: BrowserPolicy = field(default_factory=lambda: BrowserPolicy.of(
+        (), (), own_host_names()))
 
 
 ACCESS = web.AppKey("access", Access)
 
 
-def check_access(request: web.Request) -> None:
-    """Raises MissingApiKey / InvalidApiKey (401), ScopeNotAllowed / AdminNotAllowed (403),
-    or HTTPNotFound (the admin API is not on this socket)."""
-    access = request.app.get(ACCESS)   # (an app built without it: admin API tests)
+def check_access(request: web.Request) -> Matched | None:
+    """The request's route, once it may go on; raises the error to answer otherwise:
+    HostNotAllowed (421), OriginNotAllowed (403), RouteNotFound (404),
+    MethodNotAllowed (405), AdminNotPublic (404), MissingApiKey / InvalidApiKey (401),
+    ScopeNotAllowed / AdminNotAllowed (403), UnsupportedMediaType (415).
+    None: an app built without access rules (the admin API's own tests)."""
+    access = request.app.get(ACCESS)
     if access is None:
-        return
-    path = request.path
-    admin = path == "/admin" or path.startswith("/admin/")
-    if access.admin_socket is not None and request.transport is not None and \
-            request.transport.get_extra_info("sockname") == access.admin_socket:
-        if not admin and path not in OPEN_PATHS:
-            raise web.HTTPNotFound()   # the admin socket serves the admin API only
-        peer = peer_of(request.transport.get_extra_info("socket"))
+        return None
+    _check_head_size(request)
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    if access.admin_socket is not None and sockname == access.admin_socket:
+        matched = _admin_socket_route(request)
+        assert transport is not None   # it had a sockname
+        peer = peer_of(transport.get_extra_info("socket"))
         if not may_administer(peer, access.own_uid, access.admin_gid):
             raise AdminNotAllowed(
                 f"user {peer.uid if peer else '?'} may not use the admin API: it is for "
                 "root, the gateway's user and the admin group ([admin] group)")
-        return
-    if admin and not access.admin_public:
-        if access.metrics_public and path == METRICS_PATH and request.method == "GET":
-            return     # read-only figures for a scraper ([admin] public_metrics)
-        raise AdminNotPublic(
-            f"{path} is not served on this port: the admin API is on the gateway's admin "
-            "socket (the llm-gateway CLI finds it; set [admin] public = true to serve it "
-            "here too)")
-    keys = access.keys
-    if keys is None or path in OPEN_PATHS or (path in STATUS_PAGE_PATHS
-                                              and request.method == "GET"):
-        return   # the status page holds no data: it asks for a key, then calls the API
+        request[ROUTE] = matched
+        return matched
     headers = request.headers
-    request[API_KEY] = keys.identify(
-        presented_key(headers.get("Authorization"), headers.get("X-Api-Key")),
-        ADMIN if admin else INFERENCE)
+    host = headers.get("Host")
+    local = sockname[0] if isinstance(sockname, tuple) else None
+    if not access.browser.host_allowed(host, local) and isinstance(sockname, tuple):
+        raise HostNotAllowed(
+            "this gateway does not answer for that Host name; a name it should answer "
+            "for goes in [listen] allowed_hosts")
+    origin = headers.get("Origin")
+    if origin is not None:
+        allowed, cross = access.browser.origin_allowed(origin, host)
+        if not allowed:
+            raise OriginNotAllowed(
+                "web pages of other origins may not call this gateway; an origin that "
+                "should goes in [listen] allowed_origins")
+        if cross:
+            request[CORS_ORIGIN] = origin
+    matched = TABLE.match(request.method, request.path,
+                          preflight_for=headers.get("Access-Control-Request-Method"))
+    _as_written(request, matched)
+    request[ROUTE] = matched
+    if request.method == "OPTIONS":
+        return matched     # a CORS preflight: answered from the table, no key in it
+    route = matched.route
+    if route.access is Caller.PUBLIC:
+        return matched
+    admin = route.access is Caller.ADMIN
+    if admin and not access.admin_public:
+        if access.metrics_public and route.path == METRICS_PATH:
+            return matched     # read-only figures for a scraper ([admin] public_metrics)
+        raise AdminNotPublic(
+            f"{route.path} is not served on this port: the admin API is on the gateway's "
+            "admin socket (the llm-gateway CLI finds it; set [admin] public = true to "
+            "serve it here too, behind admin keys)")
+    if access.keys is not None and not route.keyless:
+        request[API_KEY] = access.keys.identify(
+            presented_key(headers.get("Authorization"), headers.get("X-Api-Key")),
+            ADMIN if admin else INFERENCE)
+    if route.body is not Body.NONE and request.body_exists:
+        _check_content_type(request, route.body)
+    return matched
+
+
+def _check_head_size(request: web.Request) -> None:
+    total = len(request.raw_path)
+    for name, value in request.raw_headers:
+        size = len(name) + len(value)
+        if size > MAX_FIELD_BYTES:
+            raise HeadersTooLarge(f"the header {name[:64].decode('latin-1')!r} is {size} "
+                                  f"bytes: at most {MAX_FIELD_BYTES} are taken")
+        total += size + 4
+    if total > MAX_HEAD_BYTES or len(request.raw_path) > MAX_FIELD_BYTES:
+        raise HeadersTooLarge(f"the request line and headers are {total} bytes: at most "
+                              f"{MAX_HEAD_BYTES} in all, {MAX_FIELD_BYTES} a line, are taken")
+
+
+def _as_written(request: web.Request, matched: Matched) -> None:
+    """The path must be the table's as the client wrote it: one that only decodes or
+    normalises to a table path (`/%73lots`, `/v1/chat%2Fcompletions`, `/v1/x/../../slots`)
+    is a 404, whatever the next hop would have made of it. A model's name in
+    /v1/models/{id} may be percent-encoded (names hold '/' and ':')."""
+    raw = request.raw_path.partition("?")[0]
+    if raw == request.path or (matched.route.path == MODEL_PATH
+                               and raw.startswith(MODEL_PREFIX) and "/." not in raw
+                               and "%2e" not in raw.lower()):
+        return
+    raise RouteNotFound(f"{request.path} is not a path this gateway serves as written "
+                        "(percent-encoded or dot segments)")
+
+
+def _admin_socket_route(request: web.Request) -> Matched:
+    """The admin socket serves the admin API (and /health) only."""
+    try:
+        matched = TABLE.match(request.method, request.path)
+        _as_written(request, matched)
+    except RouteNotFound:
+        raise web.HTTPNotFound() from None
+    if matched.route.access is Caller.INFERENCE:
+        raise web.HTTPNotFound()
+    return matched
+
+
+def _check_content_type(request: web.Request, body: Body) -> None:
+    kind = request.content_type     # aiohttp: application/octet-stream when none is sent
+    if body is Body.JSON:
+        if kind == "application/json" or (kind.startswith("application/")
+                                           and kind.endswith("+json")):
+            return
+        raise UnsupportedMediaType(
+            f"{request.path} takes a JSON body: send it as 'Content-Type: application/json' "
+            f"(not {kind}); with curl: -H 'Content-Type: application/json'")
+    if kind != "multipart/form-data":
+        raise UnsupportedMediaType(
+            f"{request.path} takes a multipart/form-data upload (not {kind}); with curl: "
+            "-F file=@audio.wav -F model=NAME")
+
+
+def preflight(request: web.Request, matched: Matched) -> web.Response:
+    """A CORS preflight (OPTIONS) for a route: the origin was already let through by
+    check_access; the methods are the route's."""
+    methods = ", ".join(sorted(TABLE.methods(request.path)))
+    headers = CIMultiDict({"Allow": methods})
+    if (origin := request.get(CORS_ORIGIN)) is not None:
+        headers.update({"Access-Control-Allow-Origin": origin,
+                        "Access-Control-Allow-Methods": methods,
+                        "Access-Control-Allow-Headers": CORS_REQUEST_HEADERS,
+                        "Access-Control-Max-Age": str(CORS_MAX_AGE_S),
+                        "Vary": "Origin"})
+    return web.Response(status=204, headers=headers)
+
+
+async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: an allowed page of another origin may read the answer."""
+    origin = request.get(CORS_ORIGIN)
+    if origin is not None and "Access-Control-Allow-Origin" not in response.headers:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
 
 
 def request_key(request: web.Request) -> ApiKey | None:
     return request.get(API_KEY)
+
+
+def request_route(request: web.Request) -> Matched | None:
+    return request.get(ROUTE)

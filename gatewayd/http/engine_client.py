@@ -35,8 +35,12 @@ from typing import cast
 
 from multidict import CIMultiDict
 
-MAX_HEAD = 64 * 1024          # an answer's status line and headers
+from gatewayd.adapters.engine_http import chunk_size
+
+MAX_HEAD = 64 * 1024          # an answer's status line and headers (and, apart, its trailers)
 MAX_CHUNK_LINE = 4096         # a chunk-size line (with extensions)
+MAX_ANSWER = 16 << 20         # a whole answer read for the gateway's own use (own_get)
+DEFAULT_QUEUE_LIMIT = 100     # requests waiting for one engine's connections (queue_limit)
 HIGH_WATER = 256 * 1024       # unread answer bytes before reading pauses
 NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -53,9 +57,23 @@ class EngineConnectionError(Exception):
         self.connect = connect
 
 
+class BadFraming(EngineConnectionError):
+    """The engine's answer broke HTTP/1.1's framing or went past a bound (a head or a chunk
+    line too long, a chunk size that is not plain hex): refused, never waited out."""
+
+
+class AnswerTooLarge(EngineConnectionError):
+    """A body read whole (EngineResponse.read) went past the limit it was read with."""
+
+
 class ConnectionsBusy(Exception):
     """None of an engine's connections came free in time: all it serves at once are in
     use, and the request waited for one for the client's queue time (read_timeout_s)."""
+
+
+class ConnectionsQueueFull(ConnectionsBusy):
+    """As many requests as the queue limit already wait for the engine's connections: the
+    next is refused at once rather than held (with its body) for up to read_timeout_s."""
 
 
 class EngineResponse:
@@ -69,10 +87,15 @@ class EngineResponse:
         self.reason = reason
         self.headers = headers
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; AnswerTooLarge (the connection closed) past limit bytes."""
         parts = []
+        size = 0
         while data := await self._conn.read_some():
+            size += len(data)
+            if limit is not None and size > limit:
+                self.close()
+                raise AnswerTooLarge(f"the engine's answer is over {limit} bytes")
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -144,8 +167,13 @@ class EngineClient:
     """Connections to engine sockets, created on first use."""
 
     def __init__(self, read_timeout_s: float, *, connect_timeout_s: float = 10.0,
-                 keepalive_s: float = 4.0, queue_timeout_s: float | None = None) -> None:
+                 keepalive_s: float = 4.0, queue_timeout_s: float | None = None,
+                 queue_limit: int = DEFAULT_QUEUE_LIMIT) -> None:
         self.read_timeout_s = read_timeout_s
+        # requests waiting for a socket's connections, unless set_queue_limit said otherwise
+        self.queue_limit = queue_limit
+        # answers refused by a bound, by which (the metrics' llm_gateway_bounded)
+        self.refused: collections.Counter[str] = collections.Counter()
         # the longest wait for one of an engine's connections (the limit's queue); the
         # client has heard nothing meanwhile, as in a silence of the engine's
         self.queue_timeout_s = read_timeout_s if queue_timeout_s is None else queue_timeout_s
@@ -159,6 +187,11 @@ class EngineClient:
         pool = self._pool(socket)
         pool.limit = None if limit is None else max(1, limit)
         pool.admit()
+
+    def set_queue_limit(self, socket: str, queue_limit: int | None) -> None:
+        """At most queue_limit requests waiting for socket's connections (None: the
+        client's queue_limit); one more is refused at once (ConnectionsQueueFull)."""
+        self._pool(socket).queue_limit = queue_limit
 
     def limit(self, socket: str) -> int | None:
         pool = self._pools.get(socket)
@@ -191,9 +224,10 @@ class EngineClient:
         head = _request_head(method, target, headers, len(body),
                              body_expected=bool(body) or method in ("POST", "PUT", "PATCH"))
         if not queue:
-            pool = _Pool(self.keepalive_s, None)    # a pool of its own: no slot, no reuse
+            pool = _Pool(self.keepalive_s, None, self.refused)   # its own: no slot, no reuse
             reuse = False
-        await pool.acquire(self.queue_timeout_s)
+        queue_limit = self.queue_limit if pool.queue_limit is None else pool.queue_limit
+        await pool.acquire(self.queue_timeout_s, queue_limit)
         try:
             for attempt in (1, 2):
                 conn = pool.idle_connection() if reuse and attempt == 1 else None
@@ -235,7 +269,7 @@ class EngineClient:
     def _pool(self, socket: str) -> _Pool:
         pool = self._pools.get(socket)
         if pool is None:
-            pool = self._pools[socket] = _Pool(self.keepalive_s, None)
+            pool = self._pools[socket] = _Pool(self.keepalive_s, None, self.refused)
         return pool
 
     def forget(self, socket: str) -> None:
@@ -254,17 +288,23 @@ class EngineClient:
 class _Pool:
     """One socket's idle connections (newest last) and its connection slots."""
 
-    def __init__(self, keepalive_s: float, limit: int | None) -> None:
+    def __init__(self, keepalive_s: float, limit: int | None,
+                 refused: collections.Counter[str]) -> None:
         self.keepalive_s = keepalive_s
         self.limit = limit
+        self.queue_limit: int | None = None   # None: the client's
+        self.refused = refused
         self.idle: list[_Connection] = []
         self.busy = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def acquire(self, timeout: float | None) -> None:
+    async def acquire(self, timeout: float | None, queue_limit: int) -> None:
         if not self.waiters and (self.limit is None or self.busy < self.limit):
             self.busy += 1
             return
+        if len(self.waiters) >= queue_limit:
+            raise ConnectionsQueueFull(f"{len(self.waiters)} requests already wait for the "
+                                       f"engine's connections (queue_limit {queue_limit})")
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
         try:
@@ -340,6 +380,7 @@ class _Connection(asyncio.Protocol):
         self._left = 0                # body bytes (LENGTH) or chunk bytes (CHUNKED) to come
         self._need_crlf = False       # after a chunk's data
         self._trailers = False        # after the last chunk
+        self._trailer_bytes = 0
         self._body: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -409,6 +450,8 @@ class _Connection(asyncio.Protocol):
             elif self._state == _DONE and data:
                 raise EngineConnectionError("the engine sent bytes after its answer")
         except EngineConnectionError as e:
+            if isinstance(e, BadFraming):
+                self._pool.refused["framing"] += 1
             self._fail(e)
             self.abort()
         if self._sink is None or self._state == _DONE or self._error is not None:
@@ -562,7 +605,7 @@ class _Connection(asyncio.Protocol):
             end = data.find(b"\r\n\r\n")
             if end == -1:
                 if len(data) > MAX_HEAD:
-                    raise EngineConnectionError("the engine's answer head is too long")
+                    raise BadFraming(f"the engine's answer head is over {MAX_HEAD} bytes")
                 self._buffer = data
                 return b""
             head, data = data[:end], data[end + 4:]
@@ -579,9 +622,10 @@ class _Connection(asyncio.Protocol):
             elif "chunked" in headers.get("Transfer-Encoding", "").lower():
                 self._framing = _CHUNKED
                 self._left = 0
+                self._trailer_bytes = 0
             elif (length := headers.get("Content-Length")) is not None:
-                if not length.strip().isdigit():
-                    raise EngineConnectionError(f"bad Content-Length {length!r}")
+                if not length.isascii() or not length.strip().isdigit():
+                    raise BadFraming(f"bad Content-Length {length[:40]!r}")
                 self._framing = _LENGTH
                 self._left = int(length)
                 if self._left == 0:
@@ -630,7 +674,8 @@ class _Connection(asyncio.Protocol):
             eol = data.find(b"\r\n", pos)
             if eol == -1:
                 if end - pos > MAX_CHUNK_LINE:
-                    raise EngineConnectionError("bad chunked encoding from the engine")
+                    raise BadFraming("bad chunked encoding from the engine: a chunk line "
+                                     f"over {MAX_CHUNK_LINE} bytes")
                 self._buffer = data[pos:]
                 return
             line, pos = data[pos:eol], eol + 2
@@ -640,13 +685,15 @@ class _Connection(asyncio.Protocol):
                     if pos < end:
                         raise EngineConnectionError("the engine sent bytes after its answer")
                     return
+                # dropped, but not without end: an engine writing trailers for ever
+                self._trailer_bytes += len(line) + 2
+                if self._trailer_bytes > MAX_HEAD:
+                    raise BadFraming(f"the engine's trailers are over {MAX_HEAD} bytes")
                 continue
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise EngineConnectionError("bad chunked encoding from the engine") from None
-            if size < 0:
-                raise EngineConnectionError("bad chunked encoding from the engine")
+            size = chunk_size(line)
+            if size is None:
+                raise BadFraming("bad chunked encoding from the engine: chunk size "
+                                 f"{line[:40]!r} is not up to 15 hex digits")
             if size == 0:
                 self._trailers = True
             else:
@@ -729,14 +776,14 @@ def _parse_head(head: bytes) -> tuple[int, str, CIMultiDict[str], bool]:
     status_line, _, rest = text.partition("\r\n")
     parts = status_line.split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or len(parts[1]) != 3 \
-            or not parts[1].isdigit():
-        raise EngineConnectionError(f"not an HTTP answer from the engine: {status_line[:80]!r}")
+            or not parts[1].isascii() or not parts[1].isdigit():   # (isdigit: also "²")
+        raise BadFraming(f"not an HTTP answer from the engine: {status_line[:80]!r}")
     headers: CIMultiDict[str] = CIMultiDict()
     if rest:
         for line in rest.split("\r\n"):
             name, colon, value = line.partition(":")
             if not colon or not name or name != name.strip():
-                raise EngineConnectionError(f"bad header line from the engine: {line[:80]!r}")
+                raise BadFraming(f"bad header line from the engine: {line[:80]!r}")
             headers.add(name, value.strip())
     connection = headers.get("Connection", "").lower()
     keep_alive = "close" not in connection if parts[0] == "HTTP/1.1" else \

@@ -11,8 +11,9 @@ from typing import Any
 from aiohttp import web
 
 from gatewayd.core.errors import GatewayError, ShuttingDown, anthropic_error_body, error_body
+from gatewayd.core.routes import Caller
 from gatewayd.core.routing import speaks_anthropic
-from gatewayd.http.auth import check_access
+from gatewayd.http.auth import check_access, preflight, request_route
 
 log = logging.getLogger("gatewayd")
 
@@ -39,15 +40,19 @@ def shutdown_error() -> ShuttingDown:
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as a JSON body in the caller's dialect (OpenAI's envelope, or
     Anthropic's on /v1/messages*) with the same status; never a traceback or HTML.
-    Access (the admin socket's peer, API keys) is checked here first: one middleware
-    layer less on the hot path."""
+    Access (http/auth.py: Host, Origin, the route table, keys) is checked here first:
+    one middleware layer less on the hot path."""
     try:
-        check_access(request)
+        matched = check_access(request)
+        if request.method == "OPTIONS" and matched is not None:
+            return preflight(request, matched)
         return await handler(request)
     except GatewayError as e:
         headers = dict(e.headers)
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
+        if not _for_admin(request):
+            _withhold_engine_logs(e)
         return web.json_response(_in_dialect(e, request.path), status=e.status,
                                  headers=headers)
     except web.HTTPException as e:
@@ -70,6 +75,20 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = GatewayError("internal error; see the gateway's journal")
         return web.json_response(_in_dialect(error, request.path), status=500)
+
+
+def _for_admin(request: web.Request) -> bool:
+    matched = request_route(request)
+    return matched is not None and matched.route.access is Caller.ADMIN
+
+
+def _withhold_engine_logs(error: GatewayError) -> None:
+    """An engine's journal lines are for the admin API and the CLI: an inference caller
+    is told the failure and where the logs are, not what they say (they may hold other
+    clients' prompts, paths, the host's details)."""
+    failure = error.extra.get("failure")
+    if isinstance(failure, dict) and "log_tail" in failure:
+        error.extra["failure"] = {k: v for k, v in failure.items() if k != "log_tail"}
 
 
 def _in_dialect(error: GatewayError, path: str) -> dict[str, Any]:

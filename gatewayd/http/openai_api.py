@@ -23,7 +23,7 @@ from multidict import CIMultiDict
 
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
-from gatewayd.core.auth import check_model
+from gatewayd.core.auth import ApiKey, check_model
 from gatewayd.core.budget import model_need_mib
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import GatewayConfig
@@ -40,21 +40,22 @@ from gatewayd.core.errors import (
     ModelNotFound,
     ModelNotLoaded,
     QueueFull,
+    RouteNotFound,
     UpstreamTimeout,
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
-from gatewayd.http.auth import CREDENTIAL_HEADERS, request_key
+from gatewayd.http.auth import request_key, request_route
 from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
     Outgoing,
     as_whisper_translation,
-    forward_headers,
     relay,
+    request_headers,
     to_engine,
     to_remote,
 )
@@ -71,8 +72,6 @@ USAGE_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/compl
 SPILL_OVER = (QueueFull, ConcurrencyLimit, InsufficientGpu, EngineLimitReached,
               GpuUnavailable, ModelNotLoaded, EngineFailed)
 log = logging.getLogger("gatewayd.front")
-# engine endpoints that must never be reachable through the gateway
-BLOCKED_PATHS = frozenset({"/load"})   # whisper-server: loads any path; a bad one kills it
 
 
 @dataclass
@@ -138,12 +137,17 @@ async def retrieve_model(request: web.Request) -> web.Response:
     model_not_found otherwise."""
     front = request.app[FRONT]
     asked = request.match_info["model_id"]
+    key = request_key(request)
+    if key is not None:   # first: a key learns nothing of models it may not use
+        found = front.engines.catalog.find(asked)
+        check_model(key, found.id if found else asked,
+                    found.names if found else frozenset({asked.casefold()}))
     try:
         model = front.engines.catalog.resolve(asked)
     except ModelNotFound as e:
         remote = front.remotes.candidates((asked,))
         if not remote:
-            e.extra["available_models"] = available_models(front)
+            e.extra["available_models"] = available_models(front, request_key(request))
             raise
         check_model(request_key(request), remote[0].id, frozenset())
         upstream = next(r for r in front.remotes.remotes() if r.name == remote[0].upstream)
@@ -184,30 +188,37 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     record = CallRecord(ts=time.time(), method=request.method, endpoint=request.path,
                         api_key=key.name if key is not None else None)
     try:
-        if request.path in BLOCKED_PATHS:
-            raise web.HTTPNotFound()
+        matched = request_route(request)
+        if matched is None or not matched.route.engine:
+            # the route table (core/routes.py) lets through only paths it lists; an app
+            # built without the gate (a test's) gets the same answer for the rest
+            raise RouteNotFound(f"{request.path} is not a path this gateway serves")
         body = await read_body(request, front.config.max_body_bytes)
         record.bytes_in = len(body)
         model, payload, multipart = await model_of(request, body)
         asked = model or request.query.get("model")
         catalog = front.engines.catalog
+        if key is not None and asked is not None:
+            # before anything that depends on the model (its kind, whether it exists): a
+            # key learns nothing of models it may not use
+            found = catalog.find(asked)
+            check_model(key, found.id if found else asked,
+                        found.names if found else frozenset({asked.casefold()}))
         try:
             model_id = choose_model(request.path, asked, catalog=catalog,
                                     engines=front.engines.engines(),
                                     default_model=front.config.default_model)
         except ModelNotFound as e:
             if asked is None or not front.remotes.candidates((asked,)):
-                e.extra["available_models"] = available_models(front)
+                e.extra["available_models"] = available_models(front, key)
                 raise
             model_id = asked    # a remote model: served by an upstream only
         local = catalog.get(model_id)
         names = local.names if local is not None else frozenset({model_id.casefold()})
         record.model = model_id
-        headers = forward_headers(request.headers)
-        if key is not None:   # the key was ours to check; engines never see it
+        headers = request_headers(request.headers)   # never the client's key: ours to check
+        if key is not None:
             check_model(key, model_id, names)
-            for name in CREDENTIAL_HEADERS:
-                headers.popall(name, None)
         # Inference (POST) may load a model and counts as use for eviction; polls such
         # as GET /props or /metrics?model= neither load one nor keep one alive.
         inference = request.method == "POST"
@@ -228,10 +239,12 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                                  "`file` and a `model` field")
         if front.config.records_store_text and not multipart:
             record.request_text = _capped(body, front.config.records_text_max_bytes)
-        call = Call(request, record, t0, payload, body, headers, stream, drop_usage)
+        call = Call(request, record, t0, payload, body, headers, stream, drop_usage,
+                    matched.target)
         if local is None:
             response = await relay_remote(front, call, names, model_id)
-        elif local.config.spill_over and front.remotes.candidates(names):
+        elif local.config.spill_over and matched.route.upstream \
+                and front.remotes.candidates(names):
             try:
                 engine = await front.dispatcher.acquire(model_id, autoload=autoload,
                                                         counts_as_use=inference)
@@ -284,6 +297,7 @@ class Call:
     headers: CIMultiDict[str]
     stream: bool
     drop_usage: bool
+    target: str       # the path to send on: the route table's spelling, not the client's
 
 
 async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: bool,
@@ -291,11 +305,12 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: b
     """To the model's engine; its slot (taken by acquire) is given back at the end."""
     request = call.request
     try:
-        body, target = call.body, request.rel_url.raw_path_qs   # as the client encoded it
+        body, query = call.body, request.rel_url.raw_query_string
+        path = call.target
         if multipart and request.path in TRANSLATION_PATHS:
             body = as_whisper_translation(body, _boundary(request))
-            query = request.rel_url.raw_query_string
-            target = WHISPER_INFERENCE_PATH + (f"?{query}" if query else "")
+            path = WHISPER_INFERENCE_PATH
+        target = path + (f"?{query}" if query else "")
         call.record.engine = engine.unit
         send = to_engine(front.engine_client, engine.socket, request.method, target,
                          call.headers, body, stream=call.stream)
@@ -311,9 +326,12 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
                        asked: str) -> web.StreamResponse:
     """To the first upstream serving one of names that is up and has room."""
     request = call.request
-    if not request.path.startswith(REMOTE_PREFIX):
-        raise InvalidRequest(f"{asked!r} is served by a remote upstream, which is asked only "
-                             f"on {REMOTE_PREFIX} paths, not {request.path}", param="model")
+    route = request_route(request)
+    if route is None or not route.route.upstream:
+        raise InvalidRequest(f"{asked!r} is served by a remote upstream, which is asked "
+                             f"only on the OpenAI paths under {REMOTE_PREFIX}, not "
+                             f"{request.path}",
+                             param="model")
     try:
         remote, target = front.remotes.take(names, asked)
     except (UpstreamUnreachable, ConcurrencyLimit) as e:
@@ -326,28 +344,33 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
             payload["model"] = target.id     # the name the upstream knows it by
             body = json.dumps(payload).encode()
         headers = call.headers.copy()
-        for name in (*CREDENTIAL_HEADERS, "Accept-Encoding"):  # never the client's key;
-            headers.popall(name, None)                         # events must stay readable
         headers.update(remote.auth_headers())
         assert remote.session is not None
-        send = to_remote(remote.session, request.method, remote.config.url_for(request.path_qs),
+        query = request.rel_url.raw_query_string
+        send = to_remote(remote.session, request.method,
+                         remote.config.url_for(call.target + (f"?{query}" if query else "")),
                          headers, body)
         out = Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
-                       upstream=remote.name, stall_timeout_s=front.config.read_timeout_s)
+                       upstream=remote.name, stall_timeout_s=front.config.read_timeout_s,
+                       redact=remote.config.redact)
         try:
             return await relay(request, out, call.record, call.t0)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             if isinstance(e.__cause__, (aiohttp.ClientConnectorError,
                                         aiohttp.ConnectionTimeoutError)):
-                front.remotes.connect_failed(remote, str(e.__cause__))
+                front.remotes.connect_failed(remote, remote.config.redact(str(e.__cause__)))
             raise
     finally:
         front.remotes.release(remote)
 
 
-def available_models(front: FrontDoor) -> list[str]:
-    ids = front.engines.catalog.ids
-    return [*ids, *(m for _, m in front.remotes.serving() if m not in ids)]
+def available_models(front: FrontDoor, key: ApiKey | None) -> list[str]:
+    """The models the caller may use (all of them with keys off)."""
+    catalog = front.engines.catalog
+    ids = [m.id for m in catalog if key is None or key.may_use(m.id, m.names)]
+    return [*ids, *(m for _, m in front.remotes.serving()
+                    if m not in ids and catalog.find(m) is None
+                    and (key is None or key.may_use(m)))]
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

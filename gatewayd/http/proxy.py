@@ -30,11 +30,15 @@ from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
 from gatewayd.adapters.records import CallRecord
+from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import (
+    AnswerTooLarge,
     EngineBusy,
     EngineFailed,
     EngineUnavailable,
+    EventTooLarge,
     GatewayError,
+    QueueFull,
     UpstreamFailed,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -42,20 +46,30 @@ from gatewayd.core.errors import (
 )
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
 from gatewayd.http.engine_client import (
+    MAX_ANSWER,
     ConnectionsBusy,
+    ConnectionsQueueFull,
     EngineClient,
     EngineConnectionError,
     EngineResponse,
 )
+from gatewayd.http.engine_client import AnswerTooLarge as EngineAnswerTooLarge
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.native_relay import NATIVE_RELAY, Forwarded, NativeRelay
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-    "expect",   # the gateway has read the whole body: nothing for the next hop to expect
-})
+# The headers that cross the gateway, by allow-list. A client's request reaches an
+# engine or a third-party upstream with what describes its body and the API version it
+# speaks, never its cookies, credentials, OpenAI-Organization/-Project or proxy headers
+# (the upstream gets the gateway's own key); framing (length, chunking) is the
+# gateway's own on each hop.
+REQUEST_HEADERS = frozenset({"content-type", "accept", "user-agent", "openai-beta",
+                             "anthropic-version", "anthropic-beta"})
+# An answer reaches the client with what describes it and the server's advice, never an
+# engine's or upstream's cookies or CORS headers (llama-server allows any origin).
+ANSWER_HEADERS = frozenset({"content-type", "content-language", "retry-after", "x-request-id",
+                            "request-id", "openai-processing-ms", "openai-version"})
+ANSWER_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 
 
 
@@ -69,7 +83,10 @@ class Answer(Protocol):
     @property
     def headers(self) -> Mapping[str, str]: ...
 
-    async def read(self) -> bytes: ...
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; past limit bytes an error (engine_client's AnswerTooLarge, or
+        _AnswerPastLimit), the connection closed."""
+        ...
 
     async def read_some(self) -> bytes:
         """The next piece of the body as it arrives; b"" at its end."""
@@ -78,6 +95,22 @@ class Answer(Protocol):
     def release(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class Bounds:
+    """The relay's bounds on what it holds of an answer, from the configuration (one
+    object for the app's life: a reload changes it in place)."""
+
+    max_answer_bytes: int = GatewayConfig.max_answer_bytes
+    max_event_bytes: int = GatewayConfig.max_event_bytes
+
+    def follow(self, config: GatewayConfig) -> None:
+        self.max_answer_bytes = config.max_answer_bytes
+        self.max_event_bytes = config.max_event_bytes
+
+
+BOUNDS = web.AppKey("bounds", Bounds)   # absent: the defaults
 
 
 # what sending a request or reading its answer raises when the other side is not there,
@@ -96,6 +129,9 @@ class Outgoing:
     # longest a stream's client may take no bytes while the gateway has some for it; then
     # it is dropped and what it held (the engine) let go
     stall_timeout_s: float = 600.0
+    # takes an upstream's credentials out of an error's words (a library's error may
+    # quote the URL): UpstreamConfig.redact
+    redact: Callable[[str], str] = str
 
     def unavailable(self, e: BaseException, while_: str = "did not take the request"
                     ) -> GatewayError:
@@ -105,14 +141,15 @@ class Outgoing:
             return UpstreamTimeout(f"upstream {self.upstream!r} {while_}: no answer in time "
                                    f"({type(e).__name__})", upstream=self.upstream)
         return UpstreamUnavailable(f"upstream {self.upstream!r} {while_}: "
-                                   f"{e or type(e).__name__}", upstream=self.upstream)
+                                   f"{self.redact(str(e) or type(e).__name__)}",
+                                   upstream=self.upstream)
 
     def broke_off(self, e: BaseException) -> GatewayError:
-        why = e or type(e).__name__
+        why = str(e) or type(e).__name__
         if self.upstream is None:
             return EngineFailed(f"the engine stopped in the middle of the answer: {why}")
         return UpstreamFailed(f"upstream {self.upstream!r} stopped in the middle of the "
-                              f"answer: {why}", upstream=self.upstream)
+                              f"answer: {self.redact(why)}", upstream=self.upstream)
 
 
 def to_engine(client: EngineClient, socket: str, method: str, target: str,
@@ -136,7 +173,7 @@ async def own_get(client: EngineClient, socket: str, target: str, timeout_s: flo
     async with asyncio.timeout(timeout_s):
         resp = await client.request(socket, "GET", target, OWN_REQUEST, b"", queue=False)
         try:
-            return resp.status, await resp.read()
+            return resp.status, await resp.read(MAX_ANSWER)
         finally:
             resp.release()
 
@@ -197,8 +234,22 @@ class _ClientAnswer:
         self.status = response.status
         self.headers: Mapping[str, str] = response.headers
 
-    async def read(self) -> bytes:
-        return await self._response.read()
+    async def read(self, limit: int | None = None) -> bytes:
+        response = self._response
+        if limit is None:
+            return await response.read()
+        if (response.content_length or 0) > limit:   # said at once: nothing read
+            response.close()
+            raise _AnswerPastLimit(limit)
+        parts: list[bytes] = []
+        size = 0
+        while data := await response.content.readany():
+            size += len(data)
+            if size > limit:
+                response.close()
+                raise _AnswerPastLimit(limit)
+            parts.append(data)
+        return b"".join(parts)
 
     async def read_some(self) -> bytes:
         return await self._response.content.readany()
@@ -210,18 +261,31 @@ class _ClientAnswer:
         self._response.close()
 
 
-def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        if key.lower() not in HOP_BY_HOP:
-            out.add(key, value)
-    return out
+class _AnswerPastLimit(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the answer is over {limit} bytes")
+
+
+def request_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """What of a client's request headers an engine or upstream is sent."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() in REQUEST_HEADERS)
+
+
+def answer_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """What of an engine's or upstream's answer headers the client is sent."""
+    return CIMultiDict((k, v) for k, v in headers.items()
+                       if (name := k.lower()) in ANSWER_HEADERS
+                       or name.startswith(ANSWER_HEADER_PREFIXES))
 
 
 async def relay(request: web.Request, out: Outgoing, record: CallRecord,
                 t0: float) -> web.StreamResponse:
+    bounds = request.app.get(BOUNDS) or Bounds()
     try:
         upstream = await out.send()
+    except ConnectionsQueueFull as e:
+        raise QueueFull(f"the engine is busy: {e}; try again", retry_after=BUSY_RETRY_S,
+                        model=record.model) from e
     except ConnectionsBusy as e:
         raise EngineBusy(f"the engine is busy: {e}; try again", retry_after=BUSY_RETRY_S,
                          model=record.model) from e
@@ -230,9 +294,14 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
     try:
         content_type = upstream.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
-            return await _relay_stream(request, upstream, out, record, t0)
+            return await _relay_stream(request, upstream, out, record, t0,
+                                       bounds.max_event_bytes)
         try:
-            data = await upstream.read()
+            data = await upstream.read(bounds.max_answer_bytes)
+        except (_AnswerPastLimit, EngineAnswerTooLarge) as e:
+            who = "the engine" if out.upstream is None else f"upstream {out.upstream!r}"
+            raise AnswerTooLarge(f"{who} answered with more than {bounds.max_answer_bytes} "
+                                 "bytes (max_answer_mb): refused") from e
         except TRANSPORT_ERRORS as e:
             raise out.unavailable(e, "failed while answering") from e
         if upstream.status == 200 and request.path in WHISPER_PATHS:
@@ -240,7 +309,7 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
         record.status = upstream.status
         record.bytes_out = len(data)
         _usage_from_body(record, data, content_type)
-        headers = forward_headers(upstream.headers)
+        headers = answer_headers(upstream.headers)
         headers.pop("Content-Encoding", None)
         if upstream.status >= 400:
             record.outcome = "error"
@@ -253,8 +322,9 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
         upstream.release()
 
 
-async def _relay_stream(request: web.Request, upstream: Answer,
-                        out: Outgoing, record: CallRecord, t0: float) -> web.StreamResponse:
+async def _relay_stream(request: web.Request, upstream: Answer, out: Outgoing,
+                        record: CallRecord, t0: float, max_event_bytes: int
+                        ) -> web.StreamResponse:
     record.stream = True
     record.status = upstream.status
     response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
@@ -262,7 +332,7 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     if chunked:
         response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
     writer = await response.prepare(request)
-    sse = SseRelay(drop_usage_event=out.drop_usage_event)
+    sse = SseRelay(drop_usage_event=out.drop_usage_event, max_event_bytes=max_event_bytes)
     delivered = False  # the engine's answer ended and all of it was written to the client
     sent = _Sent()
     native = request.app.get(NATIVE_RELAY)
@@ -295,10 +365,16 @@ async def _relay_stream(request: web.Request, upstream: Answer,
             if not sse.ended:
                 raise aiohttp.ClientPayloadError("the stream ended without its final event")
             delivered = True
-        except TRANSPORT_ERRORS as e:
-            # The engine died mid-stream. The status is sent: end with an error event.
-            error = out.broke_off(e)
-            record.outcome = record.error_code = error.code
+        except (*TRANSPORT_ERRORS, EventTooLarge) as e:
+            # The engine died mid-stream, or went past a bound. The status is sent: end
+            # with an error event.
+            error = e if isinstance(e, EventTooLarge) else out.broke_off(e)
+            if isinstance(e, EventTooLarge):
+                upstream.close()   # the rest of the answer is not read
+                record.outcome = "error"
+                record.error_code = e.code
+            else:
+                record.outcome = record.error_code = error.code
             event = error_event(stream_format(request.path), error)
             await _write(request, response, event, record, out.stall_timeout_s)
         await _write_eof(request, response, record, out.stall_timeout_s)
@@ -406,9 +482,11 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
             if transport.is_closing():
                 raise _ClientGone()
             upstream.resume()
-    except TRANSPORT_ERRORS:
+    except TRANSPORT_ERRORS as e:
         if gone:
             raise _ClientGone() from None
+        if isinstance(e.__cause__, EventTooLarge):   # push's feed refused it: said as such
+            raise e.__cause__ from None
         raise
     if gone:
         raise _ClientGone()

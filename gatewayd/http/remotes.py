@@ -68,7 +68,7 @@ class Remote:
 
     def describe(self, now: float) -> dict[str, Any]:
         health = self.health
-        return {"name": self.name, "url": self.config.url, "state": health.state.value,
+        return {"name": self.name, "url": self.config.shown_url, "state": health.state.value,
                 "models": list(self.models), "discovered": self.config.discovers,
                 "in_flight": self.in_flight, "max_concurrency": self.config.max_concurrency,
                 "failures": health.failures, "last_error": health.last_error,
@@ -186,7 +186,7 @@ class Remotes:
                                    f"max_concurrency allows for {what!r}", retry_after=1,
                                    upstreams=[r.name for r in full])
         wait = min((r.health.retry_after_s(now) for r in down), default=1.0)
-        told = "; ".join(f"upstream {r.name!r} ({r.config.url}) is unreachable: "
+        told = "; ".join(f"upstream {r.name!r} is unreachable: "
                          f"{r.health.last_error or 'not connected'}" for r in down)
         raise UpstreamUnreachable(f"{what!r} is served remotely and {told}",
                                   retry_after=max(1, round(wait)),
@@ -262,7 +262,7 @@ class Remotes:
                             remote.health.last_error)
             return
         if remote.health.state is not UpstreamState.UP:
-            log.info("upstream %s is up (%s)", remote.name, config.url)
+            log.info("upstream %s is up (%s)", remote.name, config.shown_url)
         remote.health.succeeded(self._clock())
         if config.discovers and tuple(ids) != remote.models:
             log.info("upstream %s serves %s", remote.name, ", ".join(ids) or "no models")
@@ -279,7 +279,7 @@ def _why(e: BaseException, config: UpstreamConfig) -> str:
         return f"no answer within {config.connect_timeout_s + PROBE_READ_S:g}s"
     if isinstance(e, aiohttp.ClientConnectorCertificateError):
         return f"its TLS certificate was not accepted: {e.certificate_error}"
-    return str(e) or type(e).__name__
+    return config.redact(str(e) or type(e).__name__)
 
 
 def _tls_context(config: UpstreamConfig) -> ssl.SSLContext:

@@ -26,10 +26,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gatewayd.core.errors import GatewayError
+from gatewayd.core.errors import EventTooLarge, GatewayError
 from gatewayd.core.routing import speaks_anthropic
 
 DONE = b"data: [DONE]"
+MAX_EVENT_BYTES = 4 << 20   # max_event_mb's default
 END_MARKERS = (DONE, b"event: response.completed", b"event: response.failed",
                b"event: response.incomplete", b"event: message_stop",
                b'"type":"message_stop"', b'"type": "message_stop"')
@@ -78,21 +79,40 @@ def _int(value: object) -> int | None:
 
 
 class SseRelay:
-    def __init__(self, *, drop_usage_event: bool) -> None:
+    def __init__(self, *, drop_usage_event: bool, max_event_bytes: int = MAX_EVENT_BYTES
+                 ) -> None:
         self.drop_usage_event = drop_usage_event
         self.usage: dict[str, Any] | None = None
         self.content_events = 0
-        self._pending = b""
+        self.max_event_bytes = max_event_bytes
+        # an incomplete event's pieces, joined once when its end comes: joined at every
+        # read, an upstream that never ends an event cost a copy of all of it per read
+        self._pending: list[bytes] = []
+        self._pending_size = 0
         self._last = b""     # the last complete events passed on: where a stream's end is
 
     def feed(self, chunk: bytes) -> bytes:
-        """Upstream bytes → the bytes to send the client now (complete events only)."""
-        data = self._pending + chunk if self._pending else chunk
+        """Upstream bytes → the bytes to send the client now (complete events only).
+        Raises EventTooLarge when an event goes past max_event_bytes without its end."""
+        pending = self._pending
+        if pending:
+            self._check()
+            if b"\n\n" not in chunk and not (chunk[:1] == b"\n" and pending[-1][-1:] == b"\n"):
+                self._hold(chunk)    # still no end (nor one split between two reads)
+                self._check()
+                return b""
+            data = b"".join(pending) + chunk
+            pending.clear()
+            self._pending_size = 0
+        else:
+            data = chunk
         end = data.rfind(b"\n\n")
         if end == -1:
-            self._pending = data
+            self._hold(data)
+            self._check()
             return b""
-        self._pending = data[end + 2:]
+        if end + 2 < len(data):
+            self._hold(data[end + 2:])   # (checked at the next read: these events go first)
         complete = data[:end + 2]
         self._last = complete
         if b'"usage"' not in complete:
@@ -120,6 +140,17 @@ class SseRelay:
         """Nothing of an incomplete event is held here."""
         return not self._pending
 
+    def _hold(self, piece: bytes) -> None:
+        self._pending.append(piece)
+        self._pending_size += len(piece)
+
+    def _check(self) -> None:
+        if self._pending_size > self.max_event_bytes:
+            self._pending.clear()   # (never sent: the stream ends here)
+            self._pending_size = 0
+            raise EventTooLarge(f"an event of the stream went past {self.max_event_bytes} "
+                                "bytes without its end (max_event_mb): the stream ends here")
+
     def took_elsewhere(self, last: bytes, events: int) -> None:
         """Whole events passed on without feed() (http/native_relay): `last`, the last of
         them (b"": none), and the number of content events among them."""
@@ -129,7 +160,10 @@ class SseRelay:
 
     def flush(self) -> bytes:
         """Whatever is left when the upstream ends (an unterminated last event)."""
-        rest, self._pending = self._pending, b""
+        self._check()
+        rest = b"".join(self._pending)
+        self._pending.clear()
+        self._pending_size = 0
         if rest:
             self._last += rest
             if self._keep(rest.rstrip(b"\n")):

@@ -122,6 +122,15 @@ class EngineManager:
         self.config = config
         self._readiness.reconfigure(config.load_timeout_s)
 
+    async def drop_unconfigured_kv_caches(self) -> list[str]:
+        """The saved KV caches of models no longer in the catalog, deleted (off the loop):
+        nothing would restore them, and kv_cache_max_mb bounds each model's directory
+        only when it stops. At the start and after a reload; the instances deleted."""
+        if self.slots is None:
+            return []
+        keep = {self.units.layout(model.id).instance for model in self.catalog}
+        return await asyncio.to_thread(self.slots.prune, keep)
+
     # -- queries ---------------------------------------------------------------------
 
     def engines(self) -> list[Engine]:

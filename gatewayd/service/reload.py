@@ -68,6 +68,8 @@ class Reloader:
         plan = plan_reload(engines.config, config, engines.catalog, catalog, running)
         engines.catalog.replace(catalog)   # shared: every holder sees the new models
         engines.reconfigure(config)
+        # (a model that left saves no KV cache at its stop: it is not in the catalog)
+        await engines.drop_unconfigured_kv_caches()
         await self._dispatcher.reconfigure(config)
         if self._apply is not None:
             await self._apply(config)

@@ -94,5 +94,5 @@ async def test_off_the_public_port_by_default_with_a_clear_answer_and_metrics_by
     async for g in _gateway(tmp_path, ("a",), admin_public=False, admin_public_metrics=True):
         resp = await g.client.get("/admin/metrics")
         assert resp.status == 200 and "llm_gateway_requests_total" in await resp.text()
-        assert (await g.client.post("/admin/metrics")).status == 404
+        assert (await g.client.post("/admin/metrics")).status == 405   # GET only
         assert (await g.client.get("/admin/status")).status == 404

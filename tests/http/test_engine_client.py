@@ -16,7 +16,11 @@ import pytest
 
 from gatewayd.http.engine_client import (
     HIGH_WATER,
+    MAX_HEAD,
+    AnswerTooLarge,
+    BadFraming,
     ConnectionsBusy,
+    ConnectionsQueueFull,
     EngineClient,
     EngineConnectionError,
 )
@@ -427,7 +431,7 @@ async def test_a_chunk_sink_gets_whole_chunks_as_they_came_the_rest_goes_to_the_
         split = chunk(b"data: 1\n\n")
         for write in (chunk(b"data: 0\n\n"), split[:6], split[6:],
                       chunk(b"data: 2\n\n") + chunk(b"data: 3\n\n"),
-                      chunk(b"data: 4\n\n", b";x=y"), b"0x9\r\ndata: 6\n\n\r\n",
+                      chunk(b"data: 4\n\n", b";x=y"), b"A\r\ndata: 66\n\n\r\n",
                       b"09\r\ndata: 7\n\n\r\n", chunk(b"data: refuse\n\n"),
                       chunk(b"data: 5\n\n"), b"0\r\n\r\n"):
             took.clear()
@@ -456,7 +460,7 @@ async def test_a_chunk_sink_gets_whole_chunks_as_they_came_the_rest_goes_to_the_
     resp.release()
     assert whole == [(chunk(b"data: 0\n\n"), 9), (chunk(b"data: 5\n\n"), 9)]
     assert b"".join(pieces) == (b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n"
-                                b"data: 6\n\ndata: 7\n\ndata: refuse\n\n")
+                                b"data: 66\n\ndata: 7\n\ndata: refuse\n\n")
     assert client.in_use(engine.path) == 0
 
     def breaks(framed: bytes, size: int) -> bool:
@@ -470,4 +474,84 @@ async def test_a_chunk_sink_gets_whole_chunks_as_they_came_the_rest_goes_to_the_
         await resp.wait_end()
     resp.close()
     assert client.in_use(engine.path) == 0
+    await client.close()
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("answer", [
+    CHUNKED_HEAD + b"-5\r\nhello\r\n0\r\n\r\n", CHUNKED_HEAD + b"+5\r\nhello\r\n0\r\n\r\n",
+    CHUNKED_HEAD + b"0x5\r\nhello\r\n0\r\n\r\n", CHUNKED_HEAD + b"5_0\r\n",
+    CHUNKED_HEAD + b"1" * 16 + b"\r\n", CHUNKED_HEAD + b"5" * 5000,
+    CHUNKED_HEAD + b"0\r\n" + b"X-Trailer: x\r\n" * (MAX_HEAD // 10),
+    b"HTTP/1.1 200 OK\r\n" + b"X-Header: x\r\n" * (MAX_HEAD // 10),
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", b"HTTP/1.1 \xb2\xb2\xb2 OK\r\n\r\n"],
+    ids=["negative", "plus", "0x", "underscore", "16-digits", "endless-size-line",
+         "endless-trailers", "endless-head", "superscript-length", "superscript-status"])
+async def test_framing_past_the_rules_or_bounds_is_refused_at_once(engine: Engine,
+                                                                   answer: bytes) -> None:
+    """A hostile engine's framing: refused as BadFraming (a 502 at the front door) and
+    counted, neither waited out nor buffered without end; the next request is served."""
+    async def hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.sleep(10)   # and then nothing: only a refusal ends the wait in time
+    engine.handler = hostile
+    client = EngineClient(read_timeout_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(BadFraming):
+        await get(client, engine, reuse=False)
+    assert time.monotonic() - t0 < 2
+    assert client.refused["framing"] == 1 and client.in_use(engine.path) == 0
+    engine.handler = answer_each(ok(b"fine"))
+    assert await get(client, engine) == (200, b"fine")
+    await client.close()
+
+
+async def test_a_body_read_whole_past_its_limit_is_refused(engine: Engine) -> None:
+    engine.handler = answer_each(ok(b"x" * 5000))
+    client = EngineClient(read_timeout_s=5)
+    resp = await client.request(engine.path, "GET", "/", [], b"")
+    with pytest.raises(AnswerTooLarge, match="over 4000 bytes"):
+        await resp.read(4000)
+    resp.release()
+    assert client.in_use(engine.path) == 0 and not client.pooled(engine.path)
+    assert await get(client, engine) == (200, b"x" * 5000)
+    await client.close()
+
+
+async def test_the_wait_for_connections_is_bounded_by_the_queue_limit(engine: Engine) -> None:
+    """Past queue_limit waiting requests the next is refused at once (the front door's 503
+    queue_full), not held with its body for up to read_timeout_s; a socket's own limit
+    (set_queue_limit, the model's queue_limit) wins over the client's."""
+    release = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await engine.read_request(reader)
+            await release.wait()
+            writer.write(ok(b"done"))
+            await writer.drain()
+    engine.handler = held
+    client = EngineClient(read_timeout_s=5, queue_limit=2)
+    client.set_limit(engine.path, 1)
+    tasks = [asyncio.ensure_future(get(client, engine)) for _ in range(3)]
+    deadline = time.monotonic() + 5
+    while client.waiting(engine.path) != 2:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionsQueueFull, match="queue_limit 2"):
+        await get(client, engine)
+    assert time.monotonic() - t0 < 1
+    client.set_queue_limit(engine.path, 3)
+    tasks.append(asyncio.ensure_future(get(client, engine)))
+    while client.waiting(engine.path) != 3:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+    release.set()
+    assert await asyncio.gather(*tasks) == [(200, b"done")] * 4
+    assert (client.in_use(engine.path), client.waiting(engine.path)) == (0, 0)
     await client.close()

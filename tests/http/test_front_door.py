@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import json
 import re
@@ -27,6 +26,7 @@ from gatewayd.app import build_app
 from gatewayd.core.config import Backend, ModelKind
 from gatewayd.core.engines import EngineState
 from gatewayd.http import native_relay, openai_api
+from gatewayd.http.auth import PARSER_LIMITS
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
 from tests.fakes import FakeHealth, FakeUnits, engine_layer_on, engine_manager_on_fakes
@@ -68,7 +68,9 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
         await fakes[name].start(units.layout(name).socket)
 
     app = build_app(mgr.config, engines_ctx=engine_layer_on(mgr))
-    async with TestClient(TestServer(app)) as client:
+    server = TestServer(app)
+    await server.start_server(**PARSER_LIMITS)   # the parser's room as `serve` gives it
+    async with TestClient(server) as client:
         for name in start:
             await mgr.start(name)
         yield Gateway(client, mgr, fakes, mgr.config.records_file, units, health)
@@ -197,7 +199,7 @@ async def test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events(
     (past the first event) and Python ended the stream."""
     body = json.dumps(chat("a", stream=True, prompt="slow 5", max_tokens=12)).encode()
     reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  b"Content-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
@@ -250,7 +252,7 @@ async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
     proper end."""
     body = json.dumps(chat("a", stream=True, prompt="slow 30", max_tokens=200)).encode()
     reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  b"Content-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
@@ -346,7 +348,8 @@ async def test_body_over_the_limit_is_413(tmp_path: Path) -> None:
         async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
             for _ in range(5):
                 yield b"x" * 500
-        resp = await gw.client.post("/v1/chat/completions", data=chunks())
+        resp = await gw.client.post("/v1/chat/completions", data=chunks(),
+                                    headers={"Content-Type": "application/json"})
         assert resp.status == 413
         resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
         assert resp.status == 200                  # and the gateway serves on
@@ -389,15 +392,15 @@ async def test_requests_go_only_to_engines_that_can_answer_them(gw_audio: Gatewa
 async def test_multipart_model_field_not_filename(gw_audio: Gateway) -> None:
     gw = gw_audio
     form = aiohttp.FormData()
-    form.add_field("file", b"RIFF" + bytes(range(256)) * 50, filename="model-trap.wav",
-                   content_type="audio/wav")
+    audio = b"RIFF" + bytes(range(256)) * 50
+    form.add_field("file", audio, filename="model-trap.wav", content_type="audio/wav")
     form.add_field("model", "b")
     form.add_field("response_format", "json")
     resp = await gw.client.post("/v1/audio/transcriptions", data=form)
     assert resp.status == 200
     assert (await resp.json()) == {"text": "hello from b"}   # whisper's padding removed
     seen = gw.fakes["b"].requests[-1]
-    assert resp.headers["X-Body-Sha256"] == hashlib.sha256(seen.body).hexdigest()
+    assert audio in seen.body                                # every byte of the upload
     assert b"model-trap.wav" in seen.body and b"RIFF" in seen.body   # forwarded as is
     (row,) = await gw.records(1)
     assert row["model"] == "b" and row["request_text"] is None   # audio is never recorded
@@ -498,7 +501,7 @@ async def test_a_client_that_reads_nothing_for_read_timeout_s_is_dropped_and_let
     async for gw in _gateway(tmp_path, ("a",), read_timeout_s=1.0):
         body = json.dumps(chat("a", stream=True, prompt="pad 4000", max_tokens=6000)).encode()
         reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         await reader.readuntil(b"\r\n\r\n")       # the head: then read nothing more
@@ -562,9 +565,9 @@ async def test_each_kind_gets_only_its_own_requests(tmp_path: Path) -> None:
             assert 'kind = "rerank"' in (await resp.json())["error"]["message"]
         resp = await gw.client.post("/v1/rerank", json={"model": "c", "query": "q",
                                                         "documents": ["d"]})
-        assert resp.headers["X-Fake-Engine"] == "c"                     # relayed there
+        assert resp.headers["X-Request-Id"] == "c"                     # relayed there
         resp = await gw.client.post("/v1/embeddings", json={"input": "hi"})   # the one
-        assert resp.status == 501 and resp.headers["X-Fake-Engine"] == "b"
+        assert resp.status == 501 and resp.headers["X-Request-Id"] == "b"
         models = {m["id"]: m for m in (await (await gw.client.get("/v1/models")).json())[
             "data"]}
         assert [(models[m]["kind"], models[m]["capabilities"]) for m in "abc"] == [
@@ -783,8 +786,9 @@ async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> Non
 ])
 async def test_a_malformed_body_is_a_400_with_the_envelope(gw: Gateway, content_type: str,
                                                            body: bytes) -> None:
-    resp = await gw.client.post("/v1/audio/transcriptions", data=body,
-                                headers={"Content-Type": content_type})
+    path = "/v1/chat/completions" if content_type == "application/json" \
+        else "/v1/audio/transcriptions"
+    resp = await gw.client.post(path, data=body, headers={"Content-Type": content_type})
     error = (await resp.json())["error"]
     assert resp.status == 400, error
     assert error["type"] == "invalid_request_error" and error["message"] and error["code"]
@@ -902,7 +906,7 @@ async def test_anthropic_paths_answer_errors_in_anthropics_shape(gw: Gateway) ->
     body = await resp.json()
     assert resp.status == 404 and body["type"] == "error"
     assert body["error"]["type"] == "not_found_error"
-    assert resp.headers["X-Fake-Engine"] == "a"
+    assert resp.headers["X-Request-Id"] == "a"
     # elsewhere the OpenAI envelope, as before
     resp = await gw.client.post("/v1/chat/completions", json=chat("nope"))
     body = await resp.json()
@@ -929,7 +933,7 @@ async def test_a_translation_is_whispers_transcription_with_translate_set(
     (row,) = await gw_audio.records(1)
     assert row["endpoint"] == "/v1/audio/translations" and row["model"] == "b"
     resp = await gw_audio.client.post("/v1/audio/translations", json={"model": "b"})
-    assert resp.status == 400 and "multipart" in (await resp.json())["error"]["message"]
+    assert resp.status == 415 and "multipart" in (await resp.json())["error"]["message"]
     resp = await gw_audio.client.post("/v1/audio/translations", data=_form("a"))
     assert resp.status == 400 and "chat model" in (await resp.json())["error"]["message"]
 
@@ -1003,14 +1007,18 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
 
 
 async def test_metrics_endpoint_label_is_bounded(gw: Gateway) -> None:
-    """Paths a client invents are counted as "other": the series cannot grow without end."""
+    """Paths a client invents are refused by the route table before any handler: no
+    series of theirs, so the series cannot grow without end."""
     for i in range(5):
-        await gw.client.post(f"/made-up-{i}?model=a", json={})
-    await gw.records(5)
+        resp = await gw.client.post(f"/made-up-{i}?model=a", json={})
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
+    assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+    await gw.records(1)
     m = _samples(await (await gw.client.get("/admin/metrics")).text())
     endpoints = {dict(labels).get("endpoint") for name, labels in m
                  if name == "llm_gateway_requests_total"}
-    assert endpoints == {"other"}
+    assert endpoints == {"/v1/chat/completions"}
+    assert gw.fakes["a"].requests[-1].path == "/v1/chat/completions"   # none of the others
 
 
 async def test_the_collector_is_back_on_once_the_gateway_serves(

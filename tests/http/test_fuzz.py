@@ -103,7 +103,7 @@ async def test_any_request_gets_an_answer_of_the_right_shape(
     except ValueError:   # a path the client library itself refuses to send
         return
     raw = await resp.read()
-    relayed = resp.headers.get("X-Fake-Engine") is not None
+    relayed = resp.headers.get("X-Request-Id") is not None
     # the one 5xx of the gateway's own a request can earn here: it names a model that is
     # not running, in a gateway set to autoload = false (a state, by design: 503)
     not_loaded = resp.status == 503 and b'"model_not_loaded"' in raw

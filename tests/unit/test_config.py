@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,3 +137,55 @@ def test_kind_is_checked_against_the_backend(tmp_path: Path) -> None:
     config.write_text('[models.e]\npath = "e.gguf"\nkind = "embeddings"\n')
     with pytest.raises(ConfigError, match="kind must be one of 'chat', 'embedding'"):
         load_config(config)
+
+
+@pytest.mark.parametrize("key", [
+    "read_timeout_s", "load_timeout_s", "shutdown_timeout_s", "eviction_wait_s",
+    "health.interval_s", "health.timeout_s", "records.max_age_days",
+    "models.m.idle_ttl_s", "upstreams.far.connect_timeout_s", "upstreams.far.read_timeout_s",
+    "upstreams.far.health_interval_s"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "-1"])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_by_name(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, value: str) -> None:
+    """TOML has inf and nan: `read_timeout_s = inf` was accepted, and is no timeout at all
+    (relay.c's wait would overflow on it). `llm-gateway check` and a reload (which read
+    the file the same way) refuse it, naming the key."""
+    from gatewayd import cli
+    table, _, option = key.rpartition(".")
+    tables = {"": "", "health": "[health]\n", "records": "[records]\n",
+              "models.m": '[models.m]\npath = "/srv/m.gguf"\n',
+              "upstreams.far": '[upstreams.far]\nurl = "http://far.example/v1"\n'
+                               'models = ["x"]\n'}
+    text = tables[table] + f"{option} = {value}\n"
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(cfg)
+    assert cli.main(["--config", str(cfg), "check"]) == 1
+    assert option in capsys.readouterr().err
+
+
+def test_the_bounds_have_defaults_and_are_checked(tmp_path: Path) -> None:
+    config = GatewayConfig()
+    assert config.max_answer_bytes == 256 << 20 and config.max_event_bytes == 4 << 20
+    assert config.records_max_age_days == 30 and config.records_max_bytes == 1 << 30
+    assert config.queue_limit == 100
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text("max_answer_mb = 8\nmax_event_mb = 1\n[records]\nmax_age_days = 0.5\n"
+                   "max_mb = 0\n")
+    config = load_config(cfg)
+    assert config.max_answer_bytes == 8 << 20 and config.max_event_bytes == 1 << 20
+    assert config.records_max_age_days == 0.5 and config.records_max_bytes == 0
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"max_answer_mb": 0}, "max_answer_mb must be at least 1"),
+        ({"max_event_mb": 0.5}, "max_event_mb must be a int"),
+        ({"records": {"max_mb": -1}}, "records.max_mb cannot be negative"),
+        ({"records": {"max_age_days": -1}}, "records.max_age_days cannot")]
+    for data, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(data)
+    for size in ("inf", "nan", "infG"):
+        with pytest.raises(ConfigError, match="is not a size"):
+            parse_config({"models": {"a": {"path": "/x", "memory_max": size}}})
+    with pytest.raises(ConfigError, match="is not a CPU quota"):
+        parse_config({"models": {"a": {"path": "/x", "cpu_quota": "inf%"}}})

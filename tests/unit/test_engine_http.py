@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gatewayd.adapters.engine_http import BadAnswer, dechunk, exchange
+from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.kv_cache import SlotCache
 from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.proxy import learn_engine_slots
@@ -144,3 +145,30 @@ async def test_an_engine_setup_seen_before_is_not_asked_its_slots_again(where: P
         assert await learn_engine_slots(client, again.path, known=known, setup="s2") == 6
         assert again.seen == ["GET /props HTTP/1.1"]                 # another setup: asked
     await client.close()
+
+
+@pytest.mark.parametrize("size", [b"-6", b"-5", b"-0", b"+5", b"0x5", b"5_0", b" 5", b"", b"g",
+                                  b"1" * 16, b"5\x00"])
+async def test_a_chunk_size_that_is_not_plain_hex_is_refused(where: Path, size: bytes) -> None:
+    """int(x, 16) also takes a sign, 0x, underscores and spaces: "-5" walked dechunk back
+    over the same bytes for ever (a hostile engine froze the event loop)."""
+    with pytest.raises(BadAnswer, match="not hex digits"):   # (in a thread: a loop for
+        await asyncio.wait_for(asyncio.to_thread(                # ever fails, not hangs)
+            dechunk, size + b"\r\nhello\r\n0\r\n\r\n"), 5)
+    answer = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + size
+              + b"\r\nhello\r\n0\r\n\r\n"]
+    async with Scripted(str(where / "e.sock"), lambda head: answer) as engine:
+        with pytest.raises(BadAnswer):
+            await asyncio.wait_for(exchange(engine.path, "GET", "/slots", timeout=2), 5)
+        # the probes that ran dechunk on the event loop: an engine not ready, not a freeze
+        assert await UnixHealthProbe().status(engine.path) is None
+    assert dechunk(b"5;ext=1 \r\nhello\r\nA\r\n0123456789\r\n0\r\n\r\n") == b"hello0123456789"
+
+
+async def test_an_answer_past_its_bound_is_refused_not_cut(where: Path) -> None:
+    body = b"x" * 3000
+    answer = [b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\n\r\n" + body]
+    async with Scripted(str(where / "e.sock"), lambda head: answer) as engine:
+        with pytest.raises(BadAnswer, match="over 1000 bytes"):
+            await exchange(engine.path, "GET", "/slots", timeout=2, max_answer=1000)
+        assert await exchange(engine.path, "GET", "/slots", timeout=2) == (200, body)

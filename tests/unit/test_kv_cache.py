@@ -72,3 +72,39 @@ def test_an_engine_that_does_not_answer_is_counted_not_raised(tmp_path: Path) ->
     text = GatewayMetrics().render(Snapshot(kv_cache=cache.counts), {}).decode()
     assert 'llm_gateway_kv_cache_operations_total{action="save",result="failed"} 1.0' in text
     assert 'llm_gateway_kv_cache_operations_total{action="restore",result="ok"} 0.0' in text
+
+
+async def test_the_kv_caches_of_models_no_longer_configured_are_deleted(
+        tmp_path: Path) -> None:
+    """At a reload (and at the start: the same EngineManager call) the directories of
+    models that left the configuration go, files and all; the others stay as they are.
+    Nothing else would ever restore or bound them."""
+    from gatewayd.adapters.model_files import load_catalog
+    from gatewayd.core.model_facts import GgufFacts
+    from gatewayd.service.reload import Reloader
+    from tests.fakes import dispatcher_for, engine_manager_on_fakes
+
+    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+    mgr.slots = cache = SlotCache(tmp_path / "kv-cache", 1 << 30)
+    for model_id in ("a", "b", "c", "gone"):
+        where = cache.prepare(units.layout(model_id).instance, "stamp")
+        (where / "slot-0.bin").write_bytes(b"kv")
+    assert await mgr.drop_unconfigured_kv_caches() == ["gone"]   # as at a start
+    assert sorted(p.name for p in cache.root.iterdir()) == ["a", "b", "c"]
+
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    new_config = GatewayConfig(state_dir=tmp_path / "state", models=(
+        ModelConfig(name="a", path=tmp_path / "a.gguf"),))
+    dispatcher = dispatcher_for(mgr)
+    reloader = Reloader(read=lambda: (new_config, load_catalog(
+        new_config, lambda path: GgufFacts(path=str(path), file_size=4))),
+        engines=mgr, dispatcher=dispatcher)
+    await reloader.reload()
+    assert [p.name for p in cache.root.iterdir()] == ["a"]
+    assert (cache.root / "a" / "slot-0.bin").read_bytes() == b"kv"
+    assert cache.counts["prune", "removed"] == 3
+    metrics = GatewayMetrics()
+    text = metrics.render(Snapshot(bounded={"kv_cache_unconfigured": 3})).decode()
+    assert 'llm_gateway_bounded_total{bound="kv_cache_unconfigured"} 3.0' in text
+    await reloader.close()
+    await dispatcher.close()

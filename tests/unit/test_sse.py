@@ -4,10 +4,11 @@ for the record, and an error that ends it is written in its own format."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from gatewayd.core.errors import EngineFailed
+from gatewayd.core.errors import EngineFailed, EventTooLarge
 from gatewayd.http.sse import (
     SseRelay,
     StreamFormat,
@@ -131,3 +132,38 @@ def test_framed_events_pass_as_they_are_only_when_feed_would_pass_them_unchanged
     done = b"data: [DONE]\n\n"
     assert sse.take_framed(b"%x\r\n%b\r\n" % (len(done), done), 2) is True
     assert sse.flush() == b"" and sse.ended
+
+
+def test_an_event_past_its_bound_without_its_end_is_refused() -> None:
+    """An upstream that never ends an event (no blank line) was held whole: the relay
+    refuses it past max_event_bytes; the events before it went on."""
+    relay = SseRelay(drop_usage_event=False, max_event_bytes=1000)
+    assert relay.feed(OPENAI[0] + b"data: " + b"x" * 500) == OPENAI[0]
+    assert relay.feed(b"x" * 400) == b""
+    with pytest.raises(EventTooLarge, match="past 1000 bytes"):
+        relay.feed(b"x" * 200)
+    with pytest.raises(EventTooLarge):   # in one read, and with events before it
+        SseRelay(drop_usage_event=False, max_event_bytes=1000).feed(b"data: " + b"x" * 1001)
+    relay = SseRelay(drop_usage_event=False, max_event_bytes=1000)
+    assert relay.feed(OPENAI[0] + b"x" * 2000) == OPENAI[0]
+    with pytest.raises(EventTooLarge):
+        relay.flush()
+    relay = SseRelay(drop_usage_event=False, max_event_bytes=1000)   # up to it: whole
+    event = b"data: " + b"x" * 992 + b"\n\n"
+    assert relay.feed(event[:500]) == b"" and relay.feed(event[500:-1]) == b""
+    assert relay.feed(event[-1:]) == event
+
+
+def test_an_event_held_in_many_reads_is_joined_once_not_per_read() -> None:
+    """Joined at every read, 4 MB in 16-byte reads is ~250000 copies of up to 4 MB
+    (minutes); joined once at its end, well under a second."""
+    relay = SseRelay(drop_usage_event=False, max_event_bytes=8 << 20)
+    piece = b"y" * 16
+    started = time.monotonic()
+    assert relay.feed(b"data: ") == b""
+    for _ in range(250_000):
+        relay.feed(piece)
+    assert relay.feed(b"\n\n") == b"data: " + piece * 250_000 + b"\n\n"
+    assert time.monotonic() - started < 10
+    # an end split between two reads is still found
+    assert relay.feed(b"data: 1\n") == b"" and relay.feed(b"\ndata: 2") == b"data: 1\n\n"

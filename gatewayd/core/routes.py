@@ -1,0 +1,217 @@
+"""Every method and path the gateway answers, and who may call it. Pure.
+
+The one allow-list of the front door: a request whose path is not in this table is a
+404 and a known path asked with another method a 405, before anything runs (no key
+check, no body read, no engine woken, no upstream asked). For each route it says:
+
+- who may call it (`Caller`): PUBLIC (liveness: no key, ever), INFERENCE (the
+  OpenAI/Anthropic API and the llama-server paths clients use that read nothing of
+  other clients: an inference key), ADMIN (what changes an engine or reads other
+  clients' state, and the gateway's /admin API: the admin socket's peers, or an admin
+  key on the public port while `[admin] public`);
+- who answers it (`Answerer`): the gateway itself, a model's engine, or (for the
+  OpenAI paths under /v1/) an engine or a remote upstream;
+- what body it takes (`Body`): JSON (any other content type is refused, so a web
+  page's "simple" cross-origin POST never parses) or multipart/form-data (uploads);
+- `target`: the path an engine is sent, always the table's own spelling (never the
+  client's raw bytes: `/v1/chat%2Fcompletions` reaches no engine as such).
+
+The README's route table is checked against this one (tests/unit/test_routes.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gatewayd.core.errors import MethodNotAllowed, RouteNotFound
+
+
+class Caller(StrEnum):
+    PUBLIC = "public"
+    INFERENCE = "inference"
+    ADMIN = "admin"
+
+
+class Answerer(StrEnum):
+    GATEWAY = "gateway"
+    ENGINE = "engine"
+    ENGINE_OR_UPSTREAM = "engine or upstream"
+
+
+class Body(StrEnum):
+    NONE = "none"
+    JSON = "json"
+    MULTIPART = "multipart"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One path of the table and the methods it is answered for."""
+    path: str                      # as written in the table; "{n}" a number, "{id}" any rest
+    methods: frozenset[str]
+    access: Caller
+    answerer: Answerer
+    body: Body = Body.NONE
+    keyless: bool = False          # admin, but holds no data: the status page's shell
+    note: str = ""
+
+    @property
+    def upstream(self) -> bool:
+        """May be relayed to a remote upstream (OpenAI paths only)."""
+        return self.answerer is Answerer.ENGINE_OR_UPSTREAM
+
+    @property
+    def engine(self) -> bool:
+        return self.answerer is not Answerer.GATEWAY
+
+
+@dataclass(frozen=True)
+class Matched:
+    """A request's route, and the path to send on (the table's spelling)."""
+    route: Route
+    target: str
+
+
+def _r(methods: str, path: str, access: Caller, answerer: Answerer,
+       body: Body = Body.NONE, *, keyless: bool = False, note: str = "") -> Route:
+    verbs = set(methods.split())
+    if "GET" in verbs:
+        verbs.add("HEAD")    # aiohttp answers HEAD wherever GET is
+    return Route(path, frozenset(verbs), access, answerer, body, keyless, note)
+
+
+PUB, INF, ADM = Caller.PUBLIC, Caller.INFERENCE, Caller.ADMIN
+GW, EN, UP = Answerer.GATEWAY, Answerer.ENGINE, Answerer.ENGINE_OR_UPSTREAM
+JSON, FORM = Body.JSON, Body.MULTIPART
+
+ROUTES: tuple[Route, ...] = (
+    # liveness, for probes and load balancers
+    _r("GET", "/health", PUB, GW),
+    _r("GET", "/favicon.ico", PUB, GW, note="browsers ask; 204, no engine woken"),
+    # the OpenAI and Anthropic APIs
+    _r("GET", "/v1/models", INF, GW, note="only the models the caller's key may use"),
+    _r("GET", "/v1/models/{id}", INF, GW),
+    _r("POST", "/v1/chat/completions", INF, UP, JSON),
+    _r("POST", "/v1/completions", INF, UP, JSON),
+    _r("POST", "/v1/responses", INF, UP, JSON),
+    _r("POST", "/v1/responses/input_tokens", INF, UP, JSON),
+    _r("POST", "/v1/messages", INF, UP, JSON, note="errors in Anthropic's shape"),
+    _r("POST", "/v1/messages/count_tokens", INF, UP, JSON),
+    _r("POST", "/v1/embeddings", INF, UP, JSON),
+    _r("POST", "/v1/rerank", INF, UP, JSON),
+    _r("POST", "/v1/reranking", INF, UP, JSON),
+    _r("POST", "/v1/audio/transcriptions", INF, UP, FORM),
+    _r("POST", "/v1/audio/translations", INF, UP, FORM),
+    # llama-server's own paths that read nothing of other clients
+    _r("POST", "/completion", INF, EN, JSON),
+    _r("POST", "/completions", INF, EN, JSON),
+    _r("POST", "/chat/completions", INF, EN, JSON),
+    _r("POST", "/infill", INF, EN, JSON),
+    _r("POST", "/embedding", INF, EN, JSON),
+    _r("POST", "/embeddings", INF, EN, JSON),
+    _r("POST", "/rerank", INF, EN, JSON),
+    _r("POST", "/reranking", INF, EN, JSON),
+    _r("POST", "/tokenize", INF, EN, JSON),
+    _r("POST", "/detokenize", INF, EN, JSON),
+    _r("POST", "/apply-template", INF, EN, JSON),
+    _r("GET", "/props", INF, EN, note="the engine's settings"),
+    _r("GET", "/lora-adapters", INF, EN),
+    # whisper-server's own upload path (its /load, which loads any file, is not here)
+    _r("POST", "/inference", INF, EN, FORM),
+    _r("POST", "/audio/transcriptions", INF, EN, FORM),
+    # llama-server's paths that change an engine or show other clients' state
+    _r("GET", "/slots", ADM, EN, note="other clients' prompts"),
+    _r("POST", "/slots/{n}", ADM, EN, JSON, note="action=save|restore|erase"),
+    _r("POST", "/props", ADM, EN, JSON),
+    _r("POST", "/lora-adapters", ADM, EN, JSON),
+    _r("GET", "/metrics", ADM, EN, note="the engine's raw metrics"),
+    # the gateway's admin API
+    _r("GET", "/admin", ADM, GW, keyless=True, note="the status page: it asks for a key"),
+    _r("GET", "/admin/", ADM, GW, keyless=True),
+    _r("GET", "/admin/status", ADM, GW),
+    _r("GET", "/admin/models", ADM, GW),
+    _r("GET", "/admin/engines", ADM, GW),
+    _r("POST", "/admin/engines/start", ADM, GW, JSON),
+    _r("POST", "/admin/engines/stop", ADM, GW, JSON),
+    _r("GET", "/admin/engines/logs", ADM, GW),
+    _r("GET", "/admin/records", ADM, GW),
+    _r("GET", "/admin/events", ADM, GW),
+    _r("GET", "/admin/metrics", ADM, GW, note="keyless while [admin] public_metrics"),
+    _r("POST", "/admin/reload", ADM, GW, JSON),
+)
+
+
+class RouteTable:
+    """ROUTES, looked up by a request's decoded path and method: exact paths in one dict,
+    the two patterns ("/slots/{n}", "/v1/models/{id}") by prefix. A path may have a
+    route per method (GET /props is inference, POST /props admin)."""
+
+    def __init__(self, routes: Iterable[Route] = ROUTES) -> None:
+        self.routes = tuple(routes)
+        self._exact: dict[str, list[Route]] = {}
+        self._prefixed: list[tuple[str, str, list[Route]]] = []   # (prefix, kind, routes)
+        for route in self.routes:
+            head, brace, _ = route.path.partition("{")
+            if brace:
+                kind = route.path[len(head):]
+                same = next((rs for p, k, rs in self._prefixed if (p, k) == (head, kind)), None)
+                if same is None:
+                    self._prefixed.append((head, kind, same := []))
+                _add(same, route)
+            else:
+                _add(self._exact.setdefault(route.path, []), route)
+
+    def find(self, path: str) -> tuple[list[Route], str] | None:
+        """The routes a decoded path names and the path to send on; None: no such path."""
+        routes = self._exact.get(path)
+        if routes is not None:
+            return routes, path
+        for prefix, kind, routes in self._prefixed:
+            if not path.startswith(prefix):
+                continue
+            rest = path[len(prefix):]
+            if kind == "{n}" and rest.isascii() and rest.isdigit() and len(rest) <= 6:
+                return routes, prefix + str(int(rest))
+            if kind == "{id}" and rest and not {".", ".."} & set(rest.split("/")):
+                return routes, path    # the gateway's own: a model's name
+        return None
+
+    def match(self, method: str, path: str, *, preflight_for: str | None = None) -> Matched:
+        """The route for method + path; RouteNotFound (404) or MethodNotAllowed (405).
+        OPTIONS (a CORS preflight) is matched as the method it asks about (preflight_for;
+        any of the path's where it names none)."""
+        found = self.find(path)
+        if found is None:
+            raise RouteNotFound(f"{_printable(path)} is not a path this gateway serves")
+        routes, target = found
+        wanted = method
+        if method == "OPTIONS":
+            wanted = preflight_for.upper() if preflight_for else sorted(routes[0].methods)[0]
+        for route in routes:
+            if wanted in route.methods:
+                return Matched(route, target)
+        allowed = ", ".join(sorted({m for r in routes for m in r.methods}))
+        raise MethodNotAllowed(f"{_printable(wanted)} is not allowed on {routes[0].path} "
+                               f"(allowed: {allowed})", allow=allowed)
+
+    def methods(self, path: str) -> frozenset[str]:
+        """Every method a path is answered for."""
+        found = self.find(path)
+        return frozenset(m for r in found[0] for m in r.methods) if found else frozenset()
+
+
+def _add(routes: list[Route], route: Route) -> None:
+    if any(route.methods & other.methods for other in routes):
+        raise ValueError(f"{route.path} is in the table twice for one method")
+    routes.append(route)
+
+
+def _printable(path: str) -> str:
+    """A client's path in a message: bounded, no control characters."""
+    cut = path[:200] + ("…" if len(path) > 200 else "")
+    return "".join(c if c.isprintable() else "?" for c in cut)
+
+
+TABLE = RouteTable()

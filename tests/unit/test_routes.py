@@ -1,0 +1,127 @@
+"""The route table (core/routes.py) and the Host/Origin policy (core/origins.py): pure."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from gatewayd.core.config import GatewayConfig
+from gatewayd.core.errors import MethodNotAllowed, RouteNotFound
+from gatewayd.core.origins import BrowserPolicy, host_name
+from gatewayd.core.routes import ROUTES, TABLE, Answerer, Caller
+
+README = Path(__file__).parents[2] / "README.md"
+
+
+def test_the_readme_route_table_is_the_route_table() -> None:
+    text = README.read_text()
+    block = text[text.index("<!-- routes: begin -->"):text.index("<!-- routes: end -->")]
+    rows = re.findall(r"^\| `([A-Z ]+)` \| `([^`]+)` \| ([^|]+?) \| ([^|]+?) \|", block, re.M)
+    who = {"anyone, no key": Caller.PUBLIC, "inference": Caller.INFERENCE,
+           "admin": Caller.ADMIN}
+    documented = {(frozenset(m.split()), path, who[caller], answerer)
+                  for m, path, caller, answerer in rows}
+    actual = {(frozenset(r.methods - {"HEAD"}), r.path, r.access, r.answerer.value)
+              for r in ROUTES}
+    assert documented == actual
+
+
+def test_the_app_serves_exactly_the_gateways_routes() -> None:
+    """Every handler the gateway registers is in the table, and every route the gateway
+    answers itself has a handler (the engine routes go to the catch-all proxy)."""
+    from gatewayd.app import build_app
+    app = build_app(GatewayConfig(), engines_ctx=_no_engines)
+    registered = set()
+    for resource in app.router.resources():
+        path = resource.canonical
+        if path in ("/{tail}", "/admin/{tail}"):
+            continue
+        for route in resource:
+            if route.method != "HEAD":
+                registered.add((route.method, path.replace("{model_id}", "{id}")))
+    own = {(m, r.path) for r in ROUTES if r.answerer is Answerer.GATEWAY
+           for m in r.methods if m != "HEAD"}
+    assert registered == own
+
+
+async def _no_engines(app: web.Application) -> AsyncIterator[None]:   # never entered
+    yield
+
+
+@pytest.mark.parametrize(("method", "path", "target", "access"), [
+    ("GET", "/health", "/health", Caller.PUBLIC),
+    ("POST", "/v1/chat/completions", "/v1/chat/completions", Caller.INFERENCE),
+    ("GET", "/props", "/props", Caller.INFERENCE),
+    ("POST", "/props", "/props", Caller.ADMIN),
+    ("POST", "/slots/007", "/slots/7", Caller.ADMIN),
+    ("GET", "/v1/models/org/model:q4", "/v1/models/org/model:q4", Caller.INFERENCE),
+    ("OPTIONS", "/v1/chat/completions", "/v1/chat/completions", Caller.INFERENCE),
+])
+def test_a_listed_route_is_matched_with_its_own_spelling(method: str, path: str, target: str,
+                                                        access: Caller) -> None:
+    matched = TABLE.match(method, path)
+    assert matched.target == target and matched.route.access is access
+
+
+@pytest.mark.parametrize("path", [
+    "/load", "/slots/-1", "/slots/1/2", "/slots/", "/slots/1234567", "/v1/models/",
+    "/v1/models/../../slots", "/v1/models/a/./b", "/ADMIN", "/v1/files", "//v1/models",
+    "/v1/chat/completions/", "/admin/unknown", "/slots/٣"])
+def test_anything_else_is_not_found(path: str) -> None:
+    with pytest.raises(RouteNotFound):
+        TABLE.match("GET", path)
+
+
+def test_a_method_not_listed_is_405_naming_the_allowed() -> None:
+    with pytest.raises(MethodNotAllowed) as e:
+        TABLE.match("DELETE", "/props")
+    assert e.value.status == 405 and e.value.headers["Allow"] == "GET, HEAD, POST"
+    with pytest.raises(MethodNotAllowed):
+        TABLE.match("POST", "/health")
+
+
+@pytest.mark.parametrize(("header", "name"), [
+    ("LocalHost:8080", "localhost"), ("[::1]:80", "[::1]"), ("example.org.", "example.org"),
+    ("10.0.0.5", "10.0.0.5"), ("[fe80::1", "[fe80::1")])
+def test_host_names_are_read_without_their_port(header: str, name: str) -> None:
+    assert host_name(header) == name
+
+
+def test_the_host_must_name_this_gateway() -> None:
+    policy = BrowserPolicy.of(["gpu-box"], [], ["workstation"])
+    for host in ("localhost", "LOCALHOST:1", "x.localhost", "127.0.0.1:8080", "127.9.9.9",
+                 "[::1]:8080", "gpu-box:8080", "workstation", "192.168.1.5:8080", None):
+        assert policy.host_allowed(host, "192.168.1.5"), host
+    for host in ("attacker.example", "localhost.attacker.example", "127.0.0.1.nip.io",
+                 "gpu-box.attacker.example", "192.168.1.6"):
+        assert not policy.host_allowed(host, "192.168.1.5"), host
+    assert BrowserPolicy.of(["*"], []).host_allowed("anything", None)
+
+
+def test_an_origin_is_the_gateways_own_or_listed() -> None:
+    policy = BrowserPolicy.of([], ["https://app.example"])
+    assert policy.origin_allowed("http://127.0.0.1:8080", "127.0.0.1:8080") == (True, False)
+    assert policy.origin_allowed("https://APP.example/", "127.0.0.1:8080") == (True, True)
+    assert policy.origin_allowed("http://attacker.example", "127.0.0.1:8080")[0] is False
+    assert policy.origin_allowed("null", "127.0.0.1:8080")[0] is False
+    assert policy.origin_allowed("http://127.0.0.1:9999", "127.0.0.1:8080")[0] is False
+    assert BrowserPolicy.of([], ["*"]).origin_allowed("http://x.example", "h") == (True, True)
+
+
+def test_allowed_hosts_and_origins_are_checked_when_read() -> None:
+    from gatewayd.core.config import parse_config
+    from gatewayd.core.errors import ConfigError
+    config = parse_config({"listen": {"allowed_hosts": ["GPU-Box.", "[fe80::1]"],
+                                      "allowed_origins": ["https://App.example"]}})
+    assert config.allowed_hosts == ("gpu-box", "[fe80::1]")
+    assert config.allowed_origins == ("https://app.example",)
+    for listen in ({"allowed_hosts": ["http://gpu-box"]}, {"allowed_hosts": "gpu-box"},
+                   {"allowed_origins": ["app.example"]},
+                   {"allowed_origins": ["https://app.example/path"]},
+                   {"allowed_hosts": [""]}):
+        with pytest.raises(ConfigError, match=r"listen\.allowed"):
+            parse_config({"listen": listen})
