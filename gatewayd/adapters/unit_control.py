@@ -20,6 +20,7 @@ import logging
 import os
 import pwd
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -49,6 +50,7 @@ from gatewayd.core.engine_units import (
     UNIT_PREFIX,
     EngineLayout,
     gateway_secrets,
+    in_private_tmp,
     keeps_kv_cache,
     parked_spec,
     resource_limits,
@@ -226,7 +228,8 @@ class TransientEngineUnits(EngineUnitsBase):
         return lambda visible_devices: transient_spec(
             model, layout, binary, private_network=self.private_network,
             slot_save_path=slot_save_path, visible_devices=visible_devices, system=system,
-            hidden=gateway_secrets(self._config) if system else ())
+            hidden=gateway_secrets(self._config) if system else (),
+            shown=in_private_tmp(own_code()) if system else ())
 
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
@@ -431,6 +434,13 @@ def engine_identity() -> tuple[int | None, frozenset[int]]:
     except KeyError:
         return None, frozenset()
     return user.pw_uid, frozenset(os.getgrouplist(ENGINE_USER, user.pw_gid))
+
+
+def own_code() -> list[str]:
+    """Where the gateway's own code lives (its package, its Python environment): what an
+    engine runs from it (whisper's launcher, the parked wait's library) must reach it."""
+    package = Path(__file__).resolve().parents[1]
+    return sorted({str(package), os.path.realpath(sys.prefix)})
 
 
 def path_chain(path: str) -> list[tuple[str, int, int, int]]:

@@ -44,6 +44,7 @@ _AF_INET, _AF_INET6 = 2, 10
 _ANY = [(_AF_INET, bytes(4), 0), (_AF_INET6, bytes(16), 0)]
 _LOOPBACK = [(_AF_INET, bytes([127, 0, 0, 0]), 8), (_AF_INET6, bytes(15) + b"\x01", 128)]
 _EPERM = 1
+_MS_REC = 16384   # a recursive bind, as BindReadOnlyPaths= in a unit file
 ADMIN_SOCKET = "/run/llm-gateway/admin.sock"   # a root gateway's (adapters/admin_socket)
 _UNIT_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:_.")
 
@@ -222,8 +223,15 @@ def gateway_secrets(config: GatewayConfig) -> list[str]:
     return paths
 
 
+def in_private_tmp(paths: Sequence[str]) -> list[str]:
+    """The paths an engine's private /tmp or /var/tmp would hide (PrivateTmp=)."""
+    return [p for p in paths
+            if any(p == tmp or p.startswith(tmp + "/") for tmp in PRIVATE_TMP)]
+
+
 def engine_sandbox(model: Model, *, system: bool, slot_save_path: str | None = None,
-                   hidden: Sequence[str] = ()) -> list[tuple[str, str, object]]:
+                   hidden: Sequence[str] = (), shown: Sequence[str] = ()
+                   ) -> list[tuple[str, str, object]]:
     """What confines an engine unit, as StartTransientUnit properties; the same as
     llm-engine@.service's (units/). An engine parses untrusted models, prompts, images
     and audio: one that is compromised must not become the gateway or root.
@@ -279,6 +287,9 @@ def engine_sandbox(model: Model, *, system: bool, slot_save_path: str | None = N
         props.append(("ReadWritePaths", "as", [f"-{PurePosixPath(slot_save_path).parent}"]))
     if hidden:   # "-": one that does not exist is no error
         props.append(("InaccessiblePaths", "as", [f"-{path}" for path in hidden]))
+    if shown:    # the gateway's own code under /tmp (a checkout there): seen read-only
+        props.append(("BindReadOnlyPaths", "a(ssbt)",
+                      [(path, path, True, _MS_REC) for path in shown]))
     return props
 
 
@@ -309,14 +320,16 @@ def unreadable_by_engine(chain: Sequence[tuple[str, int, int, int]], uid: int | 
 def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
                    private_network: bool = True, slot_save_path: str | None = None,
                    visible_devices: str | None = None, system: bool = False,
-                   hidden: Sequence[str] = ()) -> UnitSpec:
+                   hidden: Sequence[str] = (), shown: Sequence[str] = ()) -> UnitSpec:
     """The transient service unit that runs this model's engine.
 
     private_network: whisper engines get a network namespace of their own (their TCP
     port reachable by nobody); where systemd cannot set one up properly, they listen
     on a free loopback port behind the same unix socket (engine_launch).
     system: a unit of the system manager: it runs as ENGINE_USER in the whole sandbox
-    (engine_sandbox), its KV directory handed over to that user at each start; hidden:
+    (engine_sandbox), its KV directory handed over to that user at each start; shown:
+    the gateway's own code where the private /tmp would hide it (whisper's launcher and
+    the parked wait's preloaded library run from it); hidden:
     paths it must not see at all (gateway_secrets)."""
     env = engine_env(model, layout, visible_devices)
     extra: dict[str, tuple[str, object]] = {
@@ -350,7 +363,7 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         user=ENGINE_USER if system else None,
         hand_over=(slot_save_path,) if system and slot_save_path is not None else (),
         sandbox=engine_sandbox(model, system=system, slot_save_path=slot_save_path,
-                               hidden=hidden),
+                               hidden=hidden, shown=shown),
     )
 
 

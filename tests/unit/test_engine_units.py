@@ -304,3 +304,20 @@ def test_the_launcher_tells_a_private_network_without_a_socket(tmp_path: Path) -
     dev.write_text(header + "    lo: 0 0\n  eth0: 1 2\n")
     assert engine_launch.interfaces(str(dev)) == ["lo", "eth0"]
     assert engine_launch.interfaces(str(tmp_path / "none")) == []
+
+
+def test_the_gateways_own_code_in_a_private_tmp_is_bound_in_read_only(tmp_path: Path) -> None:
+    """A checkout under /tmp (a CI's, a user's): the engine's private /tmp would hide the
+    launcher whisper runs and the parked wait's library, so the gateway binds them in."""
+    from gatewayd.core.engine_units import in_private_tmp
+    assert in_private_tmp(["/tmp/ci/repo/gatewayd", "/usr/lib/llm-gateway/venv",
+                           "/var/tmp/x", "/tmpfoo", "/srv/tmp/x"]) == [
+        "/tmp/ci/repo/gatewayd", "/var/tmp/x"]
+    model = _model("m", tmp_path / "m.bin", backend=Backend.WHISPER)
+    layout = EngineLayout.for_model("m")
+    props = transient_spec(model, layout, "/usr/bin/whisper-server", system=True,
+                           shown=["/tmp/ci/repo/gatewayd"]).properties()
+    binds = [value for name, _, value in props if name == "BindReadOnlyPaths"]
+    assert binds == [[("/tmp/ci/repo/gatewayd", "/tmp/ci/repo/gatewayd", True, 16384)]]
+    plain = transient_spec(model, layout, "/usr/bin/whisper-server", system=True).properties()
+    assert not [name for name, _, _ in plain if name == "BindReadOnlyPaths"]
