@@ -198,6 +198,12 @@ class TransientEngineUnits(EngineUnitsBase):
         if self._preload is None:
             log.info("the preloaded wait (gatewayd/engine_park.c) is not built: parked "
                      "engines wait behind %s, their linking on the request's path", PARK_SHELL)
+        elif manager == "system" and (why := engine_cannot_reach(self._preload)):
+            # the dynamic linker would skip a library it cannot open, and the "parked"
+            # engine would start loading at once
+            log.warning("engines (user %s) cannot read the preloaded wait %s: %s; parked "
+                        "engines wait behind %s", ENGINE_USER, self._preload, why, PARK_SHELL)
+            self._preload = None
         self._watchers: list[UnitWatcher] = []
         self._unwatch_systemd: Callable[[], None] | None = None
         self.private_network = manager != "system" or manager_can_configure_networks()
@@ -459,19 +465,30 @@ def path_chain(path: str) -> list[tuple[str, int, int, int]]:
     return [*chain, (str(real), st.st_mode, st.st_uid, st.st_gid)]
 
 
+def engine_cannot_reach(name: str) -> str | None:
+    """Why the engine's user could not read a file (None: it can; or it is missing, which
+    the engine's own error says)."""
+    uid, gids = engine_identity()
+    try:
+        chain = path_chain(name)
+    except OSError:
+        return None
+    code = own_code()
+    bound = any(name == c or name.startswith(c + "/") for c in in_private_tmp(code))
+    return unreadable_by_engine(chain, uid, gids, bound=bound)
+
+
 def check_engine_can_read(model: Model, binary: str) -> None:
     """ConfigError naming the file and the reason where the engine's user could not
-    read the model (its mmproj) or run the engine server."""
-    uid, gids = engine_identity()
+    read the model (its mmproj) or run the engine server (for whisper, the gateway's
+    launcher, which runs it: this Python and the gatewayd package)."""
     files = [str(model.config.path), binary]
     if model.config.mmproj:
         files.append(str(model.config.mmproj))
+    if model.backend is Backend.WHISPER:
+        files += [sys.executable, str(Path(__file__).resolve().parents[1] / "engine_launch.py")]
     for name in files:
-        try:
-            chain = path_chain(name)
-        except OSError:
-            continue   # missing: the engine's own error says so
-        if why := unreadable_by_engine(chain, uid, gids):
+        if why := engine_cannot_reach(name):
             raise ConfigError(f"{model.id}: {name} is not readable by the engine user "
                               f"{ENGINE_USER}: {why}; move it, or give that user read "
                               "access", model=model.id)

@@ -294,15 +294,16 @@ def engine_sandbox(model: Model, *, system: bool, slot_save_path: str | None = N
 
 
 def unreadable_by_engine(chain: Sequence[tuple[str, int, int, int]], uid: int | None,
-                         gids: frozenset[int]) -> str | None:
+                         gids: frozenset[int], *, bound: bool = False) -> str | None:
     """Why the engine's user cannot read a file, or None if it can. chain: (path, st_mode,
     st_uid, st_gid) of every directory from / down, then of the file itself; uid None: a
-    dynamic user (owns nothing, in no group: the "other" bits decide)."""
+    dynamic user (owns nothing, in no group: the "other" bits decide); bound: the file is
+    bound into the engine's private /tmp (the gateway's own code: in_private_tmp)."""
     for n, (path, mode, owner, group) in enumerate(chain):
         if path == "/" or not path:
             continue
-        if tmp := next((t for t in PRIVATE_TMP if path == t or path.startswith(t + "/")),
-                       None):
+        if not bound and (tmp := next(
+                (t for t in PRIVATE_TMP if path == t or path.startswith(t + "/")), None)):
             return f"{path} is in {tmp}, which the engine's private {tmp} hides (PrivateTmp=)"
         need = 0o4 if n == len(chain) - 1 else 0o1   # the file: read; a directory: search
         if uid is not None and owner == uid:

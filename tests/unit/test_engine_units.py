@@ -321,3 +321,30 @@ def test_the_gateways_own_code_in_a_private_tmp_is_bound_in_read_only(tmp_path: 
     assert binds == [[("/tmp/ci/repo/gatewayd", "/tmp/ci/repo/gatewayd", True, 16384)]]
     plain = transient_spec(model, layout, "/usr/bin/whisper-server", system=True).properties()
     assert not [name for name, _, _ in plain if name == "BindReadOnlyPaths"]
+
+
+def test_a_preloaded_wait_the_engine_user_cannot_read_is_not_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dynamic linker skips an LD_PRELOAD it cannot open: the "parked" engine would
+    start loading at once. A root gateway whose library the engine user cannot reach
+    parks behind the shell instead."""
+    from gatewayd.adapters import unit_control
+    from gatewayd.core.engine_units import unreadable_by_engine
+    closed = tmp_path / "srv" / "closed"
+    closed.mkdir(parents=True)
+    library = closed / "_engine_park.so"
+    library.write_bytes(b"\x7fELF")
+    closed.chmod(0o700)
+    monkeypatch.setattr(unit_control, "preload_library", lambda: str(library))
+    monkeypatch.setattr(unit_control, "engine_identity", lambda: (65534, frozenset()))
+    config = GatewayConfig(state_dir=tmp_path / "state")
+    units = unit_control.TransientEngineUnits(None, config, manager="system",  # type: ignore[arg-type]
+                                              run_root=str(tmp_path))
+    assert units._preload is None
+    closed.chmod(0o711)
+    units = unit_control.TransientEngineUnits(None, config, manager="user",  # type: ignore[arg-type]
+                                              run_root=str(tmp_path))
+    assert units._preload == str(library)     # a user's engines are the user: no check
+    chain = [("/tmp", 0o41777, 0, 0), ("/tmp/ci", 0o40755, 0, 0), ("/tmp/ci/f", 0o100644, 0, 0)]
+    assert "PrivateTmp" in (unreadable_by_engine(chain, None, frozenset()) or "")
+    assert unreadable_by_engine(chain, None, frozenset(), bound=True) is None
