@@ -443,10 +443,12 @@ def engine_identity() -> tuple[int | None, frozenset[int]]:
 
 
 def own_code() -> list[str]:
-    """Where the gateway's own code lives (its package, its Python environment): what an
-    engine runs from it (whisper's launcher, the parked wait's library) must reach it."""
-    package = Path(__file__).resolve().parents[1]
-    return sorted({str(package), os.path.realpath(sys.prefix)})
+    """Where the gateway's own code lives (what holds its package: site-packages, or a
+    checkout's root; its Python environment): what an engine runs from it (whisper's
+    launcher, the parked wait's library, a checkout's bench/fake-llama-server) must
+    reach it."""
+    paths = sorted({str(Path(__file__).resolve().parents[2]), os.path.realpath(sys.prefix)})
+    return [p for p in paths if not any(p.startswith(q + "/") for q in paths)]   # outermost
 
 
 def path_chain(path: str) -> list[tuple[str, int, int, int]]:
