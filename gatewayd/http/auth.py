@@ -158,8 +158,14 @@ def check_access(request: web.Request) -> Matched | None:
 
 
 def _check_head_size(request: web.Request) -> None:
+    raw_headers = request.raw_headers
+    total = len(request.raw_path) + 4 * len(raw_headers)
+    for name, value in raw_headers:
+        total += len(name) + len(value)
+    if total <= MAX_FIELD_BYTES:
+        return     # the common case: no line of it can be over either
     total = len(request.raw_path)
-    for name, value in request.raw_headers:
+    for name, value in raw_headers:
         size = len(name) + len(value)
         if size > MAX_FIELD_BYTES:
             raise HeadersTooLarge(f"the header {name[:64].decode('latin-1')!r} is {size} "

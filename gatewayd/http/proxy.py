@@ -268,7 +268,11 @@ class _AnswerPastLimit(Exception):
 
 def request_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """What of a client's request headers an engine or upstream is sent."""
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() in REQUEST_HEADERS)
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        if key.lower() in REQUEST_HEADERS:
+            out.add(key, value)
+    return out
 
 
 def answer_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
