@@ -53,7 +53,7 @@ from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers, own_
 from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
 from gatewayd.http.native_relay import NATIVE_RELAY, NativeRelay
-from gatewayd.http.proxy import BOUNDS, Bounds, learn_engine_slots
+from gatewayd.http.proxy import learn_engine_slots
 from gatewayd.http.remotes import Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -195,8 +195,6 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     records = RecordWriter(config.records_file, max_age_s=config.records_max_age_days * DAY_S,
                            max_bytes=config.records_max_bytes) if config.records_enabled else None
     engine_client = EngineClient(config.read_timeout_s, queue_limit=config.queue_limit)
-    app[BOUNDS] = bounds = Bounds()
-    bounds.follow(config)
 
     def connection_queue_limit(model: Model) -> int:
         # the model's queue_limit: its requests waiting for a turn at its ready engine
@@ -234,7 +232,6 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
 
     async def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
         front.config = new
-        bounds.follow(new)
         engine_client.queue_limit = new.queue_limit
         for engine in engines.engines():
             if engine.holds_slot and (model := engines.catalog.get(engine.model_id)):

@@ -62,6 +62,7 @@ from gatewayd.core.engine_units import (
     unit_patterns,
     unreadable_by_engine,
     wake_line,
+    within,
 )
 from gatewayd.core.errors import (
     ConfigError,
@@ -448,7 +449,7 @@ def own_code() -> list[str]:
     launcher, the parked wait's library, a checkout's bench/fake-llama-server) must
     reach it."""
     paths = sorted({str(Path(__file__).resolve().parents[2]), os.path.realpath(sys.prefix)})
-    return [p for p in paths if not any(p.startswith(q + "/") for q in paths)]   # outermost
+    return [p for p in paths if within(p, [q for q in paths if q != p]) is None]   # outermost
 
 
 def path_chain(path: str) -> list[tuple[str, int, int, int]]:
@@ -475,8 +476,7 @@ def engine_cannot_reach(name: str) -> str | None:
         chain = path_chain(name)
     except OSError:
         return None
-    code = own_code()
-    bound = any(name == c or name.startswith(c + "/") for c in in_private_tmp(code))
+    bound = within(name, in_private_tmp(own_code())) is not None
     return unreadable_by_engine(chain, uid, gids, bound=bound)
 
 

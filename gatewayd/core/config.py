@@ -187,9 +187,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     _expect(records, dict, where, "records")
     _no_unknown(records, {"enabled", "path", "store_text", "text_max_bytes", "max_age_days",
                           "max_mb"}, f"{where} [records]")
-    max_body_mb = _expect(data.get("max_body_mb", 256), int, where, "max_body_mb")
-    if max_body_mb < 1:
-        raise ConfigError(f"{where}: max_body_mb must be at least 1")
+    max_body_mb = _at_least_1(data.get("max_body_mb", 256), where, "max_body_mb")
     max_answer_mb = _at_least_1(data.get("max_answer_mb", 256), where, "max_answer_mb")
     max_event_mb = _at_least_1(data.get("max_event_mb", 4), where, "max_event_mb")
     health = data.get("health", {})
@@ -202,12 +200,6 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     _expect(admin, dict, where, "admin")
     _no_unknown(admin, {"socket", "group", "public", "public_metrics"}, f"{where} [admin]")
     upstreams = parse_upstreams(data.get("upstreams", {}), base, where)
-    for upstream in upstreams:   # (parse_upstreams lets inf and nan through)
-        for option in ("connect_timeout_s", "read_timeout_s", "health_interval_s"):
-            seconds = getattr(upstream, option)
-            if seconds is not None and not math.isfinite(seconds):
-                raise ConfigError(f"{where}: upstreams.{upstream.name}.{option} = {seconds} "
-                                  "is not a finite number of seconds")
     spilling = [m.name for m in models if m.spill_over]
     if spilling and not upstreams:
         raise ConfigError(f"{where}: spill_over is set for {', '.join(spilling)} but there is "

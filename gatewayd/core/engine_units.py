@@ -223,10 +223,14 @@ def gateway_secrets(config: GatewayConfig) -> list[str]:
     return paths
 
 
+def within(path: str, roots: Sequence[str]) -> str | None:
+    """The root of roots that path is, or is under (None: none)."""
+    return next((r for r in roots if path == r or path.startswith(r + "/")), None)
+
+
 def in_private_tmp(paths: Sequence[str]) -> list[str]:
     """The paths an engine's private /tmp or /var/tmp would hide (PrivateTmp=)."""
-    return [p for p in paths
-            if any(p == tmp or p.startswith(tmp + "/") for tmp in PRIVATE_TMP)]
+    return [p for p in paths if within(p, PRIVATE_TMP)]
 
 
 def engine_sandbox(model: Model, *, system: bool, slot_save_path: str | None = None,
@@ -302,8 +306,7 @@ def unreadable_by_engine(chain: Sequence[tuple[str, int, int, int]], uid: int | 
     for n, (path, mode, owner, group) in enumerate(chain):
         if path == "/" or not path:
             continue
-        if not bound and (tmp := next(
-                (t for t in PRIVATE_TMP if path == t or path.startswith(t + "/")), None)):
+        if not bound and (tmp := within(path, PRIVATE_TMP)):
             return f"{path} is in {tmp}, which the engine's private {tmp} hides (PrivateTmp=)"
         need = 0o4 if n == len(chain) - 1 else 0o1   # the file: read; a directory: search
         if uid is not None and owner == uid:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ANY = "*"
-HOSTS_REMEMBERED = 256
 
 
 def host_name(host_header: str) -> str:
@@ -55,10 +54,6 @@ class BrowserPolicy:
     allowed_hosts: frozenset[str] = frozenset()     # besides loopback and own_names
     allowed_origins: frozenset[str] = frozenset()   # besides the gateway's own
     own_names: frozenset[str] = frozenset()         # this machine's host name(s)
-    # the answer per (Host, connected address): clients send a handful of Host values,
-    # and parsing an address each time cost ~2 µs a request; bounded, cleared when full
-    _hosts_seen: dict[tuple[str | None, str | None], bool] = field(
-        default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, hosts: Collection[str], origins: Collection[str],
@@ -69,15 +64,6 @@ class BrowserPolicy:
 
     def host_allowed(self, host_header: str | None, local_address: str | None) -> bool:
         """local_address: the address the client connected to (None: not TCP)."""
-        key = (host_header, local_address)
-        known = self._hosts_seen.get(key)
-        if known is None:
-            if len(self._hosts_seen) >= HOSTS_REMEMBERED:
-                self._hosts_seen.clear()
-            known = self._hosts_seen[key] = self._host_allowed(host_header, local_address)
-        return known
-
-    def _host_allowed(self, host_header: str | None, local_address: str | None) -> bool:
         if host_header is None:
             return True     # HTTP/1.0 clients; every browser sends a Host
         host = host_name(host_header)

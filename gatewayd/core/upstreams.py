@@ -22,6 +22,7 @@ timeout), and probes back off 1, 2, 4 ... s up to the interval until one answers
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -242,6 +243,8 @@ def _seconds(table: Mapping[str, Any], option: str, default: float | None, where
     value = table.get(option, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"{where}: {key}.{option} must be a positive number of seconds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 \
+            or not math.isfinite(value):   # TOML has inf and nan: no timeout at all
+        raise ConfigError(f"{where}: {key}.{option} must be a positive number of seconds "
+                          "(finite)")
     return float(value)

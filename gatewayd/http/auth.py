@@ -50,7 +50,6 @@ from gatewayd.core.routes import TABLE, Body, Caller, Matched
 API_KEY = web.RequestKey("api_key", ApiKey)
 ROUTE = web.RequestKey("route", Matched)
 CORS_ORIGIN = web.RequestKey("cors_origin", str)   # an allowed page of another origin
-CREDENTIAL_HEADERS = ("Authorization", "X-Api-Key")
 METRICS_PATH = "/admin/metrics"
 MODEL_PATH, MODEL_PREFIX = "/v1/models/{id}", "/v1/models/"
 # what a page of an allowed origin may send and read (CORS)
@@ -117,8 +116,8 @@ def check_access(request: web.Request) -> Matched | None:
         return matched
     headers = request.headers
     host = headers.get("Host")
-    local = sockname[0] if isinstance(sockname, tuple) else None
-    if not access.browser.host_allowed(host, local) and isinstance(sockname, tuple):
+    # (a unix socket of systemd's: no browser reaches it but through a proxy of its own)
+    if isinstance(sockname, tuple) and not access.browser.host_allowed(host, sockname[0]):
         raise HostNotAllowed(
             "this gateway does not answer for that Host name; a name it should answer "
             "for goes in [listen] allowed_hosts")
@@ -158,22 +157,19 @@ def check_access(request: web.Request) -> Matched | None:
 
 
 def _check_head_size(request: web.Request) -> None:
-    raw_headers = request.raw_headers
-    total = len(request.raw_path) + 4 * len(raw_headers)
-    for name, value in raw_headers:
-        total += len(name) + len(value)
-    if total <= MAX_FIELD_BYTES:
-        return     # the common case: no line of it can be over either
-    total = len(request.raw_path)
-    for name, value in raw_headers:
+    raw_path = request.raw_path
+    if len(raw_path) > MAX_FIELD_BYTES:
+        raise HeadersTooLarge(f"the request line is over {MAX_FIELD_BYTES} bytes")
+    total = len(raw_path)
+    for name, value in request.raw_headers:
         size = len(name) + len(value)
         if size > MAX_FIELD_BYTES:
             raise HeadersTooLarge(f"the header {name[:64].decode('latin-1')!r} is {size} "
                                   f"bytes: at most {MAX_FIELD_BYTES} are taken")
         total += size + 4
-    if total > MAX_HEAD_BYTES or len(request.raw_path) > MAX_FIELD_BYTES:
+    if total > MAX_HEAD_BYTES:
         raise HeadersTooLarge(f"the request line and headers are {total} bytes: at most "
-                              f"{MAX_HEAD_BYTES} in all, {MAX_FIELD_BYTES} a line, are taken")
+                              f"{MAX_HEAD_BYTES} in all are taken")
 
 
 def _as_written(request: web.Request, matched: Matched) -> None:

@@ -36,11 +36,10 @@ from typing import cast
 from multidict import CIMultiDict
 
 from gatewayd.adapters.engine_http import chunk_size
+from gatewayd.core.config import GatewayConfig
 
 MAX_HEAD = 64 * 1024          # an answer's status line and headers (and, apart, its trailers)
 MAX_CHUNK_LINE = 4096         # a chunk-size line (with extensions)
-MAX_ANSWER = 16 << 20         # a whole answer read for the gateway's own use (own_get)
-DEFAULT_QUEUE_LIMIT = 100     # requests waiting for one engine's connections (queue_limit)
 HIGH_WATER = 256 * 1024       # unread answer bytes before reading pauses
 NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -168,7 +167,7 @@ class EngineClient:
 
     def __init__(self, read_timeout_s: float, *, connect_timeout_s: float = 10.0,
                  keepalive_s: float = 4.0, queue_timeout_s: float | None = None,
-                 queue_limit: int = DEFAULT_QUEUE_LIMIT) -> None:
+                 queue_limit: int = GatewayConfig.queue_limit) -> None:
         self.read_timeout_s = read_timeout_s
         # requests waiting for a socket's connections, unless set_queue_limit said otherwise
         self.queue_limit = queue_limit

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.core.auth import ApiKey, check_model
 from gatewayd.core.budget import model_need_mib
-from gatewayd.core.catalog import Model
+from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
@@ -52,6 +53,7 @@ from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
+    Answer,
     Outgoing,
     as_whisper_translation,
     relay,
@@ -138,10 +140,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     front = request.app[FRONT]
     asked = request.match_info["model_id"]
     key = request_key(request)
-    if key is not None:   # first: a key learns nothing of models it may not use
-        found = front.engines.catalog.find(asked)
-        check_model(key, found.id if found else asked,
-                    found.names if found else frozenset({asked.casefold()}))
+    check_asked(key, front.engines.catalog, asked)
     try:
         model = front.engines.catalog.resolve(asked)
     except ModelNotFound as e:
@@ -190,20 +189,16 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     try:
         matched = request_route(request)
         if matched is None or not matched.route.engine:
-            # the route table (core/routes.py) lets through only paths it lists; an app
-            # built without the gate (a test's) gets the same answer for the rest
+            # only an engine route of the table (core/routes.py) is relayed; the gate
+            # (http/auth) stops the rest, and an app built without it relays nothing
             raise RouteNotFound(f"{request.path} is not a path this gateway serves")
         body = await read_body(request, front.config.max_body_bytes)
         record.bytes_in = len(body)
         model, payload, multipart = await model_of(request, body)
         asked = model or request.query.get("model")
         catalog = front.engines.catalog
-        if key is not None and asked is not None:
-            # before anything that depends on the model (its kind, whether it exists): a
-            # key learns nothing of models it may not use
-            found = catalog.find(asked)
-            check_model(key, found.id if found else asked,
-                        found.names if found else frozenset({asked.casefold()}))
+        if asked is not None:
+            check_asked(key, catalog, asked)
         try:
             model_id = choose_model(request.path, asked, catalog=catalog,
                                     engines=front.engines.engines(),
@@ -305,19 +300,15 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: b
     """To the model's engine; its slot (taken by acquire) is given back at the end."""
     request = call.request
     try:
-        body, query = call.body, request.rel_url.raw_query_string
-        path = call.target
+        body, path = call.body, call.target
         if multipart and request.path in TRANSLATION_PATHS:
             body = as_whisper_translation(body, _boundary(request))
             path = WHISPER_INFERENCE_PATH
-        target = path + (f"?{query}" if query else "")
+        target = _with_query(path, request)
         call.record.engine = engine.unit
         send = to_engine(front.engine_client, engine.socket, request.method, target,
                          call.headers, body, stream=call.stream)
-        return await relay(request, Outgoing(send=send, stream=call.stream,
-                                             drop_usage_event=call.drop_usage,
-                                             stall_timeout_s=front.config.read_timeout_s),
-                           call.record, call.t0)
+        return await relay(request, outgoing(front.config, send, call), call.record, call.t0)
     finally:
         front.dispatcher.release(engine.model_id, counts_as_use=inference)
 
@@ -346,12 +337,10 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
         headers = call.headers.copy()
         headers.update(remote.auth_headers())
         assert remote.session is not None
-        query = request.rel_url.raw_query_string
         send = to_remote(remote.session, request.method,
-                         remote.config.url_for(call.target + (f"?{query}" if query else "")),
+                         remote.config.url_for(_with_query(call.target, request)),
                          headers, body)
-        out = Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
-                       upstream=remote.name, stall_timeout_s=front.config.read_timeout_s,
+        out = outgoing(front.config, send, call, upstream=remote.name,
                        redact=remote.config.redact)
         try:
             return await relay(request, out, call.record, call.t0)
@@ -362,6 +351,30 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
             raise
     finally:
         front.remotes.release(remote)
+
+
+def check_asked(key: ApiKey | None, catalog: Catalog, asked: str) -> None:
+    """The key's model check, before anything that depends on the model (its kind,
+    whether it exists): a key learns nothing of models it may not use."""
+    if key is not None:
+        found = catalog.find(asked)
+        check_model(key, found.id if found else asked,
+                    found.names if found else frozenset({asked.casefold()}))
+
+
+def _with_query(path: str, request: web.Request) -> str:
+    """path (the route table's) with the client's query string as it was sent."""
+    query = request.rel_url.raw_query_string
+    return path + (f"?{query}" if query else "")
+
+
+def outgoing(config: GatewayConfig, send: Callable[[], Awaitable[Answer]], call: Call,
+             **remote: Any) -> Outgoing:
+    """How a call goes out, with the configuration's timeouts and bounds in force."""
+    return Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
+                    stall_timeout_s=config.read_timeout_s,
+                    max_answer_bytes=config.max_answer_bytes,
+                    max_event_bytes=config.max_event_bytes, **remote)
 
 
 def available_models(front: FrontDoor, key: ApiKey | None) -> list[str]:

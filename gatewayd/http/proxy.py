@@ -29,6 +29,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
+from gatewayd.adapters.engine_http import MAX_ANSWER
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import (
@@ -45,15 +46,14 @@ from gatewayd.core.errors import (
     anthropic_error_body,
 )
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
+from gatewayd.http.engine_client import AnswerTooLarge as EngineAnswerTooLarge
 from gatewayd.http.engine_client import (
-    MAX_ANSWER,
     ConnectionsBusy,
     ConnectionsQueueFull,
     EngineClient,
     EngineConnectionError,
     EngineResponse,
 )
-from gatewayd.http.engine_client import AnswerTooLarge as EngineAnswerTooLarge
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.native_relay import NATIVE_RELAY, Forwarded, NativeRelay
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
@@ -97,22 +97,6 @@ class Answer(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class Bounds:
-    """The relay's bounds on what it holds of an answer, from the configuration (one
-    object for the app's life: a reload changes it in place)."""
-
-    max_answer_bytes: int = GatewayConfig.max_answer_bytes
-    max_event_bytes: int = GatewayConfig.max_event_bytes
-
-    def follow(self, config: GatewayConfig) -> None:
-        self.max_answer_bytes = config.max_answer_bytes
-        self.max_event_bytes = config.max_event_bytes
-
-
-BOUNDS = web.AppKey("bounds", Bounds)   # absent: the defaults
-
-
 # what sending a request or reading its answer raises when the other side is not there,
 # breaks off or is silent for too long
 TRANSPORT_ERRORS = (TimeoutError, EngineConnectionError, aiohttp.ClientError, OSError)
@@ -129,6 +113,10 @@ class Outgoing:
     # longest a stream's client may take no bytes while the gateway has some for it; then
     # it is dropped and what it held (the engine) let go
     stall_timeout_s: float = 600.0
+    # what the relay holds of an answer: a whole one (max_answer_mb), one streamed event
+    # not yet ended (max_event_mb)
+    max_answer_bytes: int = GatewayConfig.max_answer_bytes
+    max_event_bytes: int = GatewayConfig.max_event_bytes
     # takes an upstream's credentials out of an error's words (a library's error may
     # quote the URL): UpstreamConfig.redact
     redact: Callable[[str], str] = str
@@ -284,7 +272,6 @@ def answer_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
 
 async def relay(request: web.Request, out: Outgoing, record: CallRecord,
                 t0: float) -> web.StreamResponse:
-    bounds = request.app.get(BOUNDS) or Bounds()
     try:
         upstream = await out.send()
     except ConnectionsQueueFull as e:
@@ -298,13 +285,12 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
     try:
         content_type = upstream.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
-            return await _relay_stream(request, upstream, out, record, t0,
-                                       bounds.max_event_bytes)
+            return await _relay_stream(request, upstream, out, record, t0)
         try:
-            data = await upstream.read(bounds.max_answer_bytes)
+            data = await upstream.read(out.max_answer_bytes)
         except (_AnswerPastLimit, EngineAnswerTooLarge) as e:
             who = "the engine" if out.upstream is None else f"upstream {out.upstream!r}"
-            raise AnswerTooLarge(f"{who} answered with more than {bounds.max_answer_bytes} "
+            raise AnswerTooLarge(f"{who} answered with more than {out.max_answer_bytes} "
                                  "bytes (max_answer_mb): refused") from e
         except TRANSPORT_ERRORS as e:
             raise out.unavailable(e, "failed while answering") from e
@@ -326,9 +312,8 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
         upstream.release()
 
 
-async def _relay_stream(request: web.Request, upstream: Answer, out: Outgoing,
-                        record: CallRecord, t0: float, max_event_bytes: int
-                        ) -> web.StreamResponse:
+async def _relay_stream(request: web.Request, upstream: Answer,
+                        out: Outgoing, record: CallRecord, t0: float) -> web.StreamResponse:
     record.stream = True
     record.status = upstream.status
     response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
@@ -336,7 +321,7 @@ async def _relay_stream(request: web.Request, upstream: Answer, out: Outgoing,
     if chunked:
         response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
     writer = await response.prepare(request)
-    sse = SseRelay(drop_usage_event=out.drop_usage_event, max_event_bytes=max_event_bytes)
+    sse = SseRelay(drop_usage_event=out.drop_usage_event, max_event_bytes=out.max_event_bytes)
     delivered = False  # the engine's answer ended and all of it was written to the client
     sent = _Sent()
     native = request.app.get(NATIVE_RELAY)
@@ -372,13 +357,14 @@ async def _relay_stream(request: web.Request, upstream: Answer, out: Outgoing,
         except (*TRANSPORT_ERRORS, EventTooLarge) as e:
             # The engine died mid-stream, or went past a bound. The status is sent: end
             # with an error event.
-            error = e if isinstance(e, EventTooLarge) else out.broke_off(e)
             if isinstance(e, EventTooLarge):
                 upstream.close()   # the rest of the answer is not read
+                error: GatewayError = e
                 record.outcome = "error"
-                record.error_code = e.code
             else:
-                record.outcome = record.error_code = error.code
+                error = out.broke_off(e)
+                record.outcome = error.code
+            record.error_code = error.code
             event = error_event(stream_format(request.path), error)
             await _write(request, response, event, record, out.stall_timeout_s)
         await _write_eof(request, response, record, out.stall_timeout_s)

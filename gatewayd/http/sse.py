@@ -26,11 +26,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import EventTooLarge, GatewayError
 from gatewayd.core.routing import speaks_anthropic
 
 DONE = b"data: [DONE]"
-MAX_EVENT_BYTES = 4 << 20   # max_event_mb's default
 END_MARKERS = (DONE, b"event: response.completed", b"event: response.failed",
                b"event: response.incomplete", b"event: message_stop",
                b'"type":"message_stop"', b'"type": "message_stop"')
@@ -79,8 +79,8 @@ def _int(value: object) -> int | None:
 
 
 class SseRelay:
-    def __init__(self, *, drop_usage_event: bool, max_event_bytes: int = MAX_EVENT_BYTES
-                 ) -> None:
+    def __init__(self, *, drop_usage_event: bool,
+                 max_event_bytes: int = GatewayConfig.max_event_bytes) -> None:
         self.drop_usage_event = drop_usage_event
         self.usage: dict[str, Any] | None = None
         self.content_events = 0

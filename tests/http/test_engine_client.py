@@ -336,19 +336,23 @@ async def test_at_most_limit_connections_the_rest_wait_in_order(engine: Engine) 
     await client.close()
 
 
-async def test_a_wait_for_a_connection_ends_after_the_queue_time_and_leaves_no_trace(
-        engine: Engine) -> None:
-    """All connections busy for queue_timeout_s: ConnectionsBusy, the waiter gone from the
-    queue, the slots as they were; the busy ones answer, and the next request gets one."""
-    release = asyncio.Event()
-
+def answers_once_released(engine: Engine, release: asyncio.Event) -> Handler:
+    """An engine handler that answers each request (b"done") only once release is set."""
     async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             await engine.read_request(reader)
             await release.wait()
             writer.write(ok(b"done"))
             await writer.drain()
-    engine.handler = held
+    return held
+
+
+async def test_a_wait_for_a_connection_ends_after_the_queue_time_and_leaves_no_trace(
+        engine: Engine) -> None:
+    """All connections busy for queue_timeout_s: ConnectionsBusy, the waiter gone from the
+    queue, the slots as they were; the busy ones answer, and the next request gets one."""
+    release = asyncio.Event()
+    engine.handler = answers_once_released(engine, release)
     client = EngineClient(read_timeout_s=5, queue_timeout_s=0.2)
     client.set_limit(engine.path, 1)
     first = asyncio.ensure_future(get(client, engine))
@@ -527,14 +531,7 @@ async def test_the_wait_for_connections_is_bounded_by_the_queue_limit(engine: En
     queue_full), not held with its body for up to read_timeout_s; a socket's own limit
     (set_queue_limit, the model's queue_limit) wins over the client's."""
     release = asyncio.Event()
-
-    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await engine.read_request(reader)
-            await release.wait()
-            writer.write(ok(b"done"))
-            await writer.drain()
-    engine.handler = held
+    engine.handler = answers_once_released(engine, release)
     client = EngineClient(read_timeout_s=5, queue_limit=2)
     client.set_limit(engine.path, 1)
     tasks = [asyncio.ensure_future(get(client, engine)) for _ in range(3)]
