@@ -72,6 +72,11 @@ from gatewayd.service.readiness import Readiness
 
 log = logging.getLogger("gatewayd.engines")
 LOG_TAIL_LINES = 15
+# journald writes a dead engine's last lines (its stderr stream) a little after systemd
+# reports the exit, and nothing unprivileged can wait for it: the tail is read again
+# after these delays (seconds from the failure) while the engine stays failed, so the
+# admin's view ends with the line that says why
+LOG_REREAD_S = (0.5, 2.0, 5.0)
 PARK_QUIET_POLL_S = 0.05   # how often a pending park looks whether starts are over
 READY_GRACE_S = 5.0        # a waiter's deadline beyond load_timeout_s
 RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)   # after 1, 2, 3... failed starts in a row
@@ -631,7 +636,19 @@ class EngineManager:
         current = self._engines.get(model_id)
         if current is None or current.state is not EngineState.FAILED:
             return  # stopped (waiters told), or restarting/recovered (waiters wait on)
+        self._spawn(self._reread_logs(model_id))
         self._fail_waiters(model_id, self.failed_error(model_id))
+
+    async def _reread_logs(self, model_id: str) -> None:
+        waited = 0.0
+        for at in LOG_REREAD_S:
+            await asyncio.sleep(at - waited)
+            waited = at
+            engine = self._engines.get(model_id)
+            if engine is None or engine.state is not EngineState.FAILED:
+                return   # stopped, or it runs again (a new failure reads its own)
+            lines = await self._journal.tail(engine.unit, LOG_TAIL_LINES)
+            self._event(model_id, LogsRead(tuple(lines)))
 
     def _fail_waiters(self, model_id: str, error: GatewayError) -> None:
         for fut in self._waiters.pop(model_id, []):

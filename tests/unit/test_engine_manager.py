@@ -23,6 +23,7 @@ from gatewayd.core.errors import (
     InsufficientGpu,
 )
 from gatewayd.core.ports import EngineUnitInfo
+from gatewayd.service import engine_manager
 from gatewayd.service.restore import adopt, restore
 from tests.fakes import engine_manager_on_fakes
 
@@ -126,6 +127,33 @@ async def test_crash_while_loading_fails_every_waiter(tmp_path: Path) -> None:
         assert isinstance(r, EngineFailed)
         assert r.body()["error"]["failure"]["reason"] == "exited with status 3"
         assert r.body()["error"]["failure"]["log_tail"]
+
+
+async def test_the_failure_gets_the_journal_lines_written_after_the_exit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """journald writes a dead engine's last stderr lines after systemd reports its exit:
+    the first read misses them; the failure ends up with them all the same."""
+    monkeypatch.setattr(engine_manager, "LOG_REREAD_S", (0.01, 0.02))
+    mgr, units, health = engine_manager_on_fakes(tmp_path)
+    written = ["llama-server starting"]
+
+    class LaggingJournal:
+        async def tail(self, unit: str, lines: int) -> list[str]:
+            return list(written)
+    mgr._journal = LaggingJournal()
+    health.all_ready = False
+    await mgr.start("a", wait=False)
+    unit = units.layout("a").unit
+    units.emit(unit, ExecMainCode=1, ExecMainStatus=3, Result="exit-code")
+    units.emit(unit, ActiveState="failed", SubState="failed")
+    with pytest.raises(EngineFailed):
+        await mgr.wait_ready("a", timeout=2)
+    written.append("error: cannot load the model")     # journald caught up
+    deadline = asyncio.get_running_loop().time() + 2
+    while "error: cannot load the model" not in mgr.get("a").failure.log_tail:  # type: ignore[union-attr]
+        assert asyncio.get_running_loop().time() < deadline, mgr.get("a")
+        await asyncio.sleep(0.005)
+    await mgr.close()
 
 
 async def test_kill_and_systemd_restart_go_failed_then_ready(tmp_path: Path) -> None:
