@@ -17,9 +17,12 @@ Faults the tests inject: a crash (systemd restarts the engine), a failed start, 
 started or stopped behind the gateway's back (`systemctl` by hand; the stop's signals
 lost), and a stop whose signals are held back for a while (they arrive out of order
 with the next instance's).
-Signals (PropertiesChanged) are delivered by the event loop after a delay the test
-chooses per signal: zero (before the job returns, as D-Bus does), later than the job,
-in another order than sent, or twice.
+Signals (PropertiesChanged) are delivered by the event loop, never inside the call that
+sent them, after a delay the test chooses per signal: zero (in order, before the job
+returns, as one D-Bus connection does), later than the job, in another order than sent,
+or twice. Like systemd, it refuses a start of a unit that runs (UnitExists, as
+unit_control raises it: UnitAlreadyActive) and a kill of a unit it does not have
+(NoSuchUnit); a stop of one is done, with no signal.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gatewayd.adapters.systemd import NO_SUCH_UNIT
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
@@ -188,8 +192,10 @@ class FakeSystemd:
 
     async def kill_engine(self, unit: str) -> None:
         u = self.units.get(unit)
-        if u is not None:
-            self.crash(u.model_id)
+        if u is None:
+            raise UnitOperationFailed(f"KillUnit failed: Unit {unit} not loaded.",
+                                      dbus_error=NO_SUCH_UNIT)
+        self.crash(u.model_id)
 
     def start_behind_our_back(self, model_id: str) -> bool:
         """`systemctl start` of the engine unit by hand (only where there is room): the
@@ -298,8 +304,8 @@ class FakeSystemd:
         mode = self.signal_mode
         copies = 2 if mode == "duplicated" and self.rng.random() < 0.5 else 1
         for _ in range(copies):
-            if mode == "in_order":
-                self._deliver(unit, props)            # before the job returns, in order
+            if mode == "in_order":   # by the loop, in order, before the job returns
+                loop.call_soon(self._deliver, unit, props)
             elif mode == "late":
                 loop.call_later(self.job_s * 3, self._deliver, unit, props)
             else:

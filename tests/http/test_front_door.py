@@ -27,6 +27,8 @@ from gatewayd.core.config import Backend, ModelKind
 from gatewayd.core.engines import EngineState
 from gatewayd.http import native_relay, openai_api
 from gatewayd.http.auth import PARSER_LIMITS
+from gatewayd.http.engine_client import EngineResponse
+from gatewayd.http.native_relay import NATIVE_RELAY
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
 from tests.fakes import FakeHealth, FakeUnits, engine_layer_on, engine_manager_on_fakes
@@ -469,18 +471,40 @@ async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
 
 @BOTH_RELAYS
 async def test_a_client_that_stops_reading_holds_the_engine_and_gets_everything(
-        gw: Gateway) -> None:
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
     """Events are pushed to the client from the engine connection's callback; a client
     that does not read makes the gateway stop reading from the engine (the engine is
     held, the gateway buffers ~64 KiB, not the whole answer), and when it reads again
     it gets every event, in order, and the end."""
+    holding: set[EngineResponse] = set()   # the Python relay's holds, not resumed
+    hold, resume = EngineResponse.hold, EngineResponse.resume
+
+    def held(self: EngineResponse) -> None:
+        holding.add(self)
+        hold(self)
+
+    def resumed(self: EngineResponse) -> None:
+        holding.discard(self)
+        resume(self)
+    monkeypatch.setattr(EngineResponse, "hold", held)
+    monkeypatch.setattr(EngineResponse, "resume", resumed)
     n, pad = 6000, 4000    # 24 MB: more than the socket buffers on the way hold (~10 MB)
     resp = await gw.client.post("/v1/chat/completions", json=chat(
         "a", stream=True, prompt=f"pad {pad}", max_tokens=n))
     assert resp.status == 200
-    await resp.content.readuntil(b"\n\n")
-    await asyncio.sleep(0.5)                   # a slow reader
+    await resp.content.readuntil(b"\n\n")    # then a slow reader: nothing for a while
     engine = gw.fakes["a"]
+    assert engine.runner is not None and engine.runner.server is not None
+    server, native = engine.runner.server, gw.client.app[NATIVE_RELAY]
+    # until the engine waits to write (its socket is full) while the gateway does not read
+    # it (the Python relay's hold; relay.c reads only once its send to the client is out):
+    # from then on it stays so until the client reads, however slow the machine
+    deadline = time.monotonic() + 10
+    while not ((holding or native.active)
+               and any(h.writing_paused for h in server.connections)):
+        assert engine.events_sent < n, "the gateway read the whole answer: nothing held it"
+        assert time.monotonic() < deadline, engine.events_sent
+        await asyncio.sleep(0.005)
     assert engine.events_sent < n * 0.75, engine.events_sent   # held, not read to the end
     got = events(await resp.read())
     tokens = [e["choices"][0]["delta"].get("content") for e in got[:-1]
@@ -616,6 +640,29 @@ async def test_a_stopped_model_is_started_once_for_many_requests(gw: Gateway) ->
                                      for _ in range(20)))
     assert [r.status for r in answers] == [200] * 20
     assert gw.units.log.count("start c") == 1      # one loader, twenty waiters
+
+
+async def test_signals_that_come_late_fail_no_request(tmp_path: Path) -> None:
+    """systemd's signals arriving after the jobs that sent them (a bus connection that lost
+    its order): an engine stopped and started again hears its previous instance's stop
+    after its own start. Every request is answered all the same, and the gateway ends up
+    with the engine systemd runs."""
+    async for gw in _gateway(tmp_path, ("a",)):
+        gw.units.late_s = 0.02
+        for _ in range(3):
+            await gw.engines.stop("a")
+            late = asyncio.ensure_future(gw.units.delivered())
+            while not late.done():   # asking all the while the old and new signals come
+                answers = await asyncio.gather(*(gw.client.post(
+                    "/v1/chat/completions", json=chat("a")) for _ in range(3)))
+                assert [r.status for r in answers] == [200] * 3
+        unit = gw.units.units[gw.units.layout("a").unit]
+        deadline = time.monotonic() + 5   # (a stale "inactive" is confirmed with systemd)
+        while not ((e := gw.engines.get("a")) and e.state is EngineState.READY
+                   and e.main_pid == unit.main_pid and not e.exit_unconfirmed):
+            assert time.monotonic() < deadline, (gw.engines.get("a"), unit)
+            await asyncio.sleep(0.005)
+        assert gw.units.log.count("start a") == 4 and gw.units.refused == []
 
 
 async def test_autoload_false_answers_model_not_loaded(gw: Gateway) -> None:
