@@ -121,6 +121,10 @@ class GatewayMetrics:
         self.upstream_requests = _Counts("llm_gateway_upstream_requests",
                                          "Requests sent to (or refused for) remote upstreams, "
                                          "by status", ["upstream", "status"])
+        self.restarts = _Counts("llm_gateway_engine_restarts",
+                                "Engines restarted by systemd after their process ended, by "
+                                "why (exit, signal, oom, hung: killed by the liveness check)",
+                                ["model", "reason"])
         self.evictions = _Counts("llm_gateway_evictions",
                                  "Engines stopped by the gateway to make room or when idle",
                                  ["reason"])
@@ -162,14 +166,17 @@ class GatewayMetrics:
         model = new.model_id
         if new.state is EngineState.STARTING:
             self._started[model] = self._clock()
-        elif new.state is EngineState.READY and old.state in (EngineState.STARTING,
-                                                              EngineState.LOADING):
+        elif new.state is EngineState.RESTARTING:
+            failure = new.failure
+            # counted as a restart, not a failed start: a cold start that crashed ends
+            # later as that start's ok or failed (its load time then includes restarts)
+            self.restarts.inc((model, failure.kind if failure else "other"))
+        elif new.state is EngineState.READY and model in self._started:
             self.starts.inc((model, "ok"))
             started = self._started.pop(model, None)
             if started is not None:
                 self.load.observe((model,), self._clock() - started)
-        elif new.state is EngineState.FAILED and old.state in (EngineState.STARTING,
-                                                               EngineState.LOADING):
+        elif new.state is EngineState.FAILED and model in self._started:
             self.starts.inc((model, "failed"))
             self._started.pop(model, None)
         elif new.state is EngineState.STOPPING and stop_reason in EVICTION_REASONS:
@@ -179,8 +186,8 @@ class GatewayMetrics:
 
     def families(self) -> list[Metric]:
         return [m.family() for m in (self.requests, self.duration, self.ttft, self.tokens,
-                                     self.rejected, self.starts, self.load, self.evictions,
-                                     self.upstream_requests)]
+                                     self.rejected, self.starts, self.restarts, self.load,
+                                     self.evictions, self.upstream_requests)]
 
     def render(self, snapshot: Snapshot, engine_metrics: Mapping[str, str] | None = None
                ) -> bytes:

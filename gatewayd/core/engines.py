@@ -1,16 +1,24 @@
 """The engine state machine. Pure: events in, a new Engine out; no I/O, no clocks.
 
     stopped ──start──▶ starting ──unit active──▶ loading ──/health 200──▶ ready
-       ▲                  │                        │                       │
-       │                  └──────── crash / start failure / load timeout ─┴─▶ failed
-       │                                                                        │
-       └──── unit gone ◀── stopping ◀── stop (from any state) ◀────────────────┘
-                                              systemd restart: failed ─▶ starting/loading
+       ▲                  │                        │  ▲                    │
+       │                  │    start failure /     │  └─ new process ─┐    │ crash, OOM,
+       │                  │    load timeout        │                  │    │ killed as hung
+       │                  ▼                        ▼                  │    ▼
+       │               failed ◀── systemd gives up (start limit) ── restarting
+       │                  │                                           ▲
+       │                  │            a crash while starting/loading ┘
+       └── unit gone ◀── stopping ◀── stop (from any state)
 
 Unit facts arrive as UnitChanged events built from systemd's PropertiesChanged
-signals (ActiveState, SubState, MainPID, NRestarts, ExecMainCode/Status), so a
-crash is seen the moment systemd sees it, and a systemd restart shows up as
-failed (restarting) → starting → loading → ready with the restart counted.
+signals (ActiveState, SubState, MainPID, NRestarts, ExecMainCode/Status, Result),
+so a crash is seen the moment systemd sees it. While systemd restarts an engine
+(Restart=on-failure) the engine is *restarting*: it keeps its slot, and whoever
+waits for it waits on, as for a cold start. The process that died is remembered
+(`dead_pid`): its own late signals (its "active" before the kill lands, its exit)
+are never read as the restarted process's; only a new process running again
+(another MainPID) moves it on to loading. Only systemd giving up (the start limit,
+or a unit that does not restart) makes it failed.
 """
 
 from __future__ import annotations
@@ -27,36 +35,51 @@ class EngineState(StrEnum):
     STARTING = "starting"
     LOADING = "loading"
     READY = "ready"
+    RESTARTING = "restarting"
     STOPPING = "stopping"
     FAILED = "failed"
 
 
 # States in which an engine's unit exists and holds (or is about to hold) memory.
 SLOT_STATES = frozenset({EngineState.STARTING, EngineState.LOADING, EngineState.READY,
-                         EngineState.STOPPING})
+                         EngineState.RESTARTING, EngineState.STOPPING})
+# States whose waiters wait on: the engine is on its way to ready.
+COMING_STATES = frozenset({EngineState.STARTING, EngineState.LOADING,
+                           EngineState.RESTARTING})
 
 
-def holds_slot(state: EngineState, restarting: bool, exit_unconfirmed: bool = False) -> bool:
+def holds_slot(state: EngineState, exit_unconfirmed: bool = False) -> bool:
     """The one definition of "holds one of the max_engines slots": the unit exists and
-    runs or will run again — starting, loading, ready, stopping, or failed while
-    systemd restarts it (Restart=on-failure: its unit is still there) — or a signal
-    said it ended and systemd has not confirmed that yet."""
-    return (exit_unconfirmed or state in SLOT_STATES
-            or (state is EngineState.FAILED and restarting))
+    runs or will run again — starting, loading, ready, restarting (Restart=on-failure:
+    its unit is still there), stopping — or a signal said it ended and systemd has not
+    confirmed that yet."""
+    return exit_unconfirmed or state in SLOT_STATES
 
 
 @dataclass(frozen=True)
 class Failure:
-    """Why an engine last failed, with the tail of its journal."""
+    """Why an engine last failed (or is being restarted), with the tail of its journal."""
     reason: str
     exit_code: int | None = None
     signal: int | None = None
-    restarting: bool = False
     log_tail: tuple[str, ...] = ()
 
     def describe(self) -> dict[str, object]:
         return {"reason": self.reason, "exit_code": self.exit_code, "signal": self.signal,
-                "restarting": self.restarting, "log_tail": list(self.log_tail)}
+                "log_tail": list(self.log_tail)}
+
+    @property
+    def kind(self) -> str:
+        """A closed set for metrics: why a process ended."""
+        if "(hung)" in self.reason:
+            return "hung"
+        if "oom" in self.reason:
+            return "oom"
+        if self.signal is not None:
+            return "signal"
+        if self.exit_code is not None:
+            return "exit"
+        return "other"
 
 
 @dataclass(frozen=True)
@@ -75,16 +98,18 @@ class Engine:
     # stays counted: a late or reordered signal must never let a start exceed max_engines.
     exit_unconfirmed: bool = False
     devices: tuple[str, ...] = ()       # the GPUs it was placed on (UUIDs); (): all / none
+    # restarting: the process that ended (0: unknown). Its signals are its own, never
+    # the restarted process's: only another MainPID running is the restart
+    dead_pid: int = 0
 
     @property
     def restarting(self) -> bool:
-        """Failed, and systemd is about to start it again."""
-        return (self.state is EngineState.FAILED and self.failure is not None
-                and self.failure.restarting)
+        """systemd is starting it again (after a crash, or our kill of a hung one)."""
+        return self.state is EngineState.RESTARTING
 
     @property
     def holds_slot(self) -> bool:
-        return holds_slot(self.state, self.restarting, self.exit_unconfirmed)
+        return holds_slot(self.state, self.exit_unconfirmed)
 
 
 # -- events ----------------------------------------------------------------------
@@ -133,7 +158,7 @@ class LoadTimedOut:
 @dataclass(frozen=True)
 class Unresponsive:
     """A ready engine did not answer /health for a while: it is being killed, and
-    systemd will restart it."""
+    systemd will restart it (restarting)."""
 
     now: float
     seconds: float
@@ -153,7 +178,7 @@ class UnitGone:
 
 @dataclass(frozen=True)
 class LogsRead:
-    """The tail of the engine's journal, read after a failure."""
+    """The tail of the engine's journal, read after a failure or a crash."""
     lines: tuple[str, ...]
 
 
@@ -217,9 +242,10 @@ def apply(engine: Engine, event: Event) -> Engine:
             return engine
         case Unresponsive(now, seconds):
             if s is EngineState.READY:
-                return _to(engine, EngineState.FAILED, now, ready_since=None, failure=Failure(
-                    f"did not answer /health for {seconds:g}s (hung): killed, and systemd "
-                    "restarts it", restarting=True))
+                return _to(engine, EngineState.RESTARTING, now, ready_since=None,
+                           dead_pid=engine.main_pid, failure=Failure(
+                               f"did not answer /health for {seconds:g}s (hung): killed, "
+                               "and systemd restarts it"))
             return engine
         case StopRequested(now):
             if s is EngineState.STOPPED:
@@ -227,10 +253,7 @@ def apply(engine: Engine, event: Event) -> Engine:
             return _to(engine, EngineState.STOPPING, now)
         case UnitGone(now):   # our stop is complete: the unit is gone, for certain
             if s is EngineState.FAILED:
-                failure = engine.failure
-                if failure is not None and failure.restarting:
-                    failure = replace(failure, restarting=False)
-                return replace(engine, failure=failure, main_pid=0, exit_unconfirmed=False)
+                return replace(engine, main_pid=0, exit_unconfirmed=False)
             return _to(engine, EngineState.STOPPED, now, main_pid=0, exit_unconfirmed=False)
         case LogsRead(lines):
             if engine.failure is None:
@@ -258,9 +281,9 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
         changes["main_pid"] = ev.main_pid
     s, active, sub = engine.state, ev.active_state, ev.sub_state
     failure = engine.failure
-    if (s is EngineState.FAILED and failure is not None and ev.exec_code is not None
-            and failure.exit_code is None and failure.signal is None
-            and failure.reason == "stopped unexpectedly"):
+    if (s in (EngineState.FAILED, EngineState.RESTARTING) and failure is not None
+            and ev.exec_code is not None and failure.exit_code is None
+            and failure.signal is None and failure.reason == "stopped unexpectedly"):
         # the Service interface's signal (exit status) came after the Unit's
         text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
         changes["failure"] = replace(failure, reason=text, exit_code=code, signal=sig)
@@ -268,34 +291,31 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
     if s is EngineState.STOPPING:
         if active in ("inactive", "failed"):
             return _to(engine, EngineState.STOPPED, ev.now, main_pid=0)
-        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
-
+        return _with(engine, changes)
+    if s is EngineState.RESTARTING:
+        return _while_restarting(engine, ev, changes)
     if s is EngineState.FAILED and active in ("deactivating", "inactive", "failed"):
         # a failed engine being stopped or collected stays failed, with its reason
-        settled = changes.get("failure", failure)
-        if isinstance(settled, Failure) and settled.restarting and active != "deactivating":
-            changes["failure"] = replace(settled, restarting=False)
         if active != "deactivating":
             changes["main_pid"] = 0   # no process any more
-        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
-    if active == "activating" and sub == "auto-restart":
-        if s is EngineState.FAILED and failure is not None and failure.restarting:
-            # we know why already (we killed it as hung): keep that reason
-            return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
-        text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
-        return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
-                   failure=Failure(text, code, sig, restarting=True), **changes)
+        return _with(engine, changes)
+    if s is not EngineState.FAILED and (_ended_to_restart(s, active, sub, ev.result)
+                                        or _failed_maybe_restarting(active, ev.result)):
+        # its process ended and systemd starts it again: a wait, not a failure
+        changes.pop("main_pid", None)
+        if active == "failed":
+            changes["exit_unconfirmed"] = True
+        return _to(engine, EngineState.RESTARTING, ev.now, main_pid=0, ready_since=None,
+                   dead_pid=engine.main_pid, failure=_exit_failure(ev), **changes)
     if active == "failed" or (active == "inactive" and ev.result not in (None, "success")):
-        text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
-        if ev.result and ev.result not in ("exit-code", "signal", "core-dump", "success"):
-            text = f"{text} ({ev.result})"
+        changes.pop("main_pid", None)
         return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
-                   failure=Failure(text, code, sig), **changes)
+                   failure=_exit_failure(ev), **changes)
     if s is EngineState.STARTING and active in ("inactive", "deactivating"):
         # a unit being created reports inactive/dead before activating; a deactivating
         # one is the previous instance's signal arriving late (it was stopped and gone
         # before this start was sent)
-        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
+        return _with(engine, changes)
     if active == "inactive":
         return _to(engine, EngineState.STOPPED, ev.now, main_pid=0, ready_since=None, **changes)
     if active == "deactivating":
@@ -303,24 +323,98 @@ def _unit_changed(engine: Engine, ev: UnitChanged) -> Engine:
     if active == "activating":
         if s in (EngineState.STOPPED, EngineState.FAILED, EngineState.STARTING):
             return _to(engine, EngineState.STARTING, ev.now, **changes)
-        return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
+        return _with(engine, changes)
     restarted_unseen = s is EngineState.READY and pid_changed and bool(engine.main_pid)
-    # a failed engine runs again when systemd restarts it, or as a new process: the unit's
+    # a failed engine runs again as a new process (started behind our back): the unit's
     # "active" repeated while we stop a timed-out one (its stop job changes other
-    # properties) is not a restart (a listing, Reconciled, sees any other)
-    failed_runs_again = s is EngineState.FAILED and (
-        (failure is not None and failure.restarting) or pid_changed or not engine.main_pid)
+    # properties) is not that (a listing, Reconciled, sees any other)
+    failed_runs_again = s is EngineState.FAILED and (pid_changed or not engine.main_pid)
     if active == "active" and (restarted_unseen or failed_runs_again or s in (
             EngineState.STOPPED, EngineState.STARTING)):
         # running but not necessarily loaded: /health decides when it is ready
         return _to(engine, EngineState.LOADING, ev.now, ready_since=None, **changes)
+    return _with(engine, changes)
+
+
+def _with(engine: Engine, changes: dict[str, object]) -> Engine:
     return replace(engine, **changes) if changes else engine  # type: ignore[arg-type]
 
 
+def _ended_to_restart(s: EngineState, active: str | None, sub: str | None,
+                      result: str | None) -> bool:
+    """systemd says the process ended and a restart follows: auto-restart, or (a main
+    process that failed while others of its cgroup still run) deactivating with a
+    failed result first. A starting engine's "deactivating" is a late signal of the
+    instance before it (see below), never this."""
+    if active == "activating" and sub == "auto-restart":
+        return True
+    return (active == "deactivating" and s is not EngineState.STARTING
+            and result not in (None, "success"))
+
+
+def _failed_maybe_restarting(active: str | None, result: str | None) -> bool:
+    """"failed" that may be followed by a restart: systemd 252 passes through failed on
+    its way to auto-restart (254 names it failed-before-auto-restart), and says the same
+    when it gives up at the start limit (Result keeps the last process's). Taken as a
+    restart, to be confirmed with systemd (exit_unconfirmed): its auto-restart signal,
+    or a listing, decides."""
+    return active == "failed" and result not in (None, "success", "start-limit-hit")
+
+
+def _exit_failure(ev: UnitChanged) -> Failure:
+    text, code, sig = exit_reason(ev.exec_code, ev.exec_status)
+    if ev.result and ev.result not in ("exit-code", "signal", "core-dump", "success"):
+        text = f"{text} ({ev.result})"
+    return Failure(text, code, sig)
+
+
+def _while_restarting(engine: Engine, ev: UnitChanged, changes: dict[str, object]) -> Engine:
+    active, sub = ev.active_state, ev.sub_state
+    if _failed_maybe_restarting(active, ev.result):
+        # the restarted process failed too, or systemd gave up: asked (exit_unconfirmed)
+        if engine.main_pid not in (0, engine.dead_pid):
+            changes.update(dead_pid=engine.main_pid, failure=_exit_failure(ev))
+        changes.update(main_pid=0, exit_unconfirmed=True)
+        return _with(engine, changes)
+    if active == "failed":
+        changes.pop("main_pid", None)
+        return _to(engine, EngineState.FAILED, ev.now, main_pid=0, dead_pid=0,
+                   failure=_gave_up(changes.pop("failure", engine.failure), ev.result,
+                                    engine.restarts), **changes)
+    if active == "inactive":
+        # systemd 252's restart job passes through inactive (its stop half) before its
+        # start; a stop by hand ends here too, and the reconciler's listing (inactive, or
+        # the unit gone) then says so
+        changes["main_pid"] = 0
+        return _with(engine, changes)
+    pid = changes.get("main_pid", engine.main_pid)
+    if active == "active" and (pid != engine.dead_pid or not pid):
+        # a new process runs (the dead one's own "active", before our kill lands, is
+        # not that): loaded or not, /health decides when it is ready
+        return _to(engine, EngineState.LOADING, ev.now, dead_pid=0, **changes)
+    if _ended_to_restart(engine.state, active, sub, ev.result):
+        if engine.main_pid not in (0, engine.dead_pid):
+            # the restarted process ended too, before it was ready: its own reason
+            changes.update(dead_pid=engine.main_pid, failure=_exit_failure(ev))
+        changes["main_pid"] = 0
+    return _with(engine, changes)
+
+
+def _gave_up(failure: object, result: str | None, restarts: int) -> Failure:
+    """The failure once systemd stops restarting the engine."""
+    last = failure if isinstance(failure, Failure) else Failure("stopped unexpectedly")
+    why = " (start limit hit)" if result == "start-limit-hit" else ""
+    return replace(last, reason=f"{last.reason}; systemd gave up restarting it after "
+                                f"{restarts} restart(s){why}")
+
+
 def _reconciled(engine: Engine, ev: Reconciled) -> Engine:
-    if engine.exit_unconfirmed:   # this is the confirmation, whatever it says
+    confirming = engine.exit_unconfirmed
+    if confirming:   # this is the confirmation, whatever it says
         engine = replace(engine, exit_unconfirmed=False)
     s = engine.state
+    if s is EngineState.RESTARTING:
+        return _reconciled_restarting(engine, ev, confirming)
     if ev.active_state in RUNNING_STATES:
         pid = ev.main_pid or engine.main_pid
         if s in (EngineState.READY, EngineState.LOADING) and (
@@ -336,9 +430,6 @@ def _reconciled(engine: Engine, ev: Reconciled) -> Engine:
         # says inactive or the unit is gone
         return _to(engine, EngineState.STOPPING, ev.now, ready_since=None)
     if s is EngineState.FAILED:
-        failure = engine.failure
-        if failure is not None and failure.restarting:
-            return replace(engine, failure=replace(failure, restarting=False), main_pid=0)
         return engine
     if ev.active_state == "failed":
         return _to(engine, EngineState.FAILED, ev.now, main_pid=0, ready_since=None,
@@ -346,3 +437,20 @@ def _reconciled(engine: Engine, ev: Reconciled) -> Engine:
     if s is EngineState.STOPPED:
         return engine
     return _to(engine, EngineState.STOPPED, ev.now, main_pid=0, ready_since=None)
+
+
+def _reconciled_restarting(engine: Engine, ev: Reconciled, confirming: bool) -> Engine:
+    """A listing while systemd restarts the engine: activating (the restart pending or
+    its start job) and deactivating (the rest of the cgroup going) are that restart.
+    confirming a "failed": failed, or the unit already collected, is systemd giving up."""
+    if ev.active_state in ("active", "reloading") and ev.main_pid \
+            and ev.main_pid != engine.dead_pid:
+        return _to(engine, EngineState.LOADING, ev.now, main_pid=ev.main_pid, dead_pid=0,
+                   restarts=ev.n_restarts)
+    if ev.active_state in RUNNING_STATES or ev.active_state == "deactivating":
+        return replace(engine, restarts=ev.n_restarts) \
+            if ev.n_restarts != engine.restarts else engine
+    if ev.active_state == "failed" or (confirming and ev.active_state is None):
+        return _to(engine, EngineState.FAILED, ev.now, main_pid=0, dead_pid=0,
+                   failure=_gave_up(engine.failure, None, ev.n_restarts or engine.restarts))
+    return _to(engine, EngineState.STOPPED, ev.now, main_pid=0, dead_pid=0)

@@ -45,7 +45,6 @@ class Usage:
     estimate_mib: int = 0     # what it is expected to hold (file + mmproj + margin)
     measured_mib: int | None = None   # what NVML says its process holds, where known
     idle_ttl_s: float | None = None
-    restarting: bool = False  # failed, and systemd is starting it again
     draining: bool = False    # picked to make room: finishing its requests, then evicted
     exit_unconfirmed: bool = False   # a signal said it ended; systemd has not confirmed
     devices: tuple[str, ...] = ()    # the GPUs it was placed on; (): all (or no GPU)
@@ -56,7 +55,7 @@ class Usage:
 
     @property
     def holds_slot(self) -> bool:
-        return holds_slot(self.state, self.restarting, self.exit_unconfirmed)
+        return holds_slot(self.state, self.exit_unconfirmed)
 
     def why_not_evictable(self) -> str | None:
         """Why this engine may not be stopped now (None: it may)."""
@@ -71,8 +70,6 @@ class Usage:
         return None
 
     def _state_text(self) -> str:
-        if self.restarting:
-            return "restarting"
         if self.exit_unconfirmed:
             return f"{self.state.value}, not yet confirmed by systemd"
         return self.state.value

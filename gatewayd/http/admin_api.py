@@ -263,7 +263,7 @@ def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) 
     event: dict[str, Any] = {"type": "engine", "model": new.model_id, "state": new.state.value,
                              "from": old.state.value, "unit": new.unit,
                              "restarts": new.restarts}
-    if new.state is EngineState.FAILED and new.failure is not None:
+    if new.state in (EngineState.FAILED, EngineState.RESTARTING) and new.failure is not None:
         event["reason"] = new.failure.reason
     elif new.state in (EngineState.STOPPING, EngineState.STOPPED):
         event["reason"] = mgr.stop_reasons.get(new.model_id, "stopped outside the gateway")

@@ -48,7 +48,9 @@ class EngineConnectionError(Exception):
     """The engine could not be reached, or the connection broke or spoke nonsense.
 
     fresh: nothing of an answer arrived (the request may be sent again when the
-    connection was a reused one); connect: the connection itself could not be made."""
+    connection was a reused one); connect: the connection itself could not be made, and
+    the request was sent on no other (it reached no engine process: safe to send again
+    to the engine that replaces this one)."""
 
     def __init__(self, message: str, *, fresh: bool = False, connect: bool = False) -> None:
         super().__init__(message)
@@ -232,7 +234,11 @@ class EngineClient:
                 conn = pool.idle_connection() if reuse and attempt == 1 else None
                 reused = conn is not None
                 if conn is None:
-                    conn = await self._connect(socket, pool)
+                    try:
+                        conn = await self._connect(socket, pool)
+                    except EngineConnectionError as e:
+                        e.connect = attempt == 1   # else: sent once, on the reused one
+                        raise
                 conn.reusable = reuse
                 try:
                     conn.send(head, body, method)

@@ -34,6 +34,7 @@ from gatewayd.core.errors import (
     ConcurrencyLimit,
     EngineFailed,
     EngineLimitReached,
+    EngineUnavailable,
     GatewayError,
     GpuUnavailable,
     InsufficientGpu,
@@ -49,7 +50,7 @@ from gatewayd.core.errors import (
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
 from gatewayd.http.auth import request_key, request_route
-from gatewayd.http.engine_client import EngineClient
+from gatewayd.http.engine_client import EngineClient, EngineConnectionError
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
@@ -252,7 +253,18 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         else:
             engine = await front.dispatcher.acquire(model_id, autoload=autoload,
                                                     counts_as_use=inference)
-            response = await relay_local(front, call, engine, multipart, inference)
+            try:
+                response = await relay_local(front, call, engine, multipart, inference)
+            except EngineUnavailable as e:
+                if not (reached_no_engine(e) and await front.dispatcher.unreachable(engine)):
+                    raise
+                # its engine had just died (systemd restarts it): the request reached no
+                # process, so it waits for the restarted one like any other, once
+                log.info("%s: its engine's socket is shut and systemd restarts it: the "
+                         "request waits for it", model_id)
+                engine = await front.dispatcher.acquire(model_id, autoload=autoload,
+                                                        counts_as_use=inference)
+                response = await relay_local(front, call, engine, multipart, inference)
         if front.config.records_store_text and isinstance(response, web.Response) \
                 and isinstance(response.body, bytes):
             record.response_text = _capped(response.body, front.config.records_text_max_bytes)
@@ -351,6 +363,13 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
             raise
     finally:
         front.remotes.release(remote)
+
+
+def reached_no_engine(e: EngineUnavailable) -> bool:
+    """The request could not be sent: its engine's socket refused the connection, and no
+    earlier try of it went out on another."""
+    cause = e.__cause__
+    return isinstance(cause, EngineConnectionError) and cause.connect
 
 
 def check_asked(key: ApiKey | None, catalog: Catalog, asked: str) -> None:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.engines import COMING_STATES, Engine, EngineState
 from gatewayd.core.errors import ModelNotLoaded
 from gatewayd.core.ports import GpuProbe
 from gatewayd.service.engine_manager import EngineManager
@@ -74,7 +74,10 @@ class Dispatcher:
                 raise ModelNotLoaded(
                     f"model {model_id!r} is not loaded (engine {state})"
                     + ("" if model else "; it is not in the catalog, so it cannot be loaded"),
-                    param="model", model=model_id, state=state)
+                    param="model", model=model_id, state=state,
+                    # on its way (starting, loading, systemd restarting it): ask again soon
+                    retry_after=1 if engine is not None and engine.state in COMING_STATES
+                    else None)
             limit = model.config.queue_limit
             waiter = self._slots.enqueue(
                 model_id, self._config.queue_limit if limit is None else limit)
@@ -83,6 +86,11 @@ class Dispatcher:
                 await waiter          # room made and engine ready (take a slot above), or why not
             finally:
                 self._slots.leave(model_id, waiter)
+
+    async def unreachable(self, engine: Engine) -> bool:
+        """The engine's socket refused a request that reached no process: whether it is
+        coming back (systemd restarting it), so that the request may be acquired again."""
+        return await self._engines.unreachable(engine.model_id, engine.main_pid)
 
     def release(self, model_id: str, *, counts_as_use: bool = True) -> None:
         if self._slots.release(model_id, counts_as_use=counts_as_use):
@@ -106,7 +114,6 @@ class Dispatcher:
                 measured_mib=per_process.get(engine.main_pid) if per_process is not None
                 else None,
                 idle_ttl_s=model.config.idle_ttl_s if model else None,
-                restarting=engine.restarting,
                 draining=bool(use and use.draining),
                 exit_unconfirmed=engine.exit_unconfirmed,
                 devices=engine.devices))

@@ -36,6 +36,7 @@ from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engine_units import keeps_kv_cache, settings_stamp
 from gatewayd.core.engines import (
+    COMING_STATES,
     Engine,
     EngineState,
     Event,
@@ -161,8 +162,7 @@ class EngineManager:
         """Seconds before a failed model may be started again by a request (0: now)."""
         engine = self._engines.get(model_id)
         failed = self._failures.get(model_id)
-        if engine is None or engine.state is not EngineState.FAILED or failed is None \
-                or engine.restarting:
+        if engine is None or engine.state is not EngineState.FAILED or failed is None:
             return 0.0
         return max(0.0, failed[1] - self._clock())
 
@@ -203,6 +203,14 @@ class EngineManager:
                 if (info := await self.units.engine_info(layout.unit)) is not None:
                     self._apply_info(model.id, info)
             except Exception as e:   # every failed effect ends in a clear state and answer
+                current = self._engines.get(model.id)
+                if isinstance(e, GatewayError) and current is not None and current.restarting:
+                    # the start job failed because its process died, and systemd restarts
+                    # it (its signals came before the job's end): a wait, like any restart
+                    log.info("%s: its start job failed (%s); systemd restarts it", model.id,
+                             e.message)
+                    self.desired.add(model.id)
+                    return await self.wait_ready(model.id) if wait else current
                 reason = e.message if isinstance(e, GatewayError) else f"{type(e).__name__}: {e}"
                 if not isinstance(e, GatewayError):
                     log.exception("starting %s failed", model.id)
@@ -222,7 +230,7 @@ class EngineManager:
                                    model=model_id)
         if engine.state is EngineState.READY:
             return engine
-        if engine.state is EngineState.FAILED and not engine.restarting:
+        if engine.state is EngineState.FAILED:
             raise self.failed_error(model_id)
         if engine.state in (EngineState.STOPPING, EngineState.STOPPED):
             raise EngineNotRunning(f"the engine for {model_id!r} is {engine.state.value}",
@@ -233,11 +241,20 @@ class EngineManager:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), limit)
         except TimeoutError:
-            raise EngineFailed(f"the engine for {model_id!r} was not ready within {limit:g}s",
-                               model=model_id) from None
+            raise self._late_error(model_id, limit) from None
         finally:
             with contextlib.suppress(ValueError):
                 self._waiters.get(model_id, []).remove(fut)
+
+    def _late_error(self, model_id: str, limit: float) -> EngineFailed:
+        engine = self._engines.get(model_id)
+        why = ""
+        if engine is not None and engine.restarting and engine.failure is not None:
+            # the wait ran out while systemd restarted it: say why it is restarting
+            why = (f": systemd is restarting it ({engine.failure.reason}; restarted "
+                   f"{engine.restarts} time(s)). Logs: journalctl -u {engine.unit}")
+        return EngineFailed(f"the engine for {model_id!r} was not ready within {limit:g}s"
+                            f"{why}", model=model_id)
 
     async def stop(self, model_id: str, *, reason: str = "requested") -> Engine:
         """Stop a model's engine; returns once its unit is stopped and gone."""
@@ -280,8 +297,7 @@ class EngineManager:
 
     def _quiet(self) -> bool:
         return not any(self._in_lifecycle.values()) and not any(
-            e.state in (EngineState.STARTING, EngineState.LOADING)
-            for e in self._engines.values())
+            e.state in COMING_STATES for e in self._engines.values())
 
     async def _park_pending(self) -> None:
         while self._park_queue:
@@ -305,8 +321,8 @@ class EngineManager:
                     log.warning("%s: could not park its unit: %s", model_id, e)
 
     async def kill_unresponsive(self, model_id: str, main_pid: int, silent_s: float) -> None:
-        """The engine (still that process) hangs: failed with the reason, its unit killed;
-        systemd restarts it. Serialised with starts and stops of the model."""
+        """The engine (still that process) hangs: restarting, with the reason; its unit
+        killed, and systemd restarts it. Serialised with starts and stops of the model."""
         async with self._lifecycle(model_id):
             engine = self._engines.get(model_id)
             if engine is None or engine.state is not EngineState.READY \
@@ -317,8 +333,30 @@ class EngineManager:
             self._event(model_id, Unresponsive(self._clock(), silent_s))
             try:
                 await self.units.kill_engine(engine.unit)
-            except Exception as e:   # the reconciler brings back whatever systemd says
+            except Exception as e:
+                # no restart is coming from this kill: what systemd says now decides (the
+                # unit gone: stopped, and its waiters told, not left waiting for a restart)
                 log.warning("%s: could not kill %s: %s", model_id, engine.unit, e)
+                info = await self._info_quietly(engine.unit)
+                self._event(model_id, Reconciled(
+                    self._clock(), info.active_state if info else None,
+                    main_pid=info.main_pid if info else 0,
+                    n_restarts=info.n_restarts if info else 0))
+
+    async def unreachable(self, model_id: str, main_pid: int) -> bool:
+        """A request found the engine's socket shut (it reached no process): whether the
+        engine is on its way back, systemd restarting it, so that the request can wait for
+        it. Its process may have died a moment ago, before systemd's signal came: ask
+        systemd (one GetAll; it reaps a child before it answers the bus)."""
+        engine = self._engines.get(model_id)
+        if engine is not None and engine.state is EngineState.READY \
+                and engine.main_pid == main_pid and not self.busy(model_id):
+            info = await self._info_quietly(engine.unit)
+            current = self._engines.get(model_id)
+            if info is not None and current is not None and current.main_pid == main_pid:
+                self._apply_info(model_id, info)
+        engine = self._engines.get(model_id)
+        return engine is not None and engine.state in COMING_STATES
 
     def _mark_stopping(self, model_id: str, reason: str) -> None:
         """From now on nobody is handed this engine; whoever waits for it hears why."""
@@ -511,8 +549,7 @@ class EngineManager:
             self.last_release = self._clock()   # its GPU memory shows as free a bit later
         if new.state is EngineState.READY:
             self._failures.pop(new.model_id, None)
-        elif (new.state is EngineState.FAILED and not new.restarting
-              and (old.state is not EngineState.FAILED or old.restarting)):
+        elif new.state is EngineState.FAILED and old.state is not EngineState.FAILED:
             count = self._failures.get(new.model_id, (0, 0.0))[0] + 1
             backoff = RETRY_BACKOFF_S[min(count, len(RETRY_BACKOFF_S)) - 1]
             self._failures[new.model_id] = (count, self._clock() + backoff)
@@ -527,16 +564,20 @@ class EngineManager:
         since = self._state_since.get(new.model_id)
         self._state_since[new.model_id] = now
         # how long the unit took to start and the model to load: where a cold start went
-        took = (f" after {(now - since) * 1000:.0f} ms" if since is not None and old.state in
-                (EngineState.STARTING, EngineState.LOADING) else "")
+        took = (f" after {(now - since) * 1000:.0f} ms" if since is not None
+                and old.state in COMING_STATES else "")
+        why = failure.reason if failure and new.state in (
+            EngineState.FAILED, EngineState.RESTARTING) else None
         log.info("%s: %s -> %s%s%s", new.model_id, old.state.value, new.state.value, took,
-                 f" ({failure.reason})" if failure and new.state is EngineState.FAILED else "")
+                 f" ({why})" if why else "")
         if new.state is EngineState.READY:
             for fut in self._waiters.pop(new.model_id, []):
                 if not fut.done():
                     fut.set_result(new)
         elif new.state is EngineState.FAILED:
             self._spawn(self._settle_failure(new.model_id), key=new.model_id)
+        elif new.state is EngineState.RESTARTING:   # its waiters wait on
+            self._spawn(self._reread_logs(new.model_id, EngineState.RESTARTING, now=True))
         elif new.state is EngineState.STOPPED:   # gone, and not by our stop (that forgets)
             self._fail_waiters(new.model_id, EngineNotRunning(
                 f"the engine for {new.model_id!r} stopped outside the gateway",
@@ -635,18 +676,20 @@ class EngineManager:
         self._event(model_id, LogsRead(tuple(lines)))
         current = self._engines.get(model_id)
         if current is None or current.state is not EngineState.FAILED:
-            return  # stopped (waiters told), or restarting/recovered (waiters wait on)
-        self._spawn(self._reread_logs(model_id))
+            return  # stopped (waiters told), or running again (waiters wait on)
+        self._spawn(self._reread_logs(model_id, EngineState.FAILED))
         self._fail_waiters(model_id, self.failed_error(model_id))
 
-    async def _reread_logs(self, model_id: str) -> None:
+    async def _reread_logs(self, model_id: str, state: EngineState, now: bool = False) -> None:
+        """The failure's log tail, read (now, and) again after LOG_REREAD_S while the
+        engine stays in state."""
         waited = 0.0
-        for at in LOG_REREAD_S:
+        for at in (0.0,) * now + LOG_REREAD_S:
             await asyncio.sleep(at - waited)
             waited = at
             engine = self._engines.get(model_id)
-            if engine is None or engine.state is not EngineState.FAILED:
-                return   # stopped, or it runs again (a new failure reads its own)
+            if engine is None or engine.state is not state:
+                return   # it moved on (a new failure or restart reads its own)
             lines = await self._journal.tail(engine.unit, LOG_TAIL_LINES)
             self._event(model_id, LogsRead(tuple(lines)))
 

@@ -25,7 +25,7 @@ from gatewayd.core import scheduler
 from gatewayd.core.budget import insufficient_gpu, model_need_mib
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import EngineState
+from gatewayd.core.engines import COMING_STATES, EngineState
 from gatewayd.core.errors import (
     AlreadyRunning,
     EngineFailed,
@@ -152,11 +152,10 @@ class Loader:
                     return
                 await self._wait(deadline, model, "its engine is being evicted")
                 continue
-            if engine is not None and (engine.state in (EngineState.STARTING,
-                                                        EngineState.LOADING)
-                                       or engine.restarting):
+            if engine is not None and engine.state in COMING_STATES:
                 try:
-                    await engines.wait_ready(model.id)   # someone else started it
+                    # someone else started it, or systemd restarts it
+                    await engines.wait_ready(model.id)
                     return
                 except EngineNotRunning:   # stopped meanwhile: look again (never spin)
                     await asyncio.sleep(LOOK_AGAIN_S)

@@ -243,6 +243,28 @@ async def test_a_reused_connection_closed_before_answering_is_retried_once(
     await client.close()
 
 
+async def test_a_request_sent_on_a_connection_the_dying_engine_reset_is_no_connect_error(
+        engine: Engine) -> None:
+    """The engine dies with the request read (or in its socket): the retry finds the
+    socket gone. That request reached a process, so it must not count as never sent
+    (`connect`), which would let the gateway send it to the restarted engine."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(ok(b"hi"))
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")   # the next request: then the engine dies
+        await engine.stop()
+        Path(engine.path).unlink()
+    engine.handler = handle
+    client = EngineClient(read_timeout_s=5)
+    assert await get(client, engine) == (200, b"hi")
+    with pytest.raises(EngineConnectionError) as err:
+        await get(client, engine)
+    assert err.value.fresh and not err.value.connect
+    await client.close()
+
+
 async def test_nothing_there_fails_at_once_as_a_connect_error(tmp_path: Path) -> None:
     client = EngineClient(read_timeout_s=5)
     with pytest.raises(EngineConnectionError) as err:
@@ -551,4 +573,43 @@ async def test_the_wait_for_connections_is_bounded_by_the_queue_limit(engine: En
     release.set()
     assert await asyncio.gather(*tasks) == [(200, b"done")] * 4
     assert (client.in_use(engine.path), client.waiting(engine.path)) == (0, 0)
+    await client.close()
+
+
+async def test_a_no_content_answer_ends_at_its_head_on_a_kept_connection(
+        engine: Engine) -> None:
+    """A 204 has no body, whatever its headers say or leave out: read at once, not until
+    the engine closes (it keeps the connection for the next request)."""
+    engine.handler = answer_each(b"HTTP/1.1 204 No Content\r\nX-A: b\r\n\r\n")
+    client = EngineClient(read_timeout_s=2)
+    for _ in range(2):
+        assert await asyncio.wait_for(get(client, engine), 1) == (204, b"")
+    assert engine.connections == 1
+    await client.close()
+
+
+async def test_bytes_past_an_answers_end_break_its_connection(engine: Engine) -> None:
+    """An engine that sends more than its Content-Length, or anything once its answer is
+    whole, is out of step with its connection: what follows could be read as the next
+    request's answer. The answer is refused, or the connection dropped from the pool."""
+    engine.handler = answer_each(ok(b"ok") + b"EXTRA")
+    client = EngineClient(read_timeout_s=1)
+    with pytest.raises(EngineConnectionError, match="more than its Content-Length"):
+        await asyncio.wait_for(get(client, engine), 3)
+
+    async def late_extra(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await engine.read_request(reader)
+        writer.write(ok(b"hi"))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(ok(b"evil"))   # an answer to a request not yet sent
+        await writer.drain()
+        await asyncio.sleep(10)
+    engine.handler = late_extra
+    assert await get(client, engine) == (200, b"hi")
+    assert client.pooled(engine.path)
+    await asyncio.sleep(0.2)
+    assert not client.pooled(engine.path)
+    engine.handler = answer_each(ok(b"good"))
+    assert await get(client, engine) == (200, b"good")
     await client.close()

@@ -51,9 +51,12 @@ def complete(gw: GatewayService, model: str) -> tuple[int, Any, float]:
 def test_engines_that_exit_at_once_or_never_load_end_in_clear_answers(
         gateway_factory: GatewayFactory, wrapper: tuple[str, Path]) -> None:
     gw = gateway_factory(llama_server_setting=wrapper[0], load_timeout_s=4)
-    status, body, took = complete(gw, "tiny-gamma")            # exits at once
+    # exits at once: systemd restarts it (the request waits, as for any restart) until
+    # its start limit (5 starts: ~5 s at RestartSec=1); then the answer says both
+    status, body, took = complete(gw, "tiny-gamma")
     assert status == 502 and body["error"]["code"] == "engine_failed", body
-    assert "exited with status 3" in body["error"]["message"] and took < 10
+    assert ("exited with status 3; systemd gave up restarting it after 5 restart(s)"
+            in body["error"]["message"]) and took < 15, (took, body)
     # the journal's lines are the admin's (the API, the CLI), never an inference caller's
     assert "log_tail" not in body["error"]["failure"]
     # journald may write the engine's last line after systemd reports the exit: the
@@ -69,17 +72,16 @@ def test_engines_that_exit_at_once_or_never_load_end_in_clear_answers(
                           and e["pid"] in (0, None))
     assert beta["failure"] is not None
     for model in ("tiny-gamma", "tiny-beta"):                  # asked again: answered again
-        status, body, took = complete(gw, model)
-        assert status in (502, 503) and took < 15, body
+        status, body, took = complete(gw, model)   # (within its backoff, or tried again)
+        assert status == 502 and body["error"]["code"] == "engine_failed" and took < 15, body
     assert complete(gw, "tiny-alpha")[0] == 200
     assert all(e["state"] != "starting" for e in gw.engines().values()), gw.engines()
-    # the crash loop ends at systemd's start limit: failed for good, its unit gone; the
-    # next request starts it afresh (after the backoff) and is answered as fast
-    gamma = gw.wait_engine("tiny-gamma", lambda e: e["state"] == "failed" and not (
-        e["failure"] or {}).get("restarting"), timeout=30)
+    # failed for good at the start limit, its unit gone; the next request starts it
+    # afresh (after the backoff) and is answered the same way
+    gamma = gw.wait_engine("tiny-gamma", lambda e: e["state"] == "failed", timeout=30)
     assert gamma["pid"] in (0, None)
     status, body, took = complete(gw, "tiny-gamma")
-    assert status in (502, 503) and took < 15, body
+    assert status == 502 and body["error"]["code"] == "engine_failed" and took < 15, body
 
 
 def test_an_engine_killed_while_it_loads_is_restarted_and_its_request_answered(
@@ -94,9 +96,11 @@ def test_an_engine_killed_while_it_loads_is_restarted_and_its_request_answered(
     os.kill(loading["pid"], signal.SIGKILL)                    # mid-load
     client.join(60)
     (status, body, took), = answers
-    assert status in (200, 502) and took < 30, body            # an answer, in bounded time
+    # it was waiting in the gateway, not on the engine: it waits for systemd's restart
+    # (RestartSec, then the slow start again) and is answered by the restarted engine
+    assert status == 200 and took < 30, (body, gw.journal())
     again = gw.wait_engine("tiny-alpha", lambda e: e["state"] == "ready", timeout=30)
-    assert again["pid"] != loading["pid"] and again["restarts"] >= 1
+    assert again["pid"] != loading["pid"] and again["restarts"] == 1
     assert complete(gw, "tiny-alpha")[0] == 200
 
 

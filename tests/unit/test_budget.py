@@ -8,8 +8,8 @@ from gatewayd.core.errors import AlreadyRunning, EngineLimitReached, Insufficien
 from gatewayd.core.placement import DeviceMemory, Placement, place, rooms
 
 
-def eng(model: str, state: EngineState, restarting: bool = False) -> Engine:
-    failure = Failure("x", restarting=restarting) if state is EngineState.FAILED else None
+def eng(model: str, state: EngineState) -> Engine:
+    failure = Failure("x") if state in (EngineState.FAILED, EngineState.RESTARTING) else None
     return Engine(model, f"llm-engine-{model}.service", "/s", state=state, failure=failure)
 
 
@@ -28,9 +28,10 @@ def test_already_running() -> None:
 
 def test_a_failed_engine_may_be_started_again_unless_systemd_restarts_it() -> None:
     check_admission("a", [eng("a", EngineState.FAILED)], max_engines=1, need_mib=1, placement=None)
-    with pytest.raises(AlreadyRunning):
-        check_admission("a", [eng("a", EngineState.FAILED, restarting=True)], max_engines=4,
+    with pytest.raises(AlreadyRunning) as err:
+        check_admission("a", [eng("a", EngineState.RESTARTING)], max_engines=4,
                         need_mib=1, placement=None)
+    assert err.value.extra["state"] == "restarting"
 
 
 def test_engine_limit_counts_active_engines_only() -> None:

@@ -25,7 +25,7 @@ from gatewayd.core.errors import (
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.service import engine_manager
 from gatewayd.service.restore import adopt, restore
-from tests.fakes import engine_manager_on_fakes
+from tests.fakes import engine_manager_on_fakes, on_virtual_time
 
 
 async def test_start_waits_until_ready(tmp_path: Path) -> None:
@@ -125,7 +125,9 @@ async def test_crash_while_loading_fails_every_waiter(tmp_path: Path) -> None:
     results = await asyncio.gather(*waiters, return_exceptions=True)
     for r in results:
         assert isinstance(r, EngineFailed)
-        assert r.body()["error"]["failure"]["reason"] == "exited with status 3"
+        # (no auto-restart followed: systemd, asked, says it is failed and gone)
+        assert r.body()["error"]["failure"]["reason"] == (
+            "exited with status 3; systemd gave up restarting it after 0 restart(s)")
         assert r.body()["error"]["failure"]["log_tail"]
 
 
@@ -156,7 +158,7 @@ async def test_the_failure_gets_the_journal_lines_written_after_the_exit(
     await mgr.close()
 
 
-async def test_kill_and_systemd_restart_go_failed_then_ready(tmp_path: Path) -> None:
+async def test_kill_and_systemd_restart_go_restarting_then_ready(tmp_path: Path) -> None:
     mgr, units, _ = engine_manager_on_fakes(tmp_path)
     seen: list[EngineState] = []
     mgr.subscribe(lambda old, new: seen.append(new.state) if old.state != new.state else None)
@@ -164,16 +166,17 @@ async def test_kill_and_systemd_restart_go_failed_then_ready(tmp_path: Path) -> 
     unit = units.layout("a").unit
     units.emit(unit, MainPID=0, ExecMainCode=CLD_KILLED, ExecMainStatus=signal.SIGKILL)
     units.emit(unit, ActiveState="activating", SubState="auto-restart")
+    await units.delivered()
     engine = mgr.get("a")
-    assert engine is not None and engine.state is EngineState.FAILED
+    assert engine is not None and engine.state is EngineState.RESTARTING
     assert engine.failure is not None and engine.failure.reason == "killed by SIGKILL"
+    waiter = asyncio.ensure_future(mgr.wait_ready("a", timeout=2))   # waits, not failed
     units.emit(unit, ActiveState="activating", SubState="start", NRestarts=1)
     units.emit(unit, MainPID=555)
     units.emit(unit, ActiveState="active", SubState="running")
-    engine = await mgr.wait_ready("a", timeout=2)
+    engine = await waiter
     assert engine.restarts == 1 and engine.main_pid == 555
-    assert seen[-4:] == [EngineState.FAILED, EngineState.STARTING, EngineState.LOADING,
-                         EngineState.READY]
+    assert seen[-3:] == [EngineState.RESTARTING, EngineState.LOADING, EngineState.READY]
 
 
 async def test_stop(tmp_path: Path) -> None:
@@ -297,6 +300,7 @@ async def test_a_stopped_engine_is_parked_after_its_stop(tmp_path: Path) -> None
     await mgr.close()
 
 
+@on_virtual_time
 async def test_parking_waits_until_no_engine_is_starting(tmp_path: Path) -> None:
     """Creating a unit is systemd's work too: it must not slow someone's start."""
     mgr, units, health = engine_manager_on_fakes(tmp_path)
@@ -305,14 +309,16 @@ async def test_parking_waits_until_no_engine_is_starting(tmp_path: Path) -> None
     loading = asyncio.ensure_future(mgr.start("b"))
     await _wait(lambda: (e := mgr.get("b")) is not None and e.state is EngineState.LOADING)
     await mgr.stop("a")
-    await asyncio.sleep(0.2)   # several of the parker's looks
+    await asyncio.sleep(4 * engine_manager.PARK_QUIET_POLL_S)   # (virtual) the parker's looks
     assert units.parks == []
+    assert (e := mgr.get("b")) is not None and e.state is EngineState.LOADING   # still
     health.all_ready = True
     await loading
     await _wait(lambda: units.parks == ["a"])
     await mgr.close()
 
 
+@on_virtual_time
 async def test_a_model_started_again_before_its_park_is_not_parked(tmp_path: Path) -> None:
     mgr, units, health = engine_manager_on_fakes(tmp_path)
     await mgr.start("b")
@@ -324,12 +330,13 @@ async def test_a_model_started_again_before_its_park_is_not_parked(tmp_path: Pat
     await _wait(lambda: (e := mgr.get("b")) is not None and e.state is EngineState.LOADING)
     health.all_ready = True
     await asyncio.gather(loading, again)
-    await asyncio.sleep(0.2)   # several of the parker's looks
-    assert units.parks == []
+    await asyncio.sleep(4 * engine_manager.PARK_QUIET_POLL_S)   # (virtual) the parker's looks
+    assert units.parks == [] and units.refused == []   # not parked, not even tried
     assert units.log.count("start b") == 2
     await mgr.close()
 
 
+@on_virtual_time
 async def test_a_start_during_a_park_waits_for_it_then_starts(tmp_path: Path) -> None:
     """The park holds the model's lifecycle: the start that comes meanwhile follows it
     (and wakes the parked unit, in the adapter), never overlaps it."""
@@ -344,7 +351,7 @@ async def test_a_start_during_a_park_waits_for_it_then_starts(tmp_path: Path) ->
     await mgr.stop("a")
     await asyncio.wait_for(parking.wait(), 5)
     start = asyncio.ensure_future(mgr.start("a"))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)   # (virtual) long enough for a whole start, were it not held
     assert not start.done() and units.log.count("start a") == 1
     release.set()
     engine = await asyncio.wait_for(start, 5)

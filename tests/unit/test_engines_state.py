@@ -21,6 +21,7 @@ from gatewayd.core.engines import (
     StopRequested,
     UnitChanged,
     UnitGone,
+    Unresponsive,
     apply,
 )
 
@@ -68,14 +69,105 @@ def test_crash_and_systemd_restart_is_counted() -> None:
     engine = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
     engine = apply(engine, unit("activating", "auto-restart", exec_code=CLD_KILLED,
                                 exec_status=signal.SIGKILL, n_restarts=0))
-    assert engine.state is S.FAILED and engine.holds_slot
-    assert engine.failure is not None and engine.failure.restarting
+    assert engine.state is S.RESTARTING and engine.holds_slot and engine.restarting
+    assert engine.failure is not None
     assert engine.failure.reason == "killed by SIGKILL" and engine.failure.signal == 9
-    engine = apply(engine, unit("activating", "start", n_restarts=1))
-    assert engine.state is S.STARTING and engine.restarts == 1
-    engine = apply(engine, unit("active", "running", main_pid=43))
+    engine = apply(engine, unit("activating", "start", n_restarts=1, main_pid=43))
+    assert engine.state is S.RESTARTING and engine.restarts == 1   # the restart's start job
+    engine = apply(engine, unit("active", "running"))
+    assert engine.state is S.LOADING and engine.main_pid == 43
     engine = apply(engine, HealthReady(5))
     assert engine.state is S.READY and engine.main_pid == 43 and engine.failure is None
+
+
+def test_one_kill_is_one_restart_whatever_order_its_signals_come_in() -> None:
+    """Killed as hung: the dead process's own late "active" (the kill not landed yet)
+    and its exit are its own; the state goes ready → restarting → loading → ready."""
+    ready = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
+    seen = [ready.state]
+    engine = ready
+    for event in (Unresponsive(2, 15), unit("active", "running"),
+                  unit("active", "running", main_pid=42),
+                  UnitChanged(3, main_pid=0, exec_code=CLD_KILLED, exec_status=9),
+                  unit("activating", "auto-restart", exec_code=CLD_KILLED, exec_status=9),
+                  unit("activating", "start", n_restarts=1),
+                  UnitChanged(4, main_pid=43), unit("active", "running"), HealthReady(5)):
+        engine = apply(engine, event)
+        if engine.state is not seen[-1]:
+            seen.append(engine.state)
+    assert seen == [S.READY, S.RESTARTING, S.LOADING, S.READY]
+    assert engine.main_pid == 43 and engine.restarts == 1
+
+
+def test_a_crash_with_processes_left_in_the_cgroup_is_a_restart_not_a_stop() -> None:
+    """The main process died; systemd stops the rest of its cgroup (deactivating, with a
+    failed result) before the auto-restart."""
+    ready = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
+    going = apply(ready, unit("deactivating", "stop-sigterm", result="signal",
+                              exec_code=CLD_KILLED, exec_status=11))
+    assert going.state is S.RESTARTING and going.failure is not None
+    assert going.failure.reason == "killed by SIGSEGV"
+    assert apply(going, unit("activating", "auto-restart")).state is S.RESTARTING
+    # a stop by hand (no failed result) is still a stop
+    assert apply(ready, unit("deactivating", "stop-sigterm", result="success")).state \
+        is S.STOPPING
+
+
+def test_the_start_limit_ends_a_restart_in_failed_with_both_reasons() -> None:
+    engine = run(StartRequested(0), unit("active", "running", main_pid=42),
+                 unit("activating", "auto-restart", exec_code=CLD_EXITED, exec_status=3))
+    assert engine.state is S.RESTARTING
+    # the restarted process dies too, before it is ready: its own exit is the reason
+    engine = apply(engine, unit("activating", "start", main_pid=43, n_restarts=1))
+    engine = apply(engine, unit("activating", "auto-restart", exec_code=CLD_EXITED,
+                                exec_status=4))
+    assert engine.state is S.RESTARTING and engine.failure is not None
+    assert engine.failure.reason == "exited with status 4" and engine.dead_pid == 43
+    failed = apply(engine, unit("failed", "failed", result="start-limit-hit",
+                                exec_code=CLD_EXITED, exec_status=4))
+    assert failed.state is S.FAILED and not failed.restarting and failed.failure is not None
+    assert failed.failure.reason == ("exited with status 4; systemd gave up restarting it "
+                                     "after 1 restart(s) (start limit hit)")
+    assert failed.holds_slot and failed.exit_unconfirmed   # until systemd confirms it
+
+
+def test_systemd_252s_failed_on_the_way_to_auto_restart_is_a_restart_it_confirms() -> None:
+    """systemd 252 signals "failed" before "auto-restart" (and the same "failed", with the
+    last process's result, when it gives up at the start limit): a restart until systemd,
+    asked, says otherwise."""
+    ready = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
+    failed = apply(ready, unit("failed", "failed", result="signal", exec_code=CLD_KILLED,
+                               exec_status=9))
+    assert failed.state is S.RESTARTING and failed.exit_unconfirmed   # asked
+    assert failed.failure is not None and failed.failure.reason == "killed by SIGKILL"
+    restarting = apply(failed, unit("activating", "auto-restart", result="signal"))
+    assert restarting.state is S.RESTARTING
+    confirmed = apply(restarting, Reconciled(2, "activating", n_restarts=0))
+    assert confirmed.state is S.RESTARTING and not confirmed.exit_unconfirmed
+    for listed in ("failed", None):    # systemd gave up (the unit may be collected already)
+        gave_up = apply(failed, Reconciled(2, listed, n_restarts=4))
+        assert gave_up.state is S.FAILED and gave_up.failure is not None
+        assert gave_up.failure.reason == ("killed by SIGKILL; systemd gave up restarting it "
+                                          "after 4 restart(s)")
+    # a listing that is no confirmation (nothing asked) finding the unit gone: stopped
+    assert apply(confirmed, Reconciled(3, None)).state is S.STOPPED
+    # 252's restart job: its stop half says inactive, then its start activating
+    walk = [confirmed := apply(confirmed, event) for event in (
+        unit("inactive", "dead", result="signal"), unit("activating", "start", main_pid=43),
+        unit("active", "running"))]
+    assert [e.state for e in walk] == [S.RESTARTING, S.RESTARTING, S.LOADING]
+    assert walk[-1].main_pid == 43
+
+
+def test_a_listing_during_a_restart_waits_for_a_new_process() -> None:
+    killed = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1),
+                 Unresponsive(2, 15))
+    assert apply(killed, Reconciled(3, "active", main_pid=42)).state is S.RESTARTING
+    assert apply(killed, Reconciled(3, "activating")).state is S.RESTARTING
+    running = apply(killed, Reconciled(3, "active", main_pid=43, n_restarts=1))
+    assert running.state is S.LOADING and running.main_pid == 43 and running.restarts == 1
+    assert apply(killed, Reconciled(3, "failed")).state is S.FAILED
+    assert apply(killed, Reconciled(3, None)).state is S.STOPPED
 
 
 def test_exit_status_arriving_after_the_state_fills_in_the_reason() -> None:
@@ -141,7 +233,7 @@ def test_logs_attach_to_a_failure_only() -> None:
 def test_a_stopped_engine_is_not_restarting_whatever_its_last_failure_said() -> None:
     crashed = run(StartRequested(0), unit("active", "running", main_pid=42),
                   unit("activating", "auto-restart", exec_code=CLD_KILLED, exec_status=9))
-    assert crashed.state is S.FAILED and crashed.restarting
+    assert crashed.state is S.RESTARTING and crashed.restarting
     stopping = apply(crashed, StopRequested(1))
     assert stopping.state is S.STOPPING and not stopping.restarting
 

@@ -48,7 +48,7 @@ def u(model: str, state: EngineState = R, **kw: object) -> Usage:
     # a draining engine goes once it serves nobody, even with requests queued behind
     ([u("a", queued=3, draining=True), u("b", in_flight=1)], 2, 1, None, Evict("a", "")),
     # nothing may go: loading, restarting and pinned engines stay
-    ([u("a", L), u("b", EngineState.FAILED, restarting=True)], 2, 1, None,
+    ([u("a", L), u("b", EngineState.RESTARTING)], 2, 1, None,
      Blocked("engine_limit", (("a", "loading"), ("b", "restarting")))),
     ([u("a", pinned=True, in_flight=1)], 1, 1, None,
      Blocked("engine_limit", (("a", "pinned"),))),
@@ -118,7 +118,7 @@ def test_the_line_for_room_is_first_come_first_served(usages: list[Usage], ahead
 
 
 def test_a_slot_held_by_a_restarting_engine_counts() -> None:
-    restarting = u("a", EngineState.FAILED, restarting=True)
+    restarting = u("a", EngineState.RESTARTING)
     assert restarting.holds_slot
     assert plan_start("new", [restarting], max_engines=1, need_mib=1, free_mib=None) == \
         Blocked("engine_limit", (("a", "restarting"),))
