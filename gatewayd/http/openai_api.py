@@ -440,22 +440,30 @@ async def multipart_model(request: web.Request, body: bytes) -> str | None:
     """The `model` form field, found by its Content-Disposition name (never a filename).
 
     The body was read whole (it is forwarded byte for byte), so aiohttp's own
-    multipart reader parses a copy of it from memory.
+    multipart reader parses a copy of it from memory, up to the model field. A body cut
+    short (its closing boundary missing) is refused here: the engine would answer it
+    with its own plain-text 400. (Found by a search from the end, not by parsing every
+    part: that would hold the event loop for time in proportion to the audio.)
     """
     stream = StreamReader(BaseProtocol(asyncio.get_running_loop()), max(2**16, len(body)),
                           loop=asyncio.get_running_loop())
     stream.feed_data(body)
     stream.feed_eof()
+    model = None
     try:
         reader = MultipartReader(request.headers, stream)
         while (part := await reader.next()) is not None:
             if getattr(part, "name", None) == "model" and not getattr(part, "filename", None):
                 text = await part.text()  # type: ignore[union-attr]
-                return text.strip() or None
+                model = text.strip() or None
+                break
             await part.release()
     except Exception as e:   # the client's bytes: whatever the parser trips on is a 400
         raise InvalidRequest(f"the multipart body cannot be parsed: {e}") from None
-    return None
+    if body.rfind(b"--" + _boundary(request).encode() + b"--") == -1:
+        raise InvalidRequest("the multipart body cannot be parsed: it ends before its "
+                             "closing boundary (cut short?)")
+    return model
 
 
 def _boundary(request: web.Request) -> str:

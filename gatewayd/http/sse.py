@@ -10,6 +10,9 @@ one event per token, so nothing waits), and on the way:
   on the client's behalf (stream_options.include_usage), so the client sees
   exactly the stream it asked for.
 Only events that mention "usage" are parsed as JSON: a few per stream.
+Lines may end in CRLF or CR as well as LF (the SSE spec allows all three; some servers
+and proxies send "\r\n\r\n" between events): they are passed on ending in LF, the
+same events, so that one rule (an event ends at "\n\n") finds them all.
 Whether a stream ended properly is read from its last events only (no cost per
 token): each format has its own end — `data: [DONE]` (OpenAI chat/completions),
 `event: response.completed` / `.failed` / `.incomplete` (the Responses API),
@@ -90,10 +93,15 @@ class SseRelay:
         self._pending: list[bytes] = []
         self._pending_size = 0
         self._last = b""     # the last complete events passed on: where a stream's end is
+        self._cr = False     # the last read ended in CR: the next may begin with its LF
 
     def feed(self, chunk: bytes) -> bytes:
         """Upstream bytes → the bytes to send the client now (complete events only).
         Raises EventTooLarge when an event goes past max_event_bytes without its end."""
+        if self._cr or b"\r" in chunk:
+            chunk = self._lf(chunk)
+            if not chunk:
+                return b""
         pending = self._pending
         if pending:
             self._check()
@@ -129,7 +137,8 @@ class SseRelay:
         True if they may go exactly as they are, and they then count as passed on; False,
         with nothing changed, if they must go through feed: something is pending, they
         name usage, or they end in the middle of an event."""
-        if self._pending or b'"usage"' in data or not data.endswith(b"\n\n", 0, len(data) - tail):
+        if self._pending or self._cr or b'"usage"' in data \
+                or not data.endswith(b"\n\n", 0, len(data) - tail):
             return False
         self._last = data
         self._count(data)
@@ -138,7 +147,17 @@ class SseRelay:
     @property
     def between_events(self) -> bool:
         """Nothing of an incomplete event is held here."""
-        return not self._pending
+        return not self._pending and not self._cr
+
+    def _lf(self, chunk: bytes) -> bytes:
+        """chunk with its CRLF and CR line ends as LF; a CR that ends it is held back (the
+        next read's first byte says whether it was half of a CRLF)."""
+        if self._cr:
+            chunk = b"\r" + chunk
+        self._cr = chunk.endswith(b"\r")
+        if self._cr:
+            chunk = chunk[:-1]
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
     def _hold(self, piece: bytes) -> None:
         self._pending.append(piece)
@@ -160,6 +179,9 @@ class SseRelay:
 
     def flush(self) -> bytes:
         """Whatever is left when the upstream ends (an unterminated last event)."""
+        if self._cr:   # the stream's last byte ended a line
+            self._cr = False
+            self._hold(b"\n")
         self._check()
         rest = b"".join(self._pending)
         self._pending.clear()

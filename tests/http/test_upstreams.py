@@ -1,6 +1,7 @@
 """Remote upstreams over real HTTP: fake engines for the local models, fake upstreams on
 TCP (and TLS) for the remote ones. Routing, spill-over, discovery, the upstream's key,
-and every way an upstream fails: down, slow, 500, a stream broken off, full."""
+and every way an upstream fails: down, slow, 500, 429, a stream broken off or stalled,
+full, a host that never takes the connection; and events framed with CRLF."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gatewayd.core.auth import digest, parse_keys
 from gatewayd.core.upstreams import UpstreamConfig
 from gatewayd.http import openai_api
-from tests.fake_upstream import FakeUpstream
+from tests.fake_upstream import Blackhole, FakeUpstream
 from tests.http.test_front_door import Gateway, _gateway, chat, events
 
 KEY = "upstream-secret"
@@ -339,3 +340,112 @@ async def test_a_reload_keeps_unchanged_upstreams_and_swaps_the_rest(
 
 async def _closed(remote: Any) -> bool:
     return bool(remote.session.closed)
+
+
+async def test_a_host_that_never_takes_the_connection_is_a_504_in_connect_timeout_s(
+        tmp_path: Path) -> None:
+    """Up at first; then its port listens with a full backlog and never accepts (the
+    kernel drops the SYNs): the request waits connect_timeout_s, not read_timeout_s or
+    the kernel's two minutes of SYN retries, and the upstream is down from then on."""
+    fake = FakeUpstream("jammed", models=["far"])
+    await fake.start()
+    async with gateway(tmp_path, (), upstreams=(upstream(
+            fake, models=("far",), connect_timeout_s=0.5, read_timeout_s=30,
+            health_interval_s=30),)) as gw:
+        await until(lambda: _state_is(gw, "far", "remote"))
+        await fake.stop()
+        with Blackhole(fake.port, accept=False):
+            t0 = time.monotonic()
+            async with asyncio.timeout(10):   # a gateway that waits on fails here, in 10 s
+                resp = await gw.client.post("/v1/chat/completions", json=chat("far"))
+            took = time.monotonic() - t0
+            body = await resp.json()
+            assert resp.status == 504 and body["error"]["code"] == "upstream_timeout", body
+            assert body["error"]["type"] == "server_error" and "'jammed'" in body[
+                "error"]["message"]
+            assert 0.4 < took < 2.0, took
+            # a connect that timed out marks it down: the next one is refused at once
+            t0 = time.monotonic()
+            resp = await gw.client.post("/v1/chat/completions", json=chat("far"))
+            assert resp.status == 503 and time.monotonic() - t0 < 0.3
+            assert (await resp.json())["error"]["code"] == "upstream_unreachable"
+            (row, _) = sorted(await gw.records(2), key=lambda r: r["status"], reverse=True)
+            assert (row["status"], row["error_code"], row["upstream"]) == (
+                504, "upstream_timeout", "jammed")
+
+
+async def test_a_stream_that_stalls_ends_with_an_error_event_in_read_timeout_s(
+        tmp_path: Path, box: FakeUpstream) -> None:
+    async with gateway(tmp_path, (), upstreams=(
+            upstream(box, models=("big",), api_key=KEY, read_timeout_s=0.5),)) as gw:
+        box.stall_after = 2
+        t0 = time.monotonic()
+        async with asyncio.timeout(10):
+            resp = await gw.client.post("/v1/chat/completions", json=chat(
+                "big", stream=True, max_tokens=6))
+            assert resp.status == 200
+            got = events(await resp.read())
+        took = time.monotonic() - t0
+        assert box.stalled == 1 and 0.4 < took < 2.0, took
+        assert [e["choices"][0]["delta"].get("content") for e in got[:-1]] == ["", " w0",
+                                                                               " w1"]
+        assert got[-1]["error"]["code"] == "upstream_failed", got[-1]
+        assert "'box' stopped in the middle" in got[-1]["error"]["message"]
+        (row,) = await gw.records(1)
+        assert (row["status"], row["outcome"], row["error_code"], row["stream"]) == (
+            200, "upstream_failed", "upstream_failed", 1)
+        # a stall says nothing about the link: still up
+        assert (await model_rows(gw))["big"]["state"] == "remote"
+
+
+async def test_events_framed_with_crlf_pass_one_by_one_and_usage_is_still_hidden(
+        tmp_path: Path, box: FakeUpstream) -> None:
+    """SSE lets a line end in CRLF (vLLM's and many proxies' framing is LF, not all):
+    each event reaches the client as it comes, the same events; the usage the gateway
+    asked for is recorded and not shown; usage the client asked for is shown."""
+    box.line_end, box.token_delay_s = b"\r\n", 0.3
+    async with gateway(tmp_path, (), upstreams=(
+            upstream(box, models=("big",), api_key=KEY),)) as gw:
+        t0 = time.monotonic()
+        resp = await gw.client.post("/v1/chat/completions", json=chat(
+            "big", stream=True, max_tokens=4))
+        arrivals: list[float] = []
+        raw = b""
+        async for piece in resp.content.iter_any():
+            raw += piece
+            arrivals.append(time.monotonic() - t0)
+        assert resp.status == 200
+        # four tokens 0.3 s apart: the first is out long before the last is made
+        assert arrivals[-1] - arrivals[0] > 0.6, arrivals
+        got = events(raw.replace(b"\r\n", b"\n"))
+        assert [e["choices"][0]["delta"].get("content") for e in got[:-2]] == [
+            "", " w0", " w1", " w2", " w3"]
+        assert got[-2]["choices"][0]["finish_reason"] == "length" and got[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and e.get("usage") for e in got)
+        (row,) = await gw.records(1)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (11, 4), row
+        assert row["outcome"] == "ok" and row["status"] == 200
+        box.token_delay_s = 0
+        resp = await gw.client.post("/v1/chat/completions", json=chat(
+            "big", stream=True, stream_options={"include_usage": True}))
+        got = events((await resp.read()).replace(b"\r\n", b"\n"))
+        assert got[-2]["usage"]["completion_tokens"] == 4 and got[-1] == "[DONE]"
+
+
+async def test_a_429_with_retry_after_reaches_the_caller_as_it_was_said(
+        tmp_path: Path, box: FakeUpstream) -> None:
+    async with gateway(tmp_path, (), upstreams=(
+            upstream(box, models=("big",), api_key=KEY),)) as gw:
+        box.status, box.retry_after = 429, "7"
+        for stream in (False, True):
+            resp = await gw.client.post("/v1/chat/completions", json=chat(
+                "big", stream=stream))
+            body = await resp.json()
+            assert resp.status == 429 and resp.headers["Retry-After"] == "7", body
+            assert body["error"] == {"message": "upstream says 429", "type": "server_error",
+                                     "code": "boom"}
+        # an answer says nothing about the link: still up, nothing marked down
+        assert (await model_rows(gw))["big"]["state"] == "remote"
+        rows = await gw.records(2)
+        assert {(r["status"], r["error_code"], r["upstream"]) for r in rows} == {
+            (429, "boom", "box")}
