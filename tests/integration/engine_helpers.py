@@ -122,3 +122,36 @@ def journal_messages(raw: str) -> list[dict[str, Any]]:
 async def stop_quietly(sd: Systemd, unit: str) -> None:
     with contextlib.suppress(Exception):  # already gone: fine for cleanup
         await sd.stop_unit(unit)
+
+
+def engine_slots(socket: str) -> list[dict[str, Any]]:
+    """llama-server's own /slots, asked over its unix socket (as root, not through the
+    gateway): each slot's is_processing and its task's n_decoded."""
+    import http.client
+    import socket as socket_mod
+
+    class UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+            self.sock.settimeout(10)
+            self.sock.connect(socket)
+
+    conn = UnixConnection("engine")
+    try:
+        conn.request("GET", "/slots")
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        return list(json.loads(resp.read()))
+    finally:
+        conn.close()
+
+
+def decoding(socket: str) -> tuple[bool, int]:
+    """(whether any slot is generating, the most tokens any slot's task has decoded)."""
+    slots = engine_slots(socket)
+    tasks: list[dict[str, Any]] = []
+    for slot in slots:
+        next_token = slot.get("next_token")
+        tasks += next_token if isinstance(next_token, list) else [next_token or {}]
+    decoded = max((int(t.get("n_decoded", 0)) for t in tasks), default=0)
+    return any(slot.get("is_processing") for slot in slots), decoded

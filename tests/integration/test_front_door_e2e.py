@@ -23,7 +23,7 @@ import pytest
 
 from gatewayd.adapters.records import query
 from tests.integration.conftest import GatewayFactory
-from tests.integration.engine_helpers import cgroup_procs, ignores_sigpipe
+from tests.integration.engine_helpers import cgroup_procs, decoding, ignores_sigpipe
 from tests.integration.gateway_helpers import (
     GatewayService,
     socket_activated,
@@ -185,23 +185,42 @@ def test_transcription_multipart_with_a_trap_filename(
     assert len(procs) == 3 and all(ignores_sigpipe(pid) for pid in procs), procs
 
 
-def test_client_disconnect_mid_stream_is_recorded(gateway_factory: GatewayFactory,
-                                                  tiny_models: dict[str, Path]) -> None:
-    gw = gateway_factory(extra=LONG.format(path=toml_str(str(tiny_models["alpha"]))))
+def wide_model(tmp_path: Path, n_ctx: int) -> Path:
+    """A tiny model with a long context: an answer that runs for seconds (~7500 tokens/s
+    here), long enough to be seen mid-generation from outside."""
+    wide = tmp_path / f"tiny-wide-{n_ctx}.gguf"
+    if not wide.exists():
+        make_tiny_model.write_model(str(wide), name="tiny-wide", n_ctx=n_ctx)
+    return wide
+
+
+def test_client_disconnect_mid_stream_stops_the_engine_and_is_recorded(
+        tmp_path: Path, gateway_factory: GatewayFactory) -> None:
+    """The client leaves mid-stream: the gateway drops its engine connection and
+    llama-server stops decoding at once (its /slots), far short of the answer asked for
+    (ignore_eos: it cannot end early by itself); the record says disconnected."""
+    asked = 60000   # ~8 s of decoding here: a stop within 3 s is the gateway's doing
+    gw = gateway_factory(extra=LONG.format(path=toml_str(str(wide_model(tmp_path, 65536))))
+                         + "ctx_size = 65536\n")
     start(gw, "long")
+    socket = gw.engines()["long"]["socket"]
     stream = client(gw).chat.completions.create(
-        model="long", messages=[{"role": "user", "content": "go"}], max_tokens=60000,
-        stream=True)
+        model="long", messages=[{"role": "user", "content": "go"}], max_tokens=asked,
+        stream=True, extra_body={"ignore_eos": True})
     for n, _ in enumerate(stream):
         if n == 5:
             break
-    stream.close()                               # the client goes away
+    generating, decoded = decoding(socket)
+    assert generating and 0 < decoded < asked        # it was mid-answer when the client left
+    stream.close()                                   # the client goes away
+    left = time.monotonic()
+    while (state := decoding(socket))[0]:
+        assert time.monotonic() - left < 3, state    # (the rest would take seconds)
+        time.sleep(0.01)
+    assert decoding(socket)[1] < asked // 2             # stopped, not run to its end
     (row,) = records(gw, 1, model="long")
     assert row["disconnected"] == 1 and row["outcome"] == "disconnected"
-    # (the tiny model fills its 2048-token context in milliseconds, too fast to see the
-    # engine stop from outside: tests/http/test_front_door.py asserts that on the engine
-    # side, with a fake engine that records the disconnect)
-    assert row["completion_tokens"] is not None and row["completion_tokens"] > 0
+    assert row["completion_tokens"] is not None and 0 < row["completion_tokens"] < asked
     # the engine is free again at once: the gateway closed its connection
     answer = client(gw).chat.completions.create(
         model="long", messages=[{"role": "user", "content": "x"}], max_tokens=2, timeout=20)
