@@ -123,7 +123,8 @@ class InsideRun:
             if report.exists():
                 self.results = json.loads(report.read_text())
             else:
-                self.error = f"pytest inside the container wrote no report (exit {proc.returncode})"
+                self.error = (f"pytest inside the container wrote no report (exit "
+                              f"{proc.returncode}); its output ends:\n{self.output[-3000:]}")
         except ContainerError as e:
             self.error = f"running pytest inside the container failed: {e}"
         finally:
