@@ -36,7 +36,9 @@ from gatewayd.core.routing import speaks_anthropic
 DONE = b"data: [DONE]"
 END_MARKERS = (DONE, b"event: response.completed", b"event: response.failed",
                b"event: response.incomplete", b"event: message_stop",
-               b'"type":"message_stop"', b'"type": "message_stop"')
+               b'"type":"message_stop"', b'"type": "message_stop"',
+               # llama-server's own /completion(s): no [DONE], its last event says stop
+               b'"stop":true')
 # headers of every event stream the gateway sends; X-Accel-Buffering: no keeps nginx
 # from holding events back
 SSE_HEADERS: Mapping[str, str] = {

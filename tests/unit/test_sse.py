@@ -33,6 +33,12 @@ ANTHROPIC = [
     b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":1}}\n\n',
     b'event: message_stop\ndata: {"type":"message_stop"}\n\n']
 
+# llama-server's own /completion and /completions: no [DONE]; the last event says stop
+# (its shape as llama-server b11434 sends it)
+LLAMA = [b'data: {"index":0,"content":"hi","tokens":[],"stop":false,"id_slot":-1}\n\n',
+         b'data: {"index":0,"content":"","tokens":[],"id_slot":0,"stop":true,'
+         b'"model":"tiny","stop_type":"limit","timings":{}}\n\n']
+
 
 def relay(chunks: list[bytes]) -> tuple[bytes, SseRelay]:
     sse = SseRelay(drop_usage_event=False)
@@ -40,8 +46,8 @@ def relay(chunks: list[bytes]) -> tuple[bytes, SseRelay]:
     return out, sse
 
 
-@pytest.mark.parametrize("stream", [OPENAI, RESPONSES, ANTHROPIC],
-                         ids=["openai", "responses", "anthropic"])
+@pytest.mark.parametrize("stream", [OPENAI, RESPONSES, ANTHROPIC, LLAMA],
+                         ids=["openai", "responses", "anthropic", "llama"])
 def test_each_format_ends_with_its_own_event(stream: list[bytes]) -> None:
     out, sse = relay(stream)
     assert out == b"".join(stream) and sse.ended             # passed on as is, and whole
@@ -167,3 +173,13 @@ def test_an_event_held_in_many_reads_is_joined_once_not_per_read() -> None:
     assert time.monotonic() - started < 10
     # an end split between two reads is still found
     assert relay.feed(b"data: 1\n") == b"" and relay.feed(b"\ndata: 2") == b"data: 1\n\n"
+
+
+@pytest.mark.parametrize("end", [b"response.completed", b"response.failed",
+                                 b"response.incomplete"])
+def test_a_responses_stream_ends_with_any_of_its_three_final_events(end: bytes) -> None:
+    """A Responses stream cut at max_output_tokens ends with response.incomplete, one the
+    model failed with response.failed: both are ends, not an engine that died."""
+    last = b"event: %s\ndata: {\"type\":\"%s\",\"response\":{}}\n\n" % (end, end)
+    out, sse = relay([*RESPONSES[:-1], last])
+    assert sse.ended and out.endswith(last)
