@@ -1,16 +1,26 @@
-"""Revert the scheduler's fixes one at a time and check the model-based tests catch each.
+"""Break the gateway one rule at a time and check that the tests named for it catch it.
 
-    .venv/bin/python -m tests.mutants            # every mutant
-    .venv/bin/python -m tests.mutants -k drain   # those whose name contains "drain"
-    .venv/bin/python -m tests.mutants --scenarios  # killed by the fixed scenarios alone
+    .venv/bin/python -m tests.mutants              # every mutant (CI runs this)
+    .venv/bin/python -m tests.mutants -k drain     # those whose name contains "drain"
+    .venv/bin/python -m tests.mutants --list       # the mutants, their tests, and whether
+                                                   # their edits still apply
+    .venv/bin/python -m tests.mutants --scenarios  # the dispatcher model test's fixed
+                                                   # scenarios alone (no random search)
 
-Each mutant is one textual edit of the gateway (the fix undone, or the rule broken the
-simplest way). It is applied to a copy of the working tree under a temporary directory
-(never to this tree), and tests/unit/test_dispatcher_model.py runs there. A mutant the
-tests do not kill is reported and the exit status is 1. An edit whose text is no longer
-found fails loudly: the list must follow the code.
+Each mutant is one small textual edit of the gateway, a regression someone could really
+write (a fix undone, an allow-list widened, a comparison off by one), and names the tests
+that must kill it: a few fast ones of the layer it breaks (no systemd, no container). It
+is applied to a copy of the working tree under a temporary directory (never to this
+tree; the built native modules go along), and only its tests run there (`pytest -x`),
+-j mutants at a time. Alongside, all their tests run once on an unchanged copy (the
+baseline): a mutant counts as killed only by a test that passes there. The exit status is
+1 if a mutant survives, an edit no longer applies (the list must follow the code), its
+tests error or time out, or the baseline fails. relay.c is not mutated (each mutant would
+need a build): its Python side is (native_relay.py, proxy.py), and its own tests are
+tests/http/test_native_relay.py.
 
-Not part of the test run (it takes minutes): run it after changing the scheduler.
+CI runs it after the test suite (.ci/run): the suite says the code does what its tests
+say; this says the tests would notice if it stopped doing so.
 
 Left out, because no run can tell them apart from the code (equivalent mutants):
 - a stop marking the engine `stopping` only once it holds the model's lifecycle lock
@@ -26,6 +36,10 @@ Left out, because no run can tell them apart from the code (equivalent mutants):
   there, ignoring loads can only end it early, and the scheduler's own ledger (net of
   loads) then decides again; at worst it evicts an idle engine it need not have, which no
   invariant of the model forbids (500 examples: survived).
+- a client that left mid-stream not closing the engine connection in `_client_left`
+  (proxy.py): relay()'s `finally` releases the answer, and a release of an answer not
+  read to its end closes the connection anyway (engine_client's and aiohttp's alike), at
+  once after; the engine stops generating all the same.
 They stay as cheap guards for code that changes around them.
 """
 
@@ -33,27 +47,34 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = "tests/unit/test_dispatcher_model.py"
+MODEL_TESTS = "tests/unit/test_dispatcher_model.py"
+# built from this tree's C sources and ignored by git: without them a copy would relay
+# streams in Python only, and relay.c's tests could not run
+BUILT = ("gatewayd/http/_relay*.so", "gatewayd/_engine_park*.so")
+FAST_TIER = "not systemd and not container"
+SUMMARY = re.compile(r"(FAILED|ERROR) tests/\S+")   # pytest's line for a failed test
 
 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    why: str       # the rule the fix keeps
+    why: str       # the rule the code keeps
     path: str
     old: str
     new: str
     also: tuple[tuple[str, str, str], ...] = ()   # more edits: (path, old, new)
+    tests: tuple[str, ...] = (MODEL_TESTS,)      # pytest files or node ids that kill it
 
     def edits(self) -> list[tuple[str, str, str]]:
         return [(self.path, self.old, self.new), *self.also]
@@ -63,8 +84,29 @@ SIGNAL_GUARD_OFF = ("gatewayd/core/engines.py",
                     "                new = replace(new, exit_unconfirmed=True)",
                     "                pass")
 
+# the tests that kill them, by file (node ids: file + "::" + test; a parametrized test
+# runs with all its parameters)
+D = "tests/unit/test_dispatcher.py::"
+FIFO = "tests/unit/test_fifo_scenarios.py"
+SCHED = "tests/unit/test_scheduler.py::"
+ROUTES = "tests/unit/test_routes.py::"
+ADMIN_SOCKET = "tests/http/test_admin_socket.py::"
+TRUST = "tests/http/test_trust_boundary.py::"
+KEYS = "tests/http/test_api_keys.py::"
+FRONT = "tests/http/test_front_door.py::"
+UP = "tests/http/test_upstreams.py::"
+UPSTREAM_RULES = "tests/unit/test_upstreams.py::"
+CLIENT = "tests/http/test_engine_client.py::"
+SSE = "tests/unit/test_sse.py::"
+ENDS = "tests/http/test_stream_ends.py::"
+NATIVE = "tests/http/test_native_relay.py::"
+RELOAD = "tests/unit/test_reload_plan.py::"
+PLACE = "tests/unit/test_placement.py::"
+STORAGE = "tests/unit/test_storage_faults.py::"
+RETENTION = "tests/unit/test_records_retention.py::"
 
-MUTANTS = (
+# -- the scheduler, the loader and the engines' lifecycle --------------------------------
+SCHEDULING = (
     Mutant("no-lifecycle-lock", "a start and a stop of one model never overlap",
            "gatewayd/service/engine_manager.py",
            "            async with self._locks.setdefault(model_id, asyncio.Lock()):\n"
@@ -75,12 +117,12 @@ MUTANTS = (
            "        log.info(\"evicting %s (%s)\", victim, reason)\n",
            "        log.info(\"evicting %s (%s)\", victim, reason)\n"
            "        await asyncio.sleep(0)\n"),
-    Mutant("restarting-frees-slot", "a failed engine that systemd restarts holds its slot "
+    Mutant("restarting-frees-slot", "an engine that systemd restarts holds its slot "
            "(with the signal guard off too: alone, the guard keeps the slot until systemd "
            "confirms, and it says 'activating')",
            "gatewayd/core/engines.py",
-           "            or (state is EngineState.FAILED and restarting))",
-           "            )", also=(SIGNAL_GUARD_OFF,)),
+           "                         EngineState.RESTARTING, EngineState.STOPPING})",
+           "                         EngineState.STOPPING})", also=(SIGNAL_GUARD_OFF,)),
     Mutant("signal-frees-slot", "a signal alone never frees a slot",
            "gatewayd/core/engines.py",
            "                new = replace(new, exit_unconfirmed=True)",
@@ -134,7 +176,7 @@ MUTANTS = (
     Mutant("no-fifo-line", "models get room in the order they asked",
            "gatewayd/service/loader.py",
            "ahead=self.ahead(model.id),",
-           "ahead=0,"),
+           "ahead=0,", tests=(FIFO,)),
     Mutant("awaited-engine-drained", "an engine its woken waiters are about to use is not "
            "drained (livelock)",
            "gatewayd/core/scheduler.py",
@@ -145,71 +187,700 @@ MUTANTS = (
            "gatewayd/service/dispatcher.py",
            "        if old.state is new.state and old.holds_slot == new.holds_slot:",
            "        if old.state is new.state:"),
+    # -- added with the mutants of every layer
+    Mutant("evict-most-recent", "the least recently used engine is evicted",
+           "gatewayd/core/scheduler.py",
+           "    victims = sorted((u for u in candidates if u.why_not_evictable() is None),\n"
+           "                     key=lambda u: u.last_used)",
+           "    victims = sorted((u for u in candidates if u.why_not_evictable() is None),\n"
+           "                     key=lambda u: -u.last_used)",
+           tests=(D + "test_lru_idle_engine_is_evicted_when_slots_run_out",)),
+    Mutant("evict-busy", "an engine serving a request is never evicted",
+           "gatewayd/core/scheduler.py",
+           "        if self.in_flight:\n            return f\"serving",
+           "        if False:\n            return f\"serving",
+           tests=(D + "test_a_busy_engine_is_never_evicted",)),
+    Mutant("evict-pinned", "a pinned engine is never evicted",
+           "gatewayd/core/scheduler.py",
+           "        \"\"\"Why this engine may not be stopped now (None: it may).\"\"\"\n"
+           "        if self.pinned:",
+           "        \"\"\"Why this engine may not be stopped now (None: it may).\"\"\"\n"
+           "        if False:",
+           tests=(SCHED + "test_plan_start",)),
+    Mutant("drain-pinned", "a pinned engine is never drained",
+           "gatewayd/core/scheduler.py",
+           "        \"\"\"Why this engine may not be drained to make room (None: it may).\"\"\"\n"
+           "        if self.pinned:",
+           "        \"\"\"Why this engine may not be drained to make room (None: it may).\"\"\"\n"
+           "        if False:",
+           tests=(SCHED + "test_plan_start",)),
+    Mutant("draining-never-evicted", "a draining engine that serves nobody is evicted, "
+           "though requests queue for it",
+           "gatewayd/core/scheduler.py",
+           "        if self.queued and not self.draining:\n"
+           "            return f\"awaited by {self.queued} request(s)\"\n        return None\n\n"
+           "    def _state_text",
+           "        if self.queued:\n"
+           "            return f\"awaited by {self.queued} request(s)\"\n        return None\n\n"
+           "    def _state_text",
+           tests=(SCHED + "test_plan_start",)),
+    Mutant("memory-victim-on-any-device", "short of memory, the victim is on the device "
+           "the model goes to",
+           "gatewayd/core/scheduler.py",
+           "    candidates = others if slots_short else [u for u in others if u.on(devices)]",
+           "    candidates = others",
+           tests=(D + "test_eviction_frees_the_device_that_needs_the_memory",)),
+    Mutant("idle-ttl-stops-busy", "the idle reaper never stops an engine serving a request",
+           "gatewayd/core/scheduler.py",
+           "u.state is EngineState.READY and not u.in_flight\n",
+           "u.state is EngineState.READY\n",
+           tests=(SCHED + "test_idle_ttl",)),
+    Mutant("fifo-counts-those-behind", "only the models ahead in the line come first",
+           "gatewayd/service/loader.py",
+           "            if other == model_id:\n                break",
+           "            if other == model_id:\n                continue",
+           tests=(FIFO,)),
+    Mutant("drain-outlives-its-loader", "a drain ends when the model it made room for "
+           "no longer wants room",
+           "gatewayd/service/loader.py",
+           "                if use.draining_for == model.id:\n"
+           "                    use.draining_for = None",
+           "                if use.draining_for == model.id:\n"
+           "                    pass",
+           tests=(D + "test_pinned_engines_stay_busy_ones_drain_and_the_wait_is_bounded",)),
+    Mutant("draining-takes-new-requests", "a draining engine takes no new requests: they "
+           "queue behind the model it makes room for",
+           "gatewayd/service/dispatcher.py",
+           "                    not use.draining or not autoload):",
+           "                    True or not autoload):",
+           tests=(MODEL_TESTS + "::test_a_model_waiting_under_steady_load_on_the_others_is"
+                  "_served",)),
+    Mutant("queue-limit-plus-one", "at most queue_limit requests wait for a model",
+           "gatewayd/service/slots.py",
+           "        if len(use.waiters) >= limit:",
+           "        if len(use.waiters) > limit:",
+           tests=(D + "test_queue_limit_and_fair_wakeup",)),
+    Mutant("concurrency-limit-plus-one", "at most max_concurrency requests per engine",
+           "gatewayd/service/slots.py",
+           "        if limit is not None and use.in_flight >= limit:",
+           "        if limit is not None and use.in_flight > limit:",
+           tests=(D + "test_concurrency_limit_is_429_with_retry_after",)),
+    Mutant("polls-count-as-use", "a status poll does not make an engine recently used",
+           "gatewayd/service/slots.py",
+           "        use.in_flight += 1\n        if counts_as_use:",
+           "        use.in_flight += 1\n        if True:",
+           tests=(D + "test_polls_do_not_count_as_use",)),
 )
+
+# -- the access gate and the route table ---------------------------------------------------
+ACCESS = (
+    Mutant("model-id-dot-segments", "a model's name in /v1/models/{id} has no dot segments",
+           "gatewayd/core/routes.py",
+           '''and rest and not {".", ".."} & set(rest.split("/")):''',
+           "and rest:",
+           tests=(ROUTES + "test_anything_else_is_not_found",)),
+    Mutant("slot-number-any-text", "/slots/{n} takes a number only",
+           "gatewayd/core/routes.py",
+           "rest.isascii() and rest.isdigit() and len(rest) <= 6:",
+           "rest.isascii() and rest.isalnum() and len(rest) <= 6:",
+           tests=(ROUTES + "test_anything_else_is_not_found",)),
+    Mutant("no-head-for-get", "HEAD is answered wherever GET is, and nowhere else",
+           "gatewayd/core/routes.py",
+           "        verbs.add(\"HEAD\")",
+           "        pass",
+           tests=(ROUTES + "test_a_method_not_listed_is_405_naming_the_allowed",)),
+    Mutant("admin-public-by-default", "the admin API is on the public port only while "
+           "[admin] public",
+           "gatewayd/http/auth.py",
+           "    if admin and not access.admin_public:",
+           "    if admin and False:",
+           tests=(ADMIN_SOCKET + "test_off_the_public_port_by_default_with_a_clear_answer_and"
+                  "_metrics_by_choice",)),
+    Mutant("public-metrics-opens-admin", "[admin] public_metrics opens /admin/metrics, "
+           "nothing else",
+           "gatewayd/http/auth.py",
+           "        if access.metrics_public and route.path == METRICS_PATH:",
+           "        if access.metrics_public:",
+           tests=(ADMIN_SOCKET + "test_off_the_public_port_by_default_with_a_clear_answer_and"
+                  "_metrics_by_choice",)),
+    Mutant("inference-key-is-admin", "an admin route needs a key with the admin scope",
+           "gatewayd/http/auth.py",
+           "            ADMIN if admin else INFERENCE)",
+           "            INFERENCE)",
+           tests=(KEYS + "test_models_and_scopes_are_enforced",)),
+    Mutant("encoded-path-passes", "a path only its decoding makes a table path is a 404",
+           "gatewayd/http/auth.py",
+           "    if raw == request.path or (matched.route.path == MODEL_PATH",
+           "    if True or (matched.route.path == MODEL_PATH",
+           tests=(TRUST + "test_paths_spelled_to_slip_past_the_table_reach_nothing",)),
+    Mutant("admin-socket-serves-inference", "the admin socket serves no inference path",
+           "gatewayd/http/auth.py",
+           "    if matched.route.access is Caller.INFERENCE:\n        raise web.HTTPNotFound()",
+           "    if False:\n        raise web.HTTPNotFound()",
+           tests=(ADMIN_SOCKET + "test_the_cli_reaches_the_admin_api_on_the_socket_only",)),
+    Mutant("admin-socket-any-peer", "the admin socket serves root, the gateway's user "
+           "and the admin group only",
+           "gatewayd/http/auth.py",
+           "        if not may_administer(peer, access.own_uid, access.admin_gid):",
+           "        if False:",
+           tests=(ADMIN_SOCKET + "test_a_peer_that_is_not_root_the_gateways_user_or_in_its_group"
+                  "_is_refused",)),
+    Mutant("any-application-type-is-json", "a JSON route takes JSON only (a form post is "
+           "what a page sends without a preflight)",
+           "gatewayd/http/auth.py",
+           "(kind.startswith(\"application/\")\n"
+           "                                           and kind.endswith(\"+json\")):",
+           "(kind.startswith(\"application/\")\n"
+           "                                           or kind.endswith(\"+json\")):",
+           tests=(TRUST + "test_a_json_route_takes_json_only_whatever_a_form_can_send",)),
+    Mutant("localhost-anywhere-in-the-name", "only localhost and names under .localhost "
+           "are loopback names (x.localhost.attacker.example is the attacker's)",
+           "gatewayd/core/origins.py",
+           "    if host == \"localhost\" or host.endswith(\".localhost\"):",
+           "    if host == \"localhost\" or \".localhost\" in host:",
+           tests=(ROUTES + "test_the_host_must_name_this_gateway",)),
+    Mutant("origin-port-ignored", "another port of the same host is another origin",
+           "gatewayd/core/origins.py",
+           "                and authority == host_header.strip().lower():",
+           "                and host_name(authority) == host_name(host_header):",
+           tests=(ROUTES + "test_an_origin_is_the_gateways_own_or_listed",)),
+    Mutant("any-host-on-the-local-address", "a Host must name the address the client "
+           "connected to, not any address",
+           "gatewayd/core/origins.py",
+           "        return host.strip(\"[]\") == local",
+           "        return True",
+           tests=(ROUTES + "test_the_host_must_name_this_gateway",)),
+    Mutant("key-for-any-model", "a key may use only the models it lists",
+           "gatewayd/core/auth.py",
+           "        return ALL_MODELS in self.models or model_id.casefold() in self.models \\\n"
+           "            or not self.models.isdisjoint(names)",
+           "        return ALL_MODELS in self.models or model_id.casefold() in self.models \\\n"
+           "            or bool(names)",
+           tests=(KEYS + "test_models_and_scopes_are_enforced",)),
+    Mutant("default-model-not-checked", "a key's model check covers a model the gateway "
+           "chose (default_model), not only the one asked for",
+           "gatewayd/http/openai_api.py",
+           "        if key is not None:\n            check_model(key, model_id, names)",
+           "        if False:\n            check_model(key, model_id, names)",
+           tests=(KEYS + "test_a_model_the_gateway_chooses_is_checked_against_the_key_too",)),
+)
+
+# -- forwarding: what crosses the gateway to an engine or an upstream ----------------------
+FORWARDING = (
+    Mutant("client-credentials-forwarded", "a client's key never reaches an engine or "
+           "an upstream",
+           "gatewayd/http/proxy.py",
+           "REQUEST_HEADERS = frozenset({\"content-type\", \"accept\", \"user-agent\", "
+           "\"openai-beta\",",
+           "REQUEST_HEADERS = frozenset({\"content-type\", \"accept\", \"user-agent\", "
+           "\"openai-beta\", \"authorization\", \"x-api-key\",",
+           tests=(KEYS + "test_either_header_style_is_accepted_and_never_forwarded",)),
+    Mutant("answer-headers-unfiltered", "an answer reaches the client with the listed "
+           "headers only (no engine cookie or CORS header)",
+           "gatewayd/http/proxy.py",
+           "                       if (name := k.lower()) in ANSWER_HEADERS\n",
+           "                       if (name := k.lower()) or name in ANSWER_HEADERS\n",
+           tests=(TRUST + "test_the_attack_matrix_every_route_method_and_credential",)),
+    Mutant("upstream-gets-no-key", "an upstream is sent its own key, from the gateway",
+           "gatewayd/http/openai_api.py",
+           "        headers.update(remote.auth_headers())",
+           "        pass",
+           tests=(UP + "test_a_remote_model_is_listed_routed_with_its_key_and_recorded",)),
+    Mutant("upstream-path-loses-its-slash", "/v1/X goes to the upstream's base URL + /X",
+           "gatewayd/core/upstreams.py",
+           "        return self.url + path_qs[len(REMOTE_PREFIX) - 1:]",
+           "        return self.url + path_qs[len(REMOTE_PREFIX):]",
+           tests=(UP + "test_a_remote_model_is_listed_routed_with_its_key_and_recorded",)),
+    Mutant("upstream-model-name-kept", "an upstream is asked for a model by its own name "
+           "for it",
+           "gatewayd/http/openai_api.py",
+           "            payload[\"model\"] = target.id     # the name the upstream knows it by",
+           "            pass",
+           tests=(UP + "test_a_remote_model_is_listed_routed_with_its_key_and_recorded",)),
+    Mutant("upstream-concurrency-plus-one", "an upstream serves at most max_concurrency "
+           "requests at once",
+           "gatewayd/http/remotes.py",
+           "                    and remote.in_flight >= limit:",
+           "                    and remote.in_flight > limit:",
+           tests=(UP + "test_max_concurrency_tries_the_next_upstream_then_says_429",)),
+    Mutant("upstream-backoff-doubled", "a down upstream is probed again after 1, 2, 4 ... s",
+           "gatewayd/core/upstreams.py",
+           "FIRST_BACKOFF_S * 2.0 ** (self.failures - 1))",
+           "FIRST_BACKOFF_S * 2.0 ** self.failures)",
+           tests=(UPSTREAM_RULES + "test_health_backs_off_while_down_and_probes_at_the_interval"
+                  "_while_up",)),
+    Mutant("upstream-key-in-errors", "an upstream's key never shows in an error's words",
+           "gatewayd/core/upstreams.py",
+           "            text = text.replace(self.api_key, \"***\")",
+           "            pass",
+           tests=(UPSTREAM_RULES + "test_an_upstreams_credentials_never_show_in_words_about_it",)),
+    Mutant("upstream-redirect-followed", "an upstream's redirect is not followed (the "
+           "key would go along)",
+           "gatewayd/http/proxy.py",
+           "                    method, url, data=body or None, headers=headers, "
+           "allow_redirects=False))",
+           "                    method, url, data=body or None, headers=headers, "
+           "allow_redirects=True))",
+           tests=("tests/http/test_upstream_redirects.py",)),
+)
+
+# -- the engine wire: framing, keep-alive, connection slots -------------------------------
+WIRE = (
+    Mutant("keepalive-no-retry", "a reused connection the engine had closed is tried "
+           "once more on a new one",
+           "gatewayd/http/engine_client.py",
+           "                    if reused and e.fresh:\n",
+           "                    if False:\n",
+           tests=("tests/http/test_keepalive_retry.py",)),
+    Mutant("retry-after-bytes", "a request whose answer had begun is never sent again",
+           "gatewayd/http/engine_client.py",
+           "            if self._got_bytes:\n",
+           "            if False:\n",
+           tests=(CLIENT + "test_a_reused_connection_closed_before_answering_is_retried_once",)),
+    Mutant("chunk-size-0x", "a chunk size is plain hex digits (int(x, 16) also takes "
+           "a 0x, a sign, underscores)",
+           "gatewayd/adapters/engine_http.py",
+           "or digits.strip(HEX_DIGITS):",
+           "or digits.strip(HEX_DIGITS + b\"xX\"):",
+           tests=("tests/unit/test_engine_http.py::test_a_chunk_size_that_is_not_plain_hex_is"
+                  "_refused",)),
+    Mutant("content-length-overrun", "bytes past the Content-Length are refused",
+           "gatewayd/http/engine_client.py",
+           "        if len(data) > self._left:\n",
+           "        if False:\n",
+           tests=(CLIENT + "test_bytes_past_an_answers_end_break_its_connection",)),
+    Mutant("no-content-204", "a 204 has no body (no waiting for one)",
+           "gatewayd/http/engine_client.py",
+           "NO_BODY_STATUSES = frozenset({204, 304})",
+           "NO_BODY_STATUSES = frozenset({304})",
+           tests=(CLIENT + "test_a_no_content_answer_ends_at_its_head_on_a_kept_connection",)),
+    Mutant("connection-close-ignored", "a connection the engine said it closes is not "
+           "reused",
+           "gatewayd/http/engine_client.py",
+           "    keep_alive = \"close\" not in connection if parts[0] == \"HTTP/1.1\" else \\\n"
+           "        \"keep-alive\" in connection",
+           "    keep_alive = True",
+           tests=(CLIENT + "test_connection_close_and_a_stale_connection_are_not_reused",)),
+    Mutant("stale-keepalive-reused", "an idle connection past keepalive_s is not reused",
+           "gatewayd/http/engine_client.py",
+           "            if conn.open and now - conn.idle_since < self.keepalive_s:",
+           "            if conn.open:",
+           tests=(CLIENT + "test_connection_close_and_a_stale_connection_are_not_reused",)),
+    Mutant("connection-queue-unbounded", "at most queue_limit requests wait for an "
+           "engine's connections",
+           "gatewayd/http/engine_client.py",
+           "        if len(self.waiters) >= queue_limit:",
+           "        if False:",
+           tests=(CLIENT + "test_the_wait_for_connections_is_bounded_by_the_queue_limit",)),
+    Mutant("interim-answer-taken", "a 1xx answer is skipped: the real one follows",
+           "gatewayd/http/engine_client.py",
+           "            if 100 <= status < 200:\n",
+           "            if False:\n",
+           tests=(CLIENT + "test_an_answer_until_close_a_1xx_first_and_no_body_answers",)),
+    Mutant("bytes-after-answer-ignored", "bytes after a whole answer break the connection",
+           "gatewayd/http/engine_client.py",
+           "            elif self._state == _DONE and data:\n",
+           "            elif False:\n",
+           tests=(CLIENT + "test_bytes_past_an_answers_end_break_its_connection",)),
+)
+
+# -- the stream relays: Python's (sse.py, proxy.py) and relay.c's (native_relay.py) --------
+RELAYS = (
+    Mutant("usage-event-not-hidden", "the usage event the gateway asked for is hidden "
+           "from a client that did not",
+           "gatewayd/http/sse.py",
+           "                return not self.drop_usage_event",
+           "                return True",
+           tests=(SSE + "test_only_the_usage_only_chunk_is_dropped",)),
+    Mutant("usage-not-asked", "the gateway asks a stream for its usage on the client's "
+           "behalf (the record's token counts)",
+           "gatewayd/http/openai_api.py",
+           "        if stream and request.path in USAGE_PATHS and payload is not None:",
+           "        if False:",
+           tests=(FRONT + "test_stream_gets_usage_for_the_record_but_not_for_the_client",)),
+    Mutant("framed-usage-passes", "an event naming usage goes through feed (read, and "
+           "hidden where asked), never on as it came",
+           "gatewayd/http/sse.py",
+           "or b'\"usage\"' in data",
+           "or False",
+           tests=(SSE + "test_framed_events_pass_as_they_are_only_when_feed_would_pass_them"
+                  "_unchanged",)),
+    Mutant("incomplete-response-is-broken", "a Responses stream that ends incomplete has "
+           "ended properly",
+           "gatewayd/http/sse.py",
+           "b\"event: response.failed\",\n               b\"event: response.incomplete\", ",
+           "b\"event: response.failed\",\n               ",
+           tests=(SSE + "test_a_responses_stream_ends_with_any_of_its_three_final_events",)),
+    Mutant("end-split-across-reads", "an event whose blank line is split over two reads "
+           "is passed on when the second comes",
+           "gatewayd/http/sse.py",
+           "            if b\"\\n\\n\" not in chunk and not (chunk[:1] == b\"\\n\" and "
+           "pending[-1][-1:] == b\"\\n\"):",
+           "            if b\"\\n\\n\" not in chunk:",
+           tests=(SSE.rstrip(":"),)),
+    Mutant("cut-stream-looks-whole", "a stream that ends without its final event ends "
+           "with an error event",
+           "gatewayd/http/proxy.py",
+           "            if not sse.ended:\n",
+           "            if False:\n",
+           tests=(ENDS + "test_a_stream_that_ends_without_its_final_event_ends_with_an_error"
+                  "_event",)),
+    Mutant("native-last-chunk-lost", "relay.c's last chunk counts for the end of a stream",
+           "gatewayd/http/proxy.py",
+           "        sse.took_elsewhere(done.last_chunk, done.events)",
+           "        sse.took_elsewhere(b\"\", done.events)",
+           tests=(ENDS + "test_a_final_event_relay_c_passed_on_ends_the_stream_well",)),
+    Mutant("native-unread-dropped", "what relay.c read and did not pass on goes on in "
+           "Python",
+           "gatewayd/http/native_relay.py",
+           "        upstream.reattach(b\"\" if done.client_gone or done.reason == \"cancelled\" "
+           "else unread,",
+           "        upstream.reattach(b\"\",",
+           tests=(FRONT + "test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events",)),
+    Mutant("native-bytes-not-counted", "the record counts the bytes relay.c passed on",
+           "gatewayd/http/proxy.py",
+           "        record.bytes_out += done.data_bytes",
+           "        pass",
+           tests=(FRONT + "test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events",)),
+    Mutant("native-over-tls", "relay.c never writes to a TLS client (raw bytes)",
+           "gatewayd/http/native_relay.py",
+           "                and transport.get_extra_info(\"sslcontext\") is None\n",
+           "\n",
+           tests=(NATIVE + "test_the_native_relay_is_not_used_where_it_could_go_wrong",)),
+)
+
+# -- reload planning, GPU placement, call records ----------------------------------------------
+PLANNING = (
+    Mutant("reload-keeps-changed-engine", "a reload restarts an engine whose unit settings "
+           "changed",
+           "gatewayd/core/reload.py",
+           "        elif before is None or (engine_fingerprint(before, old_config)\n"
+           "                                != engine_fingerprint(after, new_config)):",
+           "        elif before is None:",
+           tests=(RELOAD + "test_only_what_changes_the_engine_restarts_it",)),
+    Mutant("fingerprint-without-env", "an engine's environment is part of what a reload "
+           "compares",
+           "gatewayd/core/engine_units.py",
+           "            tuple(sorted(engine_env(model, layout).items())), "
+           "tuple(resource_limits(model)),",
+           "            tuple(resource_limits(model)),",
+           tests=(RELOAD + "test_only_what_changes_the_engine_restarts_it",)),
+    Mutant("restart-only-setting-missed", "a reload says which settings need the "
+           "gateway's restart",
+           "gatewayd/core/reload.py",
+           "RESTART_ONLY = (\"listen_host\", \"listen_port\", ",
+           "RESTART_ONLY = (",
+           tests=(RELOAD + "test_only_what_changes_the_engine_restarts_it",)),
+    Mutant("worst-fit", "an engine goes to the smallest device hole that holds it",
+           "gatewayd/core/placement.py",
+           "        best = min(fitting, key=lambda r: (r.plan_free_mib, r.device.index))",
+           "        best = max(fitting, key=lambda r: (r.plan_free_mib, r.device.index))",
+           tests=(PLACE + "test_best_fit_is_the_smallest_hole_that_holds_the_model",)),
+    Mutant("room-where-most-is-missing", "room is made where the least is missing",
+           "gatewayd/core/placement.py",
+           "    target = max(rooms_, key=lambda r: (r.plan_free_mib + r.evictable_mib, "
+           "-r.device.index))",
+           "    target = min(rooms_, key=lambda r: (r.plan_free_mib + r.evictable_mib, "
+           "-r.device.index))",
+           tests=(PLACE + "test_room_is_made_where_the_least_is_missing",)),
+    Mutant("pending-on-every-device", "a load in progress counts on its own devices only",
+           "gatewayd/core/placement.py",
+           "        on = [u for u in engine.devices if u in pending]",
+           "        on: list[str] = []",
+           tests=(PLACE + "test_loads_in_progress_count_against_their_device_only",)),
+    Mutant("one-device-named", "with one device there is no choice: CUDA_VISIBLE_DEVICES "
+           "is not set",
+           "gatewayd/core/placement.py",
+           "        if self.named or len(self.rooms) < 2:",
+           "        if self.named:",
+           tests=(PLACE + "test_one_device_is_never_named_to_the_engine",)),
+    Mutant("records-pending-lost-at-close", "the records not yet handed over are written "
+           "at close",
+           "gatewayd/adapters/records.py",
+           "        batch, self._pending = self._pending, []\n        if batch:\n"
+           "            self._queue.put(batch)\n        self._queue.put(None)",
+           "        self._queue.put(None)",
+           tests=(STORAGE + "test_records_still_lingering_at_close_are_written_and_the_file"
+                  "_reopens",)),
+    Mutant("prune-newest-first", "past records.max_mb the oldest records go",
+           "gatewayd/adapters/records.py",
+           "                    \"ORDER BY ts\", limit=",
+           "                    \"ORDER BY ts DESC\", limit=",
+           tests=(RETENTION + "test_the_oldest_records_go_when_the_data_is_over_its_size",)),
+    Mutant("prune-by-age-inverted", "past records.max_age_days the old records go, "
+           "not the new",
+           "gatewayd/adapters/records.py",
+           "self._delete(\"WHERE ts < ?\",",
+           "self._delete(\"WHERE ts > ?\",",
+           tests=(RETENTION + "test_records_past_their_age_are_deleted_by_the_writer_thread",)),
+    Mutant("records-oldest-first", "records are listed newest first",
+           "gatewayd/adapters/records.py",
+           "    sql += \" ORDER BY ts DESC, id DESC LIMIT ?\"",
+           "    sql += \" ORDER BY ts, id LIMIT ?\"",
+           tests=(STORAGE + "test_a_batch_is_written_in_a_few_statements_and_every_field_comes"
+                  "_back",)),
+    Mutant("migration-version-behind", "a migration runs once: user_version says which ran",
+           "gatewayd/adapters/records.py",
+           "    for number, statement in enumerate(MIGRATIONS[version:], start=version + 1):",
+           "    for number, statement in enumerate(MIGRATIONS[version:], start=version):",
+           tests=(STORAGE + "test_records_still_lingering_at_close_are_written_and_the_file"
+                  "_reopens",)),
+)
+
+# an engine restart is a wait, not an error (issue 41)
+RESTART = "tests/unit/test_engine_restart.py::"
+STATES = "tests/unit/test_engines_state.py::"
+RESTARTS = (
+    Mutant("auto-restart-is-a-start", "a process that ended while systemd restarts it is "
+           "restarting (holding its slot, its waiters waiting), not starting afresh",
+           "gatewayd/core/engines.py",
+           '    if active == "activating" and sub == "auto-restart":\n        return True',
+           '    if active == "activating" and sub == "auto-restart":\n        return False',
+           tests=(STATES + "test_crash_and_systemd_restart_is_counted",)),
+    Mutant("dead-process-active-is-the-restart", "the killed process's own late 'active' "
+           "is not the restarted one (one kill, one restart)",
+           "gatewayd/core/engines.py",
+           '    if active == "active" and (pid != engine.dead_pid or not pid):',
+           '    if active == "active":',
+           tests=(STATES + "test_one_kill_is_one_restart_whatever_order_its_signals_come_in",
+                  "tests/unit/test_liveness.py")),
+    Mutant("systemd-252-failed-is-final", "systemd 252's 'failed' on its way to "
+           "auto-restart is a restart, confirmed with systemd",
+           "gatewayd/core/engines.py",
+           '    return active == "failed" and result not in (None, "success", '
+           '"start-limit-hit")',
+           "    return False",
+           tests=(STATES + "test_systemd_252s_failed_on_the_way_to_auto_restart_is_a_restart"
+                  "_it_confirms",)),
+    Mutant("restart-job-inactive-is-a-stop", "systemd 252's restart job passes through "
+           "inactive: still the restart",
+           "gatewayd/core/engines.py",
+           '        changes["main_pid"] = 0\n        return _with(engine, changes)\n'
+           '    pid = changes.get("main_pid", engine.main_pid)',
+           '        return _to(engine, EngineState.STOPPED, ev.now, main_pid=0)\n'
+           '    pid = changes.get("main_pid", engine.main_pid)',
+           tests=(STATES + "test_systemd_252s_failed_on_the_way_to_auto_restart_is_a_restart"
+                  "_it_confirms",)),
+    Mutant("restart-fails-waiters", "whoever waits for a restarting engine waits on",
+           "gatewayd/service/engine_manager.py",
+           "        if engine.state is EngineState.FAILED:\n            raise self.failed_error",
+           "        if engine.state in (EngineState.FAILED, EngineState.RESTARTING):\n"
+           "            raise self.failed_error",
+           tests=(RESTART + "test_requests_during_a_restart_wait_and_are_served_by_the_"
+                  "restarted_engine",)),
+    Mutant("restart-start-job-fails", "a start job that failed because systemd restarts "
+           "its process is that restart, not a failed start",
+           "gatewayd/service/engine_manager.py",
+           "                if isinstance(e, GatewayError) and current is not None and "
+           "current.restarting:",
+           "                if False:",
+           tests=(RESTART + "test_a_start_job_that_fails_because_systemd_restarts_its_process"
+                  "_is_a_wait",)),
+    Mutant("kill-failure-keeps-waiting", "a kill that finds no unit leaves no one waiting "
+           "for a restart",
+           "gatewayd/service/engine_manager.py",
+           "                info = await self._info_quietly(engine.unit)\n"
+           "                self._event(model_id, Reconciled(",
+           "                info = await self._info_quietly(engine.unit)\n"
+           "                (lambda *_: None)(model_id, Reconciled(",
+           tests=(RESTART + "test_a_kill_that_finds_no_unit_leaves_no_one_waiting_for_a_"
+                  "restart",)),
+    Mutant("shut-socket-fails-at-once", "a request that met a just-dead engine's shut "
+           "socket waits for systemd's restart",
+           "gatewayd/http/openai_api.py",
+           "                if not (reached_no_engine(e) and await "
+           "front.dispatcher.unreachable(engine)):",
+           "                if True:",
+           tests=("tests/http/test_engine_restart_http.py",)),
+    Mutant("reset-request-replayed", "a request the dying engine's connection took is "
+           "never sent to the restarted one",
+           "gatewayd/http/engine_client.py",
+           "                        e.connect = attempt == 1",
+           "                        e.connect = True",
+           tests=(CLIENT + "test_a_request_sent_on_a_connection_the_dying_engine_reset_is_no_"
+                  "connect_error",)),
+    Mutant("restart-counted-as-failed-start", "restarts are counted as restarts",
+           "gatewayd/adapters/metrics.py",
+           '            self.restarts.inc((model, failure.kind if failure else "other"))',
+           '            self.starts.inc((model, "failed"))',
+           tests=(RESTART + "test_a_restart_is_counted_as_a_restart_not_a_failed_start",)),
+    Mutant("log-tail-read-once", "a failure's log tail is read again after journald "
+           "caught up",
+           "gatewayd/service/engine_manager.py",
+           "        for at in (0.0,) * now + LOG_REREAD_S:",
+           "        for at in (0.0,) * now:",
+           tests=("tests/unit/test_engine_manager.py::test_the_failure_gets_the_journal_lines_"
+                  "written_after_the_exit",)),
+)
+
+MUTANTS = SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS
 
 
 def copy_tree(dest: Path) -> None:
-    """The working tree as git sees it (tracked and untracked, not ignored)."""
+    """The working tree as git sees it (tracked and untracked, not ignored), and the
+    native modules built from it."""
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
-    for name in filter(None, files):
-        src = ROOT / os.fsdecode(name)
+    names = [os.fsdecode(name) for name in files if name]
+    names += [str(p.relative_to(ROOT)) for pattern in BUILT for p in ROOT.glob(pattern)]
+    for name in names:
+        src = ROOT / name
         if src.is_file():
-            target = dest / os.fsdecode(name)
+            target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, target)
     (dest / ".venv").symlink_to(ROOT / ".venv")
 
 
-def run(mutant: Mutant, workdir: Path, select: list[str]) -> tuple[Mutant, bool, str, float]:
+@dataclass
+class Outcome:
+    mutant: Mutant | None    # None: the baseline
+    ok: bool                 # killed (for the baseline: every test passed)
+    detail: str              # the killer's FAILED line, or what went wrong
+    took: float
+    failed: tuple[str, ...] = ()   # node ids of the failed tests
+
+
+def pytest_in(tree: Path, tests: list[str], extra: list[str], timeout_s: float
+              ) -> tuple[int, str, float]:
+    """pytest run in tree (asserting that it is tree's gatewayd that is tested)."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPATH", None)
+    began = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [str(ROOT / ".venv/bin/python"), "-c",
+             "import gatewayd, sys; assert gatewayd.__file__.startswith(sys.argv[1]), "
+             "gatewayd.__file__; import pytest; sys.exit(pytest.main(sys.argv[2:]))",
+             str(tree), "-q", "-p", "no:cacheprovider", "-m", FAST_TIER, *extra, *tests],
+            cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout_s:g}s", time.monotonic() - began
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - began
+
+
+def failed_lines(out: str) -> list[str]:
+    """pytest's summary lines of the tests that failed or errored (not log lines)."""
+    return [line for line in out.splitlines() if SUMMARY.match(line)]
+
+
+def node_of(line: str) -> str:
+    """The node id in a `FAILED tests/x.py::test_y - why` summary line."""
+    return line.split(" ", 2)[1]
+
+
+def run_mutant(mutant: Mutant, workdir: Path, extra: list[str], timeout_s: float) -> Outcome:
     tree = workdir / mutant.name
     copy_tree(tree)
     for name, old, new in mutant.edits():
         path = tree / name
         text = path.read_text()
         if text.count(old) != 1:
-            return mutant, False, f"edit not applicable: {old!r} found " \
-                                  f"{text.count(old)} times in {name}", 0.0
+            return Outcome(mutant, False, f"edit not applicable: {old!r} found "
+                                          f"{text.count(old)} times in {name}", 0.0)
         path.write_text(text.replace(old, new))
-    began = time.monotonic()
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run(
-        [str(ROOT / ".venv/bin/python"), "-c",
-         "import gatewayd, sys; assert gatewayd.__file__.startswith(sys.argv[1]), "
-         "gatewayd.__file__; import pytest; sys.exit(pytest.main(sys.argv[2:]))",
-         str(tree), "-x", "-q", "-p", "no:cacheprovider", *select, TESTS],
-        cwd=tree, env=env, capture_output=True, text=True, timeout=900)
-    took = time.monotonic() - began
-    out = proc.stdout + proc.stderr
-    if proc.returncode == 1:   # tests failed: killed
-        failed = [line for line in out.splitlines() if line.startswith("FAILED")]
-        return mutant, True, failed[0] if failed else "failed", took
-    if proc.returncode == 0:
-        return mutant, False, "survived: every test passed", took
-    return mutant, False, f"pytest exit {proc.returncode}:\n{out[-2000:]}", took
+    rc, out, took = pytest_in(tree, list(mutant.tests), ["-x", *extra], timeout_s)
+    shutil.rmtree(tree, ignore_errors=True)
+    if rc == 1:   # tests failed: killed
+        failed = failed_lines(out)
+        return Outcome(mutant, True, failed[0] if failed else "failed", took,
+                       tuple(node_of(line) for line in failed))
+    if rc == 0:
+        return Outcome(mutant, False, "SURVIVED: every test passed", took)
+    if rc == -1:   # a hang is no kill here: CI would wait it out each time
+        return Outcome(mutant, False, f"{out}: name a test that fails instead", took)
+    return Outcome(mutant, False, f"pytest exit {rc}:\n{out[-2000:]}", took)
+
+
+def run_baseline(tests: list[str], workdir: Path, extra: list[str], timeout_s: float
+                 ) -> Outcome:
+    tree = workdir / "baseline"
+    copy_tree(tree)
+    rc, out, took = pytest_in(tree, tests, extra, timeout_s)
+    shutil.rmtree(tree, ignore_errors=True)
+    failed = failed_lines(out)
+    if rc == 0:
+        return Outcome(None, True, "every test passed", took)
+    return Outcome(None, False, "\n".join(failed) if failed else f"pytest exit {rc}:\n"
+                   f"{out[-2000:]}", took, tuple(node_of(line) for line in failed))
+
+
+def union(mutants: list[Mutant]) -> list[str]:
+    """Every mutant's tests, each once (a node id under a file that runs whole is left
+    out: pytest would run it twice)."""
+    tests = list(dict.fromkeys(t for m in mutants for t in m.tests))
+    files = {t for t in tests if "::" not in t}
+    return [t for t in tests if "::" not in t or t.split("::")[0] not in files]
+
+
+def applies(mutant: Mutant) -> str:
+    for name, old, _ in mutant.edits():
+        count = (ROOT / name).read_text().count(old)
+        if count != 1:
+            return f"NOT APPLICABLE ({count} matches in {name})"
+    return "applies"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-k", default="", help="only mutants whose name contains this")
-    parser.add_argument("-j", type=int, default=max(1, (os.cpu_count() or 2) // 2 + 1))
+    parser.add_argument("-j", type=int, default=max(1, (os.cpu_count() or 2) // 2 + 1),
+                        help="mutants run at once (default: half the CPUs, plus one)")
+    parser.add_argument("--list", action="store_true",
+                        help="print the mutants, their tests and whether their edits apply")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds one mutant's tests may take (default 300)")
+    parser.add_argument("--tests", nargs="+", metavar="TEST",
+                        help="run these tests instead of each mutant's own (to find a "
+                             "killer: the FAILED line names it)")
     parser.add_argument("--scenarios", action="store_true",
-                        help="only the fixed scenarios (no random search): each mutant "
-                             "must be killed by a scenario written for it")
+                        help="only the model test's fixed scenarios (no random search): each "
+                             "mutant must be killed by a scenario written for it")
     args = parser.parse_args()
-    select = ["-k", "not TestDispatcherModel"] if args.scenarios else []
     chosen = [m for m in MUTANTS if args.k in m.name]
-    survivors = 0
+    if args.tests:
+        chosen = [replace(m, tests=tuple(args.tests)) for m in chosen]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:32} {m.path}  [{applies(m)}]\n    {m.why}\n    tests: "
+                  + "\n           ".join(m.tests))
+        print(f"{len(chosen)} mutants")
+        return 0
+    extra = ["-k", "not TestDispatcherModel"] if args.scenarios else []
+    began = time.monotonic()
+    bad = 0
     with tempfile.TemporaryDirectory(prefix="gatewayd-mutants-") as tmp, \
             ThreadPoolExecutor(args.j) as pool:
-        for mutant, killed, detail, took in pool.map(lambda m: run(m, Path(tmp), select), chosen):
-            survivors += not killed
-            print(f"{'killed  ' if killed else 'SURVIVED'} {mutant.name:24} {took:5.0f}s  "
-                  f"({mutant.why})\n         {detail}", flush=True)
-    print(f"{len(chosen) - survivors} of {len(chosen)} mutants killed")
-    return 1 if survivors else 0
+        work = Path(tmp)
+        baseline = pool.submit(run_baseline, union(chosen), work, extra, args.timeout)
+        runs: list[Future[Outcome]] = [
+            pool.submit(run_mutant, m, work, extra, args.timeout) for m in chosen]
+        try:
+            for run in runs:
+                outcome = run.result()
+                assert outcome.mutant is not None
+                bad += not outcome.ok
+                print(f"{'killed  ' if outcome.ok else 'FAILED  '} {outcome.mutant.name:32} "
+                      f"{outcome.took:5.1f}s  ({outcome.mutant.why})\n         "
+                      f"{outcome.detail}", flush=True)
+            base = baseline.result()
+        except BaseException:   # (^C): the runs under way end, the rest do not start
+            for run in runs:
+                run.cancel()
+            raise
+    # a kill by a test that fails without any mutant says nothing about the mutant
+    doubtful = [o for o in (r.result() for r in runs)
+                if o.ok and o.failed and o.failed[0] in base.failed]
+    print(f"baseline (the same tests, no mutant): {base.took:.1f}s, "
+          + ("every test passed" if base.ok else f"FAILED:\n{base.detail}"))
+    for o in doubtful:
+        assert o.mutant is not None
+        print(f"NOT KILLED {o.mutant.name}: its killer fails without it too ({o.failed[0]})")
+    bad += len(doubtful)
+    print(f"{len(chosen) - bad} of {len(chosen)} mutants killed in "
+          f"{time.monotonic() - began:.0f}s (-j {args.j})")
+    return 1 if bad or not base.ok else 0
 
 
 if __name__ == "__main__":

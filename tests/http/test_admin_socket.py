@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -96,3 +97,19 @@ async def test_off_the_public_port_by_default_with_a_clear_answer_and_metrics_by
         assert resp.status == 200 and "llm_gateway_requests_total" in await resp.text()
         assert (await g.client.post("/admin/metrics")).status == 405   # GET only
         assert (await g.client.get("/admin/status")).status == 404
+
+
+async def test_a_peer_that_is_not_root_the_gateways_user_or_in_its_group_is_refused(
+        gw: Gateway, sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate asks the kernel who is on the socket (peer_of) and refuses anyone else
+    (403 admin_not_allowed), before any handler runs. The tests run as root or as the
+    gateway's own user, both allowed: the kernel's word is replaced by a stranger's."""
+    connector = aiohttp.UnixConnector(path=str(sock_path))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.get("http://localhost/admin/status") as resp:
+            assert resp.status == 200
+        stranger = Peer(os.getpid(), os.getuid() + 4242, os.getgid() + 4242, frozenset())
+        monkeypatch.setattr("gatewayd.http.auth.peer_of", lambda sock: stranger)
+        async with session.get("http://localhost/admin/status") as resp:
+            body = await resp.json()
+            assert resp.status == 403 and body["error"]["code"] == "admin_not_allowed"

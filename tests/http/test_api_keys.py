@@ -86,3 +86,19 @@ async def test_models_and_scopes_are_enforced(gw: Gateway) -> None:
     refused = [r for r in rows if r["status"] == 403]
     assert refused and refused[0]["api_key"] == "b-only"
     assert refused[0]["error_code"] == "model_not_allowed"
+
+
+async def test_a_model_the_gateway_chooses_is_checked_against_the_key_too(
+        tmp_path: Path) -> None:
+    """No model named: the gateway chooses one (the one ready engine for inference; for
+    GET /props default_model, else the first ready engine). A key limited to other
+    models gets no answer of that one either."""
+    async for gw in _gateway(tmp_path, ("a",), api_keys=ring(), default_model="a"):
+        for resp in (await gw.client.post("/v1/chat/completions", json=chat(),
+                                          headers=bearer(ONLY_B)),
+                     await gw.client.get("/props", headers=bearer(ONLY_B))):
+            body = await resp.json()
+            assert resp.status == 403 and body["error"]["code"] == "model_not_allowed", body
+        assert gw.fakes["a"].requests == []
+        resp = await gw.client.post("/v1/chat/completions", json=chat(), headers=bearer(USER))
+        assert resp.status == 200 and (await resp.json())["model"] == "a"

@@ -454,3 +454,23 @@ async def test_the_admin_socket_serves_admin_routes_only(tmp_path: Path) -> None
                                 assert resp.status not in (401, 403, 404, 405, 421), where
             assert all(path.startswith(("/slots", "/props", "/lora-adapters", "/metrics"))
                        for _, path in seen(gw)), seen(gw)
+
+
+async def test_a_json_route_takes_json_only_whatever_a_form_can_send(tmp_path: Path) -> None:
+    """The three content types a page may POST without a preflight (a form's two and
+    text/plain), and any other non-JSON type, are a 415 before the body is read: a
+    cross-site form never reaches an engine, even one whose Origin a browser left out."""
+    async for gw in _gateway(tmp_path, ("a",)):
+        body = json.dumps(chat("a")).encode()
+        for kind in ("application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                     "text/plain", "application/xml", "application/octet-stream"):
+            status, answer, _ = await raw(gw, "POST", "/v1/chat/completions",
+                                          {"Content-Type": kind}, body)
+            assert status == 415, (kind, answer)
+            assert answer["error"]["code"] == "unsupported_media_type"
+        assert seen(gw) == []
+        for kind in ("application/json", "application/json; charset=utf-8",
+                     "application/vnd.example+json"):
+            status, answer, _ = await raw(gw, "POST", "/v1/chat/completions",
+                                          {"Content-Type": kind}, body)
+            assert status == 200, (kind, answer)

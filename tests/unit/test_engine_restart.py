@@ -7,12 +7,18 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.core.engines import CLD_EXITED, CLD_KILLED, EngineState
-from gatewayd.core.errors import EngineFailed, EngineNotRunning, ModelNotLoaded
+from gatewayd.core.errors import (
+    EngineFailed,
+    EngineNotRunning,
+    ModelNotLoaded,
+    UnitOperationFailed,
+)
 from gatewayd.service.dispatcher import Dispatcher
 from tests.fakes import FakeUnits, dispatcher_for, engine_manager_on_fakes
 
@@ -40,8 +46,14 @@ async def served(d: Dispatcher, model: str, *, autoload: bool = True) -> int:
         return engine.main_pid
 
 
-async def queued(d: Dispatcher, model: str, count: int) -> None:
+async def queued(d: Dispatcher, model: str, count: int,
+                 requests: list[asyncio.Future[int]]) -> None:
+    """Until count requests wait for model (each still unanswered)."""
+    deadline = asyncio.get_running_loop().time() + 5
     while d._slots.queued(model) < count:
+        answered = [r for r in requests if r.done()]
+        assert not answered, [r.exception() or r.result() for r in answered]
+        assert asyncio.get_running_loop().time() < deadline, "never queued"
         await asyncio.sleep(0.001)
 
 
@@ -52,8 +64,9 @@ async def test_requests_during_a_restart_wait_and_are_served_by_the_restarted_en
     first = await served(d, "a")
     await crash(units, "a")
     assert mgr.get("a").state is EngineState.RESTARTING   # type: ignore[union-attr]
-    requests = [asyncio.ensure_future(served(d, "a")) for _ in range(3)]
-    await queued(d, "a", 3)
+    requests: list[asyncio.Future[int]] = [
+        asyncio.ensure_future(served(d, "a")) for _ in range(3)]
+    await queued(d, "a", 3, requests)
     assert not any(r.done() for r in requests)            # waiting, not answered
     assert units.log == ["start a"]                       # and no start of our own
     await restart(units, "a", pid=first + 50)
@@ -81,8 +94,9 @@ async def test_when_systemd_gives_up_every_waiter_hears_why(tmp_path: Path) -> N
     d = dispatcher_for(mgr)
     await served(d, "a")
     await crash(units, "a", code=CLD_EXITED, status=3)
-    requests = [asyncio.ensure_future(served(d, "a")) for _ in range(2)]
-    await queued(d, "a", 2)
+    requests: list[asyncio.Future[int]] = [
+        asyncio.ensure_future(served(d, "a")) for _ in range(2)]
+    await queued(d, "a", 2, requests)
     unit = units.layout("a").unit
     # systemd 252 at the start limit: "failed", the result still the last exit's; asked,
     # it says the unit is failed (collected, here)
@@ -134,4 +148,28 @@ async def test_a_kill_that_finds_no_unit_leaves_no_one_waiting_for_a_restart(
     assert after is not None and after.state is EngineState.STOPPED, after
     with pytest.raises(EngineNotRunning):
         await mgr.wait_ready("a", timeout=1)
+    await mgr.close()
+
+
+async def test_a_start_job_that_fails_because_systemd_restarts_its_process_is_a_wait(
+        tmp_path: Path) -> None:
+    """The process dies while its start job runs (killed mid-load): the job fails, but
+    systemd restarts the unit (its signals come before the job's end). That is the
+    restart, and the caller waits for it; not a failed start."""
+    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+    real_start = units.start_engine
+
+    async def start_that_dies(model: Any, visible: str | None = None) -> Any:
+        layout = await real_start(model, visible)
+        await crash(units, model.id)                  # then the job's end says failed
+        raise UnitOperationFailed(f"job for {layout.unit} failed", unit=layout.unit)
+    units.start_engine = start_that_dies  # type: ignore[method-assign, assignment]
+    starting = asyncio.ensure_future(mgr.start("a"))
+    while (e := mgr.get("a")) is None or not e.restarting:
+        assert not starting.done(), starting
+        await asyncio.sleep(0.001)
+    await restart(units, "a", pid=4242)
+    engine = await starting
+    assert engine.state is EngineState.READY and engine.main_pid == 4242
+    assert mgr.desired.ids == ["a"]                   # a start that happened: wanted
     await mgr.close()

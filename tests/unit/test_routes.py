@@ -70,7 +70,7 @@ def test_a_listed_route_is_matched_with_its_own_spelling(method: str, path: str,
 @pytest.mark.parametrize("path", [
     "/load", "/slots/-1", "/slots/1/2", "/slots/", "/slots/1234567", "/v1/models/",
     "/v1/models/../../slots", "/v1/models/a/./b", "/ADMIN", "/v1/files", "//v1/models",
-    "/v1/chat/completions/", "/admin/unknown", "/slots/٣"])
+    "/v1/chat/completions/", "/admin/unknown", "/slots/٣", "/slots/1a", "/slots/x"])
 def test_anything_else_is_not_found(path: str) -> None:
     with pytest.raises(RouteNotFound):
         TABLE.match("GET", path)
@@ -97,7 +97,8 @@ def test_the_host_must_name_this_gateway() -> None:
                  "[::1]:8080", "gpu-box:8080", "workstation", "192.168.1.5:8080", None):
         assert policy.host_allowed(host, "192.168.1.5"), host
     for host in ("attacker.example", "localhost.attacker.example", "127.0.0.1.nip.io",
-                 "gpu-box.attacker.example", "192.168.1.6"):
+                 "gpu-box.attacker.example", "192.168.1.6", "x.localhost.attacker.example",
+                 "notlocalhost"):
         assert not policy.host_allowed(host, "192.168.1.5"), host
     assert BrowserPolicy.of(["*"], []).host_allowed("anything", None)
 

@@ -127,3 +127,22 @@ def test_a_batch_is_written_in_a_few_statements_and_every_field_comes_back(
     assert last["stream"] == (n - 1) % 2 and last["latency_ms"] == 1.5
     assert last["request_text"] == "naïve ✓ \"quoted\"" and last["api_key"] is None
     assert last["ttft_ms"] is None and last["outcome"] == "ok"
+
+
+async def test_records_still_lingering_at_close_are_written_and_the_file_reopens(
+        tmp_path: Path) -> None:
+    """close() hands over what still waits for its batch (the gateway stops within
+    LINGER_S of a call); a database reopened is migrated no further than it was (every
+    migration ran once): its records are all there, nothing set aside."""
+    db = tmp_path / "records.db"
+    writer = RecordWriter(db)
+    writer.add(CallRecord(ts=time.time(), method="POST", endpoint="/v1/chat/completions"))
+    assert writer._pending    # lingering: on a running loop a record waits for its batch
+    writer.close()
+    assert len(records.query(db)) == 1
+    again = RecordWriter(db)
+    again.add(CallRecord(ts=time.time(), method="POST", endpoint="/v1/embeddings"))
+    again.close()
+    assert [r["endpoint"] for r in records.query(db)] == ["/v1/embeddings",
+                                                          "/v1/chat/completions"]
+    assert [p.name for p in tmp_path.iterdir() if "corrupt" in p.name] == []

@@ -15,6 +15,7 @@ from gatewayd.core.upstreams import (
     Health,
     RemoteModel,
     RemoteNames,
+    UpstreamConfig,
     discovered_ids,
 )
 
@@ -119,3 +120,17 @@ def test_a_model_list_must_be_openais_shape() -> None:
     assert discovered_ids({"data": [{"id": "a"}, {"id": 3}, "x", {"id": "b"}]}) == ["a", "b"]
     with pytest.raises(ValueError, match="not an OpenAI model list"):
         discovered_ids({"models": []})
+
+
+def test_an_upstreams_credentials_never_show_in_words_about_it() -> None:
+    """An error's words (a library's, which may quote the URL) go to logs, /admin/status
+    and clients: the URL's user:password and the API key are taken out."""
+    config = UpstreamConfig("box", "https://me:pa55@gpu-box:8443/v1", api_key="sk-secret-1")
+    said = ("POST https://me:pa55@gpu-box:8443/v1/chat/completions: 401, "
+            "Authorization: Bearer sk-secret-1")
+    shown = config.redact(said)
+    assert "pa55" not in shown and "sk-secret-1" not in shown
+    assert shown == ("POST https://gpu-box:8443/v1/chat/completions: 401, "
+                     "Authorization: Bearer ***")
+    assert config.shown_url == "https://gpu-box:8443/v1"
+    assert UpstreamConfig("plain", "http://box/v1").redact(said) == said   # nothing to hide

@@ -1,0 +1,85 @@
+"""How a relayed stream's end is told, on both relays (relay.c's and Python's): an engine
+answer that ends in good HTTP order without the stream's own final event was cut short
+(the client is told so in an error event); one whose final event came whole is not, also
+where relay.c passed that event on and Python only saw the body's end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gatewayd.http import native_relay
+from tests.http.test_front_door import Gateway, _choose_relay, _gateway, chat, events
+
+BOTH_RELAYS = pytest.mark.parametrize("gw", ["native", "python"], indirect=True)
+
+
+@pytest.fixture
+async def gw(tmp_path: Path, request: pytest.FixtureRequest,
+             monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gateway]:
+    _choose_relay(request.param, monkeypatch)
+    async for g in _gateway(tmp_path, ("a",)):
+        yield g
+
+
+def engine_streams(gw: Gateway, monkeypatch: pytest.MonkeyPatch, *, tokens: int,
+                   done: bool) -> None:
+    """Engine a's chat streams from now on: a role event, `tokens` tokens 5 ms apart, the
+    final event (finish_reason) with no usage event (an engine that does not honour
+    stream_options.include_usage), then `data: [DONE]` on its own 50 ms later, or (done
+    False) nothing more: the body just ends, in good HTTP order."""
+    async def answer(request: web.Request, payload: dict[str, Any], prompt: str,
+                     chat: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "x", "object": "chat.completion.chunk", "created": int(time.time())}
+        deltas = [{"role": "assistant", "content": None},
+                  *({"content": f" w{i}"} for i in range(tokens))]
+        for delta in deltas:
+            await response.write(b"data: " + json.dumps({**base, "choices": [
+                {"index": 0, "finish_reason": None, "delta": delta}]}).encode() + b"\n\n")
+            await asyncio.sleep(0.005)
+        if done:
+            await response.write(b"data: " + json.dumps({**base, "choices": [
+                {"index": 0, "finish_reason": "length", "delta": {}}]}).encode() + b"\n\n")
+            await asyncio.sleep(0.05)
+            await response.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(0.05)
+        await response.write_eof()
+        return response
+    monkeypatch.setattr(gw.fakes["a"], "_answer", answer)
+
+
+@BOTH_RELAYS
+async def test_a_stream_that_ends_without_its_final_event_ends_with_an_error_event(
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_streams(gw, monkeypatch, tokens=6, done=False)
+    resp = await gw.client.post("/v1/chat/completions", json=chat("a", stream=True))
+    assert resp.status == 200
+    got = events(await resp.read())
+    assert [e["choices"][0]["delta"].get("content") for e in got[1:-1]] == \
+        [f" w{i}" for i in range(6)]
+    assert got[-1]["error"]["code"] == "engine_failed"
+    (row,) = await gw.records(1)
+    assert row["outcome"] == "engine_failed" and row["status"] == 200
+
+
+@BOTH_RELAYS
+async def test_a_final_event_relay_c_passed_on_ends_the_stream_well(
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_streams(gw, monkeypatch, tokens=6, done=True)
+    resp = await gw.client.post("/v1/chat/completions", json=chat("a", stream=True))
+    got = events(await resp.read())
+    assert got[-1] == "[DONE]" and not any("error" in e for e in got[:-1])
+    assert got[-2]["choices"][0]["finish_reason"] == "length"
+    (row,) = await gw.records(1)
+    assert row["outcome"] == "ok" and row["error_code"] is None
+    native = gw.client.app[native_relay.NATIVE_RELAY]
+    assert native.streams == (1 if native.enabled else 0)
