@@ -67,7 +67,11 @@ class FakeSystemd:
         self.rng = rng
         self.max_engines = max_engines
         self.fail_next_start: set[str] = set()
-        self.faults: dict[str, list[float]] = {}   # model -> when a crash or failed start hit
+        # model -> when a fault hit: a failed start, a unit stopped behind our back
+        self.faults: dict[str, list[float]] = {}
+        # model -> when its process crashed (systemd restarts it: only the requests the
+        # dead process was serving may fail for it)
+        self.crashes: dict[str, list[float]] = {}
         self.signal_mode = signal_mode
         self.job_s, self.load_s, self.stop_s, self.restart_s = job_s, load_s, stop_s, restart_s
         self.collect_s = collect_s
@@ -184,7 +188,7 @@ class FakeSystemd:
         if u is None or u.active != "active":
             return False
         u.active, u.sub, u.pid = "activating", "auto-restart", 0
-        self.faults.setdefault(model_id, []).append(asyncio.get_running_loop().time())
+        self.crashes.setdefault(model_id, []).append(asyncio.get_running_loop().time())
         self._signal(unit, ActiveState="activating", SubState="auto-restart",
                      ExecMainCode=2, ExecMainStatus=9, MainPID=0)
         asyncio.get_running_loop().call_later(self.restart_s, self._restart, unit, u)

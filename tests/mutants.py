@@ -668,6 +668,14 @@ RESTARTS = (
            "            raise self.failed_error",
            tests=(RESTART + "test_requests_during_a_restart_wait_and_are_served_by_the_"
                   "restarted_engine",)),
+    Mutant("restart-fails-the-queued", "requests queued for an engine that crashed wait "
+           "for systemd's restart of it",
+           "gatewayd/service/engine_manager.py",
+           "        elif new.state is EngineState.RESTARTING:   # its waiters wait on\n",
+           "        elif new.state is EngineState.RESTARTING:   # its waiters wait on\n"
+           "            self._fail_waiters(new.model_id, self.failed_error(new.model_id))\n",
+           tests=("tests/unit/test_dispatcher_model.py::test_requests_queued_for_an_engine_"
+                  "that_crashes_wait_for_its_restart",)),
     Mutant("restart-start-job-fails", "a start job that failed because systemd restarts "
            "its process is that restart, not a failed start",
            "gatewayd/service/engine_manager.py",
