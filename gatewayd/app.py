@@ -51,7 +51,7 @@ from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, client_tls, openai_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers, own_host_names
 from gatewayd.http.engine_client import EngineClient
-from gatewayd.http.middleware import SHUTDOWN, Shutdown, error_middleware
+from gatewayd.http.middleware import SHUTDOWN, Shutdown, close_after_upgrade, error_middleware
 from gatewayd.http.native_relay import NATIVE_RELAY, NativeRelay
 from gatewayd.http.proxy import learn_engine_slots
 from gatewayd.http.remotes import Remotes
@@ -297,6 +297,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app.cleanup_ctx.append(front_door)
     app.on_startup.append(_collector_after_start)
     app.on_response_prepare.append(cors_headers)
+    app.on_response_prepare.append(close_after_upgrade)
     admin_api.add_routes(app)
     openai_api.add_routes(app)   # last: it ends with the catch-all proxy route
     return app

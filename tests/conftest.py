@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from gatewayd.adapters.systemd import Systemd
 from tests.harness.container import SystemdContainer, why_unavailable
@@ -28,6 +29,22 @@ import make_tiny_model
 import make_tiny_whisper
 
 TINY_MODEL_NAMES = ("alpha", "beta", "gamma")
+
+# Hypothesis profiles for the property tests (marked `fuzz`; how to run and reproduce them:
+# tests/http/test_fuzz.py). "ci", loaded by Hypothesis itself where CI is set (written out
+# here so that it does not change with Hypothesis): the same cases every run. "explore",
+# chosen with --hypothesis-profile=explore --hypothesis-seed=N: new cases from the seed, at
+# each test's exploring budget (a test reads the profile's name: EXPLORING).
+settings.register_profile("ci", derandomize=True, database=None, deadline=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", derandomize=False, database=None, deadline=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "fuzz: a property test that searches (Hypothesis): derandomized in CI, "
+                   "exploring with --hypothesis-profile=explore --hypothesis-seed=N")
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item

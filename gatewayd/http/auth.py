@@ -176,8 +176,12 @@ def _as_written(request: web.Request, matched: Matched) -> None:
     """The path must be the table's as the client wrote it: one that only decodes or
     normalises to a table path (`/%73lots`, `/v1/chat%2Fcompletions`, `/v1/x/../../slots`)
     is a 404, whatever the next hop would have made of it. A model's name in
-    /v1/models/{id} may be percent-encoded (names hold '/' and ':')."""
+    /v1/models/{id} may be percent-encoded (names hold '/' and ':'). Of an absolute-form
+    target (`http://host/path`, which a server must take: RFC 9112 3.2.2) the path is what
+    follows the authority."""
     raw = request.raw_path.partition("?")[0]
+    if not raw.startswith("/") and "://" in raw:
+        raw = "/" + raw.partition("://")[2].partition("/")[2]
     if raw == request.path or (matched.route.path == MODEL_PATH
                                and raw.startswith(MODEL_PREFIX) and "/." not in raw
                                and "%2e" not in raw.lower()):

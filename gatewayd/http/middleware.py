@@ -77,6 +77,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return web.json_response(_in_dialect(error, request.path), status=500)
 
 
+async def close_after_upgrade(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: a request that asks to upgrade the connection (the gateway never
+    does) ends it. aiohttp takes the bytes after such a request for the new protocol: where
+    the handler left its body unread (an early answer), its parser stops reading, and the next
+    request on the connection would wait forever (found by tests/http/test_fuzz.py)."""
+    if "Upgrade" in request.headers:
+        response.force_close()
+        response.headers["Connection"] = "close"   # (its headers are made: say so too)
+
+
 def _for_admin(request: web.Request) -> bool:
     matched = request_route(request)
     return matched is not None and matched.route.access is Caller.ADMIN
