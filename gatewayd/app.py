@@ -51,7 +51,13 @@ from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, client_tls, openai_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers, own_host_names
 from gatewayd.http.engine_client import EngineClient
-from gatewayd.http.middleware import SHUTDOWN, Shutdown, close_after_upgrade, error_middleware
+from gatewayd.http.middleware import (
+    SHUTDOWN,
+    ClientBytesRefused,
+    Shutdown,
+    close_after_upgrade,
+    error_middleware,
+)
 from gatewayd.http.native_relay import NATIVE_RELAY, NativeRelay
 from gatewayd.http.proxy import learn_engine_slots
 from gatewayd.http.remotes import Remotes
@@ -309,6 +315,7 @@ def browser_policy(config: GatewayConfig) -> BrowserPolicy:
 
 def serve(config: GatewayConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(ClientBytesRefused())
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(_serve(config))
 

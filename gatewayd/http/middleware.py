@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gatewayd.core.errors import GatewayError, ShuttingDown, anthropic_error_body, error_body
 from gatewayd.core.routes import Caller
@@ -75,6 +76,22 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = GatewayError("internal error; see the gateway's journal")
         return web.json_response(_in_dialect(error, request.path), status=500)
+
+
+class ClientBytesRefused(logging.Filter):
+    """For aiohttp.server: a request its HTTP parser refused (a header past 64 KiB, more
+    than 128 fields, a malformed line) is the client's bytes, not the gateway's fault. One
+    line, no traceback: aiohttp logs each at ERROR with a traceback, so any client could fill
+    the journal with them, a dozen lines a request. Other errors keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "%s: refused by the HTTP parser: %s", (
+                record.getMessage(), str(exc.message or exc).splitlines()[0][:200])
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 async def close_after_upgrade(request: web.Request, response: web.StreamResponse) -> None:

@@ -7,6 +7,7 @@ llm_gateway_bounded_total, and the gateway goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gatewayd.http import openai_api
+from gatewayd.http.middleware import ClientBytesRefused
 from tests.fake_upstream import FakeUpstream
 from tests.http.test_front_door import (
     BOTH_RELAYS,
@@ -168,3 +170,30 @@ async def test_a_remote_upstreams_answers_are_bounded_the_same(tmp_path: Path) -
             assert await _bounded(gw, "max_event_mb") == 1
     finally:
         await box.stop()
+
+
+async def test_a_head_the_parser_refuses_is_one_warning_line_not_a_traceback(
+        gw: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    """Past the parser's own bounds (a field over 64 KiB) aiohttp answers itself and logs
+    an ERROR with a traceback per request: with serve()'s filter, one warning line."""
+    server = logging.getLogger("aiohttp.server")
+    quiet = ClientBytesRefused()
+    server.addFilter(quiet)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            host, port = gw.client.server.host, gw.client.server.port
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: "
+                         + b"a" * 70_000 + b"\r\n\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.read(200), 10)
+            writer.close()
+            assert head.split(b" ", 2)[1] == b"400", head
+            await _until(lambda: any(r.name == "aiohttp.server" for r in caplog.records),
+                         "aiohttp logged the refusal")
+    finally:
+        server.removeFilter(quiet)
+    (record,) = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert record.levelno == logging.WARNING and record.exc_info is None, record
+    assert "refused by the HTTP parser" in record.getMessage(), record.getMessage()
+    await _serves_on(gw)
