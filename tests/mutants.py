@@ -687,10 +687,8 @@ RESTARTS = (
     Mutant("kill-failure-keeps-waiting", "a kill that finds no unit leaves no one waiting "
            "for a restart",
            "gatewayd/service/engine_manager.py",
-           "                info = await self._info_quietly(engine.unit)\n"
-           "                self._event(model_id, Reconciled(",
-           "                info = await self._info_quietly(engine.unit)\n"
-           "                (lambda *_: None)(model_id, Reconciled(",
+           "                self._reconcile(model_id, await self._info_quietly(engine.unit))",
+           "                await self._info_quietly(engine.unit)",
            tests=(RESTART + "test_a_kill_that_finds_no_unit_leaves_no_one_waiting_for_a_"
                   "restart",)),
     Mutant("shut-socket-fails-at-once", "a request that met a just-dead engine's shut "

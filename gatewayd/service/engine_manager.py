@@ -337,11 +337,7 @@ class EngineManager:
                 # no restart is coming from this kill: what systemd says now decides (the
                 # unit gone: stopped, and its waiters told, not left waiting for a restart)
                 log.warning("%s: could not kill %s: %s", model_id, engine.unit, e)
-                info = await self._info_quietly(engine.unit)
-                self._event(model_id, Reconciled(
-                    self._clock(), info.active_state if info else None,
-                    main_pid=info.main_pid if info else 0,
-                    n_restarts=info.n_restarts if info else 0))
+                self._reconcile(model_id, await self._info_quietly(engine.unit))
 
     async def unreachable(self, model_id: str, main_pid: int) -> bool:
         """A request found the engine's socket shut (it reached no process): whether the
@@ -388,6 +384,10 @@ class EngineManager:
         The caller makes sure nothing happened to the model since the listing began."""
         if self._engines.get(model_id) is None or self.busy(model_id):
             return
+        self._reconcile(model_id, info)
+
+    def _reconcile(self, model_id: str, info: EngineUnitInfo | None) -> None:
+        """systemd's whole truth about the model's unit (None: no such unit)."""
         self._event(model_id, Reconciled(
             self._clock(), info.active_state if info else None,
             main_pid=info.main_pid if info else 0, n_restarts=info.n_restarts if info else 0))
@@ -663,9 +663,7 @@ class EngineManager:
         current = self._engines.get(model_id)
         if current is None or not current.exit_unconfirmed or self.busy(model_id):
             return
-        self._event(model_id, Reconciled(
-            self._clock(), info.active_state if info else None,
-            main_pid=info.main_pid if info else 0, n_restarts=info.n_restarts if info else 0))
+        self._reconcile(model_id, info)
 
     async def _settle_failure(self, model_id: str) -> None:
         """Attach the engine's last log lines to its failure, then tell the waiters."""

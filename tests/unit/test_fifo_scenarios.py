@@ -26,18 +26,19 @@ def wait(seconds: float) -> tuple[str, dict[str, Any]]:
     return "time_passes", {"seconds": seconds}
 
 
+# a and c run; c is stopped by hand (3 s to exit) and asks again, then b asks
+C_AHEAD_OF_B = [request("a"), request("c"), wait(1.0),
+                ("stopped_by_hand", {"model": "c", "exit_s": 3.0}),
+                wait(0.1), request("c", hold=0.1), wait(0.1), request("b", hold=0.1)]
+
+
 def test_a_model_behind_in_the_line_does_not_overtake_a_head_waiting_for_its_own_stop(
         ) -> None:
     """a and c run (max_engines 2); c is stopped by hand and takes 3 s to exit. c asks
     again meanwhile: it is first in the line, and waits for its old engine to go. b asks
     next: the only slot it could get is a's (idle), by evicting a, but c is ahead and
     there is no slot beyond c's, so b waits; c is served (its own slot back), then b."""
-    run_scenario([request("a"), request("c"), wait(1.0),
-                  ("stopped_by_hand", {"model": "c", "exit_s": 3.0}),
-                  wait(0.1),
-                  request("c", hold=0.1),
-                  wait(0.1),
-                  request("b", hold=0.1),
+    run_scenario([*C_AHEAD_OF_B,
                   wait(8.0),
                   ("check_order", {"first": "c", "then": "b"}),
                   ("check_ok", {"model": "b", "last": 1})], max_engines=2)
@@ -46,12 +47,7 @@ def test_a_model_behind_in_the_line_does_not_overtake_a_head_waiting_for_its_own
 def test_a_slot_beyond_what_the_head_needs_goes_to_the_next_at_once() -> None:
     """The same line with two slots free (max_engines 4): a slot beyond the one counted
     for each model ahead (c) is b's at once; it need not wait for c's old engine to go."""
-    run_scenario([request("a"), request("c"), wait(1.0),
-                  ("stopped_by_hand", {"model": "c", "exit_s": 3.0}),
-                  wait(0.1),
-                  request("c", hold=0.1),
-                  wait(0.1),
-                  request("b", hold=0.1),
+    run_scenario([*C_AHEAD_OF_B,
                   wait(1.0),
                   ("check_ok", {"model": "b", "last": 1}),   # served while c still waits
                   wait(4.0),
