@@ -21,6 +21,8 @@ from aiohttp import web
 from gatewayd.adapters import admin_socket
 from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
+from gatewayd.adapters.engine_wire.client import EngineClient, learn_engine_slots
+from gatewayd.adapters.engine_wire.native_relay import NativeRelay
 from gatewayd.adapters.event_loop import event_loop_factory
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
@@ -50,7 +52,6 @@ from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, client_tls, openai_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers, own_host_names
-from gatewayd.http.engine_client import EngineClient
 from gatewayd.http.middleware import (
     SHUTDOWN,
     ClientBytesRefused,
@@ -58,8 +59,7 @@ from gatewayd.http.middleware import (
     close_after_upgrade,
     error_middleware,
 )
-from gatewayd.http.native_relay import NATIVE_RELAY, NativeRelay
-from gatewayd.http.proxy import learn_engine_slots
+from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.http.remotes import Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager

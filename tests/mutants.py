@@ -17,7 +17,7 @@ baseline): a mutant counts as killed only by a test that passes there. The exit 
 1 if a mutant survives, an edit no longer applies (the list must follow the code), its
 tests error or time out, or the baseline fails. relay.c is not mutated (each mutant would
 need a build): its Python side is (native_relay.py, proxy.py), and its own tests are
-tests/http/test_native_relay.py.
+tests/unit/test_native_relay.py.
 
 CI runs it after the test suite (.ci/run): the suite says the code does what its tests
 say; this says the tests would notice if it stopped doing so.
@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_TESTS = "tests/unit/test_dispatcher_model.py"
 # built from this tree's C sources and ignored by git: without them a copy would relay
 # streams in Python only, and relay.c's tests could not run
-BUILT = ("gatewayd/http/_relay*.so", "gatewayd/_engine_park*.so")
+BUILT = ("gatewayd/adapters/engine_wire/_relay*.so", "gatewayd/_engine_park*.so")
 FAST_TIER = "not systemd and not container"
 SUMMARY = re.compile(r"(FAILED|ERROR) tests/\S+")   # pytest's line for a failed test
 
@@ -96,10 +96,10 @@ KEYS = "tests/http/test_api_keys.py::"
 FRONT = "tests/http/test_front_door.py::"
 UP = "tests/http/test_upstreams.py::"
 UPSTREAM_RULES = "tests/unit/test_upstreams.py::"
-CLIENT = "tests/http/test_engine_client.py::"
+CLIENT = "tests/unit/test_engine_client.py::"
 SSE = "tests/unit/test_sse.py::"
 ENDS = "tests/http/test_stream_ends.py::"
-NATIVE = "tests/http/test_native_relay.py::"
+NATIVE = "tests/unit/test_native_relay.py::"
 RELOAD = "tests/unit/test_reload_plan.py::"
 PLACE = "tests/unit/test_placement.py::"
 STORAGE = "tests/unit/test_storage_faults.py::"
@@ -428,59 +428,59 @@ FORWARDING = (
 WIRE = (
     Mutant("keepalive-no-retry", "a reused connection the engine had closed is tried "
            "once more on a new one",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/client.py",
            "                    if reused and e.fresh:\n",
            "                    if False:\n",
            tests=("tests/http/test_keepalive_retry.py",)),
     Mutant("retry-after-bytes", "a request whose answer had begun is never sent again",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/connection.py",
            "            if self._got_bytes:\n",
            "            if False:\n",
            tests=(CLIENT + "test_a_reused_connection_closed_before_answering_is_retried_once",)),
     Mutant("chunk-size-0x", "a chunk size is plain hex digits (int(x, 16) also takes "
            "a 0x, a sign, underscores)",
-           "gatewayd/adapters/engine_http.py",
+           "gatewayd/adapters/engine_wire/framing.py",
            "or digits.strip(HEX_DIGITS):",
            "or digits.strip(HEX_DIGITS + b\"xX\"):",
-           tests=("tests/unit/test_engine_http.py::test_a_chunk_size_that_is_not_plain_hex_is"
-                  "_refused",)),
+           tests=("tests/unit/test_engine_framing.py::test_a_chunk_size_that_is_not_plain_hex"
+                  "_is_refused_as_framing",)),
     Mutant("content-length-overrun", "bytes past the Content-Length are refused",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/framing.py",
            "        if len(data) > self._left:\n",
            "        if False:\n",
            tests=(CLIENT + "test_bytes_past_an_answers_end_break_its_connection",)),
     Mutant("no-content-204", "a 204 has no body (no waiting for one)",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/framing.py",
            "NO_BODY_STATUSES = frozenset({204, 304})",
            "NO_BODY_STATUSES = frozenset({304})",
            tests=(CLIENT + "test_a_no_content_answer_ends_at_its_head_on_a_kept_connection",)),
     Mutant("connection-close-ignored", "a connection the engine said it closes is not "
            "reused",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/framing.py",
            "    keep_alive = \"close\" not in connection if parts[0] == \"HTTP/1.1\" else \\\n"
            "        \"keep-alive\" in connection",
            "    keep_alive = True",
            tests=(CLIENT + "test_connection_close_and_a_stale_connection_are_not_reused",)),
     Mutant("stale-keepalive-reused", "an idle connection past keepalive_s is not reused",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/pool.py",
            "            if conn.open and now - conn.idle_since < self.keepalive_s:",
            "            if conn.open:",
            tests=(CLIENT + "test_connection_close_and_a_stale_connection_are_not_reused",)),
     Mutant("connection-queue-unbounded", "at most queue_limit requests wait for an "
            "engine's connections",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/pool.py",
            "        if len(self.waiters) >= queue_limit:",
            "        if False:",
            tests=(CLIENT + "test_the_wait_for_connections_is_bounded_by_the_queue_limit",)),
     Mutant("interim-answer-taken", "a 1xx answer is skipped: the real one follows",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/framing.py",
            "            if 100 <= status < 200:\n",
            "            if False:\n",
            tests=(CLIENT + "test_an_answer_until_close_a_1xx_first_and_no_body_answers",)),
     Mutant("bytes-after-answer-ignored", "bytes after a whole answer break the connection",
-           "gatewayd/http/engine_client.py",
-           "            elif self._state == _DONE and data:\n",
-           "            elif False:\n",
+           "gatewayd/adapters/engine_wire/framing.py",
+           "        elif self.state == DONE and data:\n",
+           "        elif False:\n",
            tests=(CLIENT + "test_bytes_past_an_answers_end_break_its_connection",)),
 )
 
@@ -532,7 +532,7 @@ RELAYS = (
            tests=(ENDS + "test_a_final_event_relay_c_passed_on_ends_the_stream_well",)),
     Mutant("native-unread-dropped", "what relay.c read and did not pass on goes on in "
            "Python",
-           "gatewayd/http/native_relay.py",
+           "gatewayd/adapters/engine_wire/native_relay.py",
            "        upstream.reattach(b\"\" if done.client_gone or done.reason == \"cancelled\" "
            "else unread,",
            "        upstream.reattach(b\"\",",
@@ -543,7 +543,7 @@ RELAYS = (
            "        pass",
            tests=(FRONT + "test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events",)),
     Mutant("native-over-tls", "relay.c never writes to a TLS client (raw bytes)",
-           "gatewayd/http/native_relay.py",
+           "gatewayd/adapters/engine_wire/native_relay.py",
            "                and transport.get_extra_info(\"sslcontext\") is None\n",
            "\n",
            tests=(NATIVE + "test_the_native_relay_is_not_used_where_it_could_go_wrong",)),
@@ -700,7 +700,7 @@ RESTARTS = (
            tests=("tests/http/test_engine_restart_http.py",)),
     Mutant("reset-request-replayed", "a request the dying engine's connection took is "
            "never sent to the restarted one",
-           "gatewayd/http/engine_client.py",
+           "gatewayd/adapters/engine_wire/client.py",
            "                        e.connect = attempt == 1",
            "                        e.connect = True",
            tests=(CLIENT + "test_a_request_sent_on_a_connection_the_dying_engine_reset_is_no_"

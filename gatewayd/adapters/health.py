@@ -5,12 +5,13 @@ is loaded; whisper (behind systemd-socket-proxyd) resets connections until it
 listens. Only a 200 counts.
 
 A probe runs every few milliseconds while an engine loads (readiness.py), so it
-is one short connection spoken by hand (engine_http.py).
+is one short connection spoken by hand (engine_wire/exchange.py).
 """
 
 from __future__ import annotations
 
-from gatewayd.adapters.engine_http import BadAnswer, exchange
+from gatewayd.adapters.engine_wire.errors import EngineConnectionError
+from gatewayd.adapters.engine_wire.exchange import exchange
 
 MAX_ANSWER = 64 * 1024   # /health answers {"status":"ok"}; anything longer is not an engine
 
@@ -20,6 +21,6 @@ class UnixHealthProbe:
         try:
             status, _ = await exchange(socket, "GET", "/health", timeout=timeout,
                                        max_answer=MAX_ANSWER)
-        except (TimeoutError, OSError, BadAnswer):
+        except (TimeoutError, OSError, EngineConnectionError):
             return None
         return status

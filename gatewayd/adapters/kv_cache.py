@@ -24,7 +24,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from gatewayd.adapters.engine_http import exchange
+from gatewayd.adapters.engine_wire.errors import EngineConnectionError
+from gatewayd.adapters.engine_wire.exchange import exchange
 
 log = logging.getLogger("gatewayd.kv_cache")
 STAMP = "engine-settings.sha256"
@@ -69,7 +70,8 @@ class SlotCache:
                                        SLOT_FILE.format(id=slot["id"]))
                     saved += 1
             self._bound(self.directory(instance))
-        except (TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
+        except (TimeoutError, OSError, EngineConnectionError, ValueError, KeyError,
+                TypeError) as e:
             self.counts["save", "failed"] += 1
             log.warning("%s: saving its KV cache failed (%s); the engine stops without it",
                         model_id, e or type(e).__name__)
@@ -103,7 +105,8 @@ class SlotCache:
                         path.unlink(missing_ok=True)
                         continue
                     restored += int(answer.get("n_restored", 0))
-        except (TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
+        except (TimeoutError, OSError, EngineConnectionError, ValueError, KeyError,
+                TypeError) as e:
             self.counts["restore", "failed"] += 1
             log.warning("%s: restoring its KV cache failed (%s); it starts cold", model_id,
                         e or type(e).__name__)

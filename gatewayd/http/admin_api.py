@@ -16,6 +16,8 @@ from typing import Any
 from aiohttp import web
 
 from gatewayd.adapters import records
+from gatewayd.adapters.engine_wire.errors import EngineConnectionError
+from gatewayd.adapters.engine_wire.exchange import exchange
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.adapters.metrics import EngineFigures, Snapshot
@@ -26,9 +28,7 @@ from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GpuUnavailable, InvalidRequest
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
-from gatewayd.http.engine_client import EngineClient, EngineConnectionError
-from gatewayd.http.native_relay import NATIVE_RELAY
-from gatewayd.http.proxy import own_get
+from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -204,7 +204,7 @@ async def metrics(request: web.Request) -> web.Response:
                                   device.total_mib * MIB))
     own = None
     if request.query.get("engines") in ("1", "true"):
-        own = await _engine_metrics(front.engine_client, [
+        own = await _engine_metrics([
             e for e in engines if e.state is EngineState.READY
             and (model := mgr.catalog.get(e.model_id)) is not None
             and model.backend is Backend.LLAMA])
@@ -212,13 +212,13 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-async def _engine_metrics(client: EngineClient, engines: list[Engine]) -> dict[str, str]:
+async def _engine_metrics(engines: list[Engine]) -> dict[str, str]:
     """Each engine's own /metrics text (llama-server --metrics); one that does not answer
     in time is left out, never the whole scrape."""
     async def one(engine: Engine) -> tuple[str, str | None]:
         try:
-            status, body = await own_get(client, engine.socket, "/metrics",
-                                         ENGINE_METRICS_TIMEOUT_S)
+            status, body = await exchange(engine.socket, "GET", "/metrics",
+                                          timeout=ENGINE_METRICS_TIMEOUT_S)
             return engine.model_id, body.decode(errors="replace") if status == 200 else None
         except (TimeoutError, EngineConnectionError, OSError):
             return engine.model_id, None

@@ -22,6 +22,8 @@ from aiohttp.helpers import parse_mimetype
 from aiohttp.streams import StreamReader
 from multidict import CIMultiDict
 
+from gatewayd.adapters.engine_wire.client import EngineClient
+from gatewayd.adapters.engine_wire.errors import EngineConnectionError
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.core.auth import ApiKey, check_model
@@ -50,7 +52,6 @@ from gatewayd.core.errors import (
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
 from gatewayd.http.auth import request_key, request_route
-from gatewayd.http.engine_client import EngineClient, EngineConnectionError
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,

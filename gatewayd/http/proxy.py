@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,7 +29,14 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from gatewayd.adapters.engine_http import MAX_ANSWER
+from gatewayd.adapters.engine_wire.client import EngineClient, EngineResponse
+from gatewayd.adapters.engine_wire.errors import AnswerTooLarge as EngineAnswerTooLarge
+from gatewayd.adapters.engine_wire.errors import (
+    ConnectionsBusy,
+    ConnectionsQueueFull,
+    EngineConnectionError,
+)
+from gatewayd.adapters.engine_wire.native_relay import Forwarded, NativeRelay
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import (
@@ -46,16 +53,7 @@ from gatewayd.core.errors import (
     anthropic_error_body,
 )
 from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
-from gatewayd.http.engine_client import AnswerTooLarge as EngineAnswerTooLarge
-from gatewayd.http.engine_client import (
-    ConnectionsBusy,
-    ConnectionsQueueFull,
-    EngineClient,
-    EngineConnectionError,
-    EngineResponse,
-)
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
-from gatewayd.http.native_relay import NATIVE_RELAY, Forwarded, NativeRelay
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
 # The headers that cross the gateway, by allow-list. A client's request reaches an
@@ -70,6 +68,9 @@ REQUEST_HEADERS = frozenset({"content-type", "accept", "user-agent", "openai-bet
 ANSWER_HEADERS = frozenset({"content-type", "content-language", "retry-after", "x-request-id",
                             "request-id", "openai-processing-ms", "openai-version"})
 ANSWER_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+
+# the streams relay.c takes part of (app.py makes it; the admin API's metrics read it)
+NATIVE_RELAY = web.AppKey("native_relay", NativeRelay)
 
 
 
@@ -149,52 +150,7 @@ def to_engine(client: EngineClient, socket: str, method: str, target: str,
                                   reuse=not stream)
 
 
-SLOTS_TIMEOUT_S = 5.0
 BUSY_RETRY_S = 5   # Retry-After of an engine_busy answer
-OWN_REQUEST = (("User-Agent", "llm-gateway"),)   # the gateway's own, not a client's
-
-
-async def own_get(client: EngineClient, socket: str, target: str, timeout_s: float
-                  ) -> tuple[int, bytes]:
-    """A GET of the gateway's own to an engine (status, whole body), within timeout_s; not
-    queued behind inference (EngineClient.request's queue=False)."""
-    async with asyncio.timeout(timeout_s):
-        resp = await client.request(socket, "GET", target, OWN_REQUEST, b"", queue=False)
-        try:
-            return resp.status, await resp.read(MAX_ANSWER)
-        finally:
-            resp.release()
-
-
-async def learn_engine_slots(client: EngineClient, socket: str, *,
-                             known: MutableMapping[str, int] | None = None,
-                             setup: str = "") -> int | None:
-    """How many requests a llama engine serves at once (GET /props: total_slots); one more
-    than that is the limit of the gateway's connections to it. More would only queue
-    inside llama-server, where idle keep-alive connections hold its HTTP threads (at c=64
-    its p99 went to seconds); the queue is then the gateway's, first come first served.
-    The one more keeps a request waiting inside, so a slot that frees starts the next at
-    once instead of idling a round trip; llama-server has slots + 2 HTTP threads, so one
-    stays free for /health, /metrics and /slots. None, and no limit, when the engine does
-    not say (an old build, whisper).
-
-    known: slot counts learned before, by engine setup (settings and binary): an engine
-    started again as it was before has the same slots, and is not asked (a round trip on
-    the cold start's path, to an engine that has just loaded)."""
-    if known is not None and (slots := known.get(setup)) is not None:
-        client.set_limit(socket, slots + 1)
-        return slots
-    try:
-        status, body = await own_get(client, socket, "/props", SLOTS_TIMEOUT_S)
-        slots = json.loads(body).get("total_slots") if status == 200 else None
-    except (TimeoutError, EngineConnectionError, OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-        return None
-    client.set_limit(socket, slots + 1)
-    if known is not None:
-        known[setup] = slots
-    return slots
 
 
 def to_remote(session: aiohttp.ClientSession, method: str, url: str,
@@ -340,7 +296,8 @@ async def _relay_stream(request: web.Request, upstream: Answer,
                         # relay.c while it can, then from the engine connection's callback
                         if native_tries and native is not None:
                             native_tries -= 1
-                            if not (sse.between_events and native.usable(request, upstream)
+                            if not (sse.between_events
+                                    and native.usable(request.transport, upstream)
                                     and await _relay_native(native, request, upstream, sse,
                                                             record, out.stall_timeout_s,
                                                             sent)) and native_tries:
@@ -503,7 +460,8 @@ async def _relay_native(native: NativeRelay, request: web.Request, upstream: Eng
         if done.reason == "stalled":
             record.error_code = "client_stalled"
 
-    done = await native.forward(request, upstream, stall_timeout_s, took)
+    assert request.transport is not None   # (usable() said so)
+    done = await native.forward(request.transport, upstream, stall_timeout_s, took)
     if done is None:
         return False
     if done.client_gone:

@@ -22,13 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd import app as app_module
 from gatewayd.adapters import records
+from gatewayd.adapters.engine_wire import native_relay
+from gatewayd.adapters.engine_wire.client import EngineResponse
 from gatewayd.app import build_app
 from gatewayd.core.config import Backend, ModelKind
 from gatewayd.core.engines import EngineState
-from gatewayd.http import native_relay, openai_api
+from gatewayd.http import openai_api
 from gatewayd.http.auth import PARSER_LIMITS
-from gatewayd.http.engine_client import EngineResponse
-from gatewayd.http.native_relay import NATIVE_RELAY
+from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
 from tests.fakes import FakeHealth, FakeUnits, engine_layer_on, engine_manager_on_fakes
@@ -82,10 +83,11 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
 
 
 def _choose_relay(relay: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """"native": streams go through gatewayd.http._relay (relay.c), which the setup builds
-    (its absence fails here rather than quietly testing Python twice); "python": without."""
+    """"native": streams go through gatewayd.adapters.engine_wire._relay (relay.c), which the
+    setup builds (its absence fails here rather than quietly testing Python twice);
+    "python": without."""
     if relay == "native":
-        assert native_relay._native is not None, "gatewayd/http/relay.c is not built"
+        assert native_relay._native is not None, "engine_wire/relay.c is not built"
         monkeypatch.delenv("LLM_GATEWAY_NATIVE_RELAY", raising=False)
     else:
         monkeypatch.setenv("LLM_GATEWAY_NATIVE_RELAY", "0")
@@ -221,7 +223,7 @@ async def test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events(
     assert row["outcome"] == "ok" and row["completion_tokens"] == 12
     assert row["bytes_out"] == sum(len(p) for p in pieces)
     relayed = 1 if request.node.callspec.params["gw"] == "native" else 0
-    assert gw.client.app[native_relay.NATIVE_RELAY].streams == relayed
+    assert gw.client.app[NATIVE_RELAY].streams == relayed
     text = await (await gw.client.get("/admin/metrics")).text()
     samples = {s.name: s.value for f in text_string_to_metric_families(text)
                for s in f.samples}
@@ -240,7 +242,7 @@ async def test_relay_c_takes_a_stream_whose_engine_was_mid_chunk_at_the_first_ev
     assert [e["choices"][0]["delta"].get("content") for e in got[1:13]] == \
         [f" w{i}" for i in range(12)]
     assert got[-1] == "[DONE]"
-    assert gw.client.app[native_relay.NATIVE_RELAY].streams == 1
+    assert gw.client.app[NATIVE_RELAY].streams == 1
     (row,) = await gw.records(1)
     assert row["outcome"] == "ok" and row["completion_tokens"] == 12
 
@@ -261,7 +263,7 @@ async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
     raw = b""
     while raw.count(b"data: {") < 4:       # the role event and 3 tokens, at 30 ms each
         raw += await asyncio.wait_for(reader.read(65536), 10)
-    relay = gw.client.app[native_relay.NATIVE_RELAY]
+    relay = gw.client.app[NATIVE_RELAY]
     if request.node.callspec.params["gw"] == "native":
         assert relay.active == 1           # relay.c has it now
     assert gw.client.server.runner is not None

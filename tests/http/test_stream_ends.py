@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gatewayd.http import native_relay
+from gatewayd.http.proxy import NATIVE_RELAY
 from tests.http.test_front_door import Gateway, _choose_relay, _gateway, chat, events
 
 BOTH_RELAYS = pytest.mark.parametrize("gw", ["native", "python"], indirect=True)
@@ -81,5 +81,5 @@ async def test_a_final_event_relay_c_passed_on_ends_the_stream_well(
     assert got[-2]["choices"][0]["finish_reason"] == "length"
     (row,) = await gw.records(1)
     assert row["outcome"] == "ok" and row["error_code"] is None
-    native = gw.client.app[native_relay.NATIVE_RELAY]
+    native = gw.client.app[NATIVE_RELAY]
     assert native.streams == (1 if native.enabled else 0)

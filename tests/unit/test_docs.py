@@ -35,13 +35,14 @@ def test_design_names_every_module_under_its_layer() -> None:
     design = (REPO / "docs" / "design.md").read_text()
     layers = design[design.index("## Layers"):design.index("### Why dbus-fast")]
     bullets = {m.group(1): m.group(0) for m in re.finditer(
-        r"^- \*\*`?([\w ]+?)/?`?\*\*.*?(?=^- \*\*|\Z)", layers, re.S | re.M)}
+        r"^- \*\*`?([\w /]+?)/?`?\*\*.*?(?=^- \*\*|\Z)", layers, re.S | re.M)}
     package = REPO / "gatewayd"
     missing = []
     for path in sorted(package.rglob("*.py")):
         if path.stem == "__init__":
             continue
-        folder = path.parent.name if path.parent != package else "top level"
+        folder = str(path.parent.relative_to(package)) if path.parent != package \
+            else "top level"
         if f"`{path.stem}`" not in bullets.get(folder, ""):
             missing.append(f"{path.relative_to(REPO)} (under {folder})")
     assert missing == []

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.adapters.engine_http import parse_status
 from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.service.readiness import poll_delays
 from tests.fake_engine import FakeEngine
@@ -68,14 +67,6 @@ async def test_loading_garbage_silence_and_no_socket(sock_dir: Path) -> None:
     finally:
         for server in servers:
             server.close()
-
-
-def test_status_line_parsing() -> None:
-    assert parse_status(b"HTTP/1.1 200 OK\r\n\r\n") == 200
-    assert parse_status(b"HTTP/1.0 503\r\n") == 503
-    assert parse_status(b"") is None
-    assert parse_status(b"HTTP/1.1 2000 OK\r\n") is None
-    assert parse_status(b"HTTP/2 200\r\n") is None
 
 
 def test_polls_are_tight_while_a_small_model_loads_then_back_off() -> None:

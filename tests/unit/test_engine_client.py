@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.http.engine_client import (
-    HIGH_WATER,
-    MAX_HEAD,
+from gatewayd.adapters.engine_wire.client import EngineClient
+from gatewayd.adapters.engine_wire.connection import HIGH_WATER
+from gatewayd.adapters.engine_wire.errors import (
     AnswerTooLarge,
     BadFraming,
     ConnectionsBusy,
     ConnectionsQueueFull,
-    EngineClient,
     EngineConnectionError,
 )
+from gatewayd.adapters.engine_wire.framing import MAX_HEAD
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 

@@ -1,4 +1,4 @@
-# gatewayd/http/relay.c (built by setup.py where a C compiler is; optional)
+# gatewayd/adapters/engine_wire/relay.c (built by setup.py where a C compiler is; optional)
 HANDBACK: int
 ENGINE_EOF: int
 ENGINE_ERROR: int

@@ -1,4 +1,4 @@
-"""The gateway's own short exchanges with an engine (adapters/engine_http.py) and what
+"""The gateway's own short exchanges with an engine (adapters/engine_wire/exchange.py) and what
 rides on them on the cold start's path: the KV cache restore (straight into the saved
 slots, no GET /slots first) and the slot count of an engine setup seen before (no GET
 /props). Scripted engines on real unix sockets, on both event loops the gateway runs on."""
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.adapters.engine_http import BadAnswer, dechunk, exchange
+from gatewayd.adapters.engine_wire.client import EngineClient, learn_engine_slots
+from gatewayd.adapters.engine_wire.errors import EngineConnectionError
+from gatewayd.adapters.engine_wire.exchange import exchange
+from gatewayd.adapters.engine_wire.framing import AnswerParser
 from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.kv_cache import SlotCache
-from gatewayd.http.engine_client import EngineClient
-from gatewayd.http.proxy import learn_engine_slots
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
@@ -54,6 +55,17 @@ class Scripted:
         writer.close()
 
 
+def dechunk(body: bytes) -> bytes:
+    """A chunked body's content, read by the one parser as exchange() reads an answer."""
+    parts: list[bytes] = []
+    parser = AnswerParser(parts.append)
+    parser.begin("GET")
+    parser.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+    if not parser.closed():
+        raise EngineConnectionError("a chunked answer ends in the middle")
+    return b"".join(parts)
+
+
 def json_answer(status: int, body: object) -> list[bytes]:
     data = json.dumps(body).encode()
     return [f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
@@ -83,7 +95,7 @@ async def test_no_engine_garbage_and_silence_are_errors_in_bounded_time(where: P
     with pytest.raises(OSError):
         await exchange(str(where / "none.sock"), "GET", "/health", timeout=2)
     async with Scripted(str(where / "g.sock"), lambda head: [b"SSH-2.0-OpenSSH\r\n"]) as g:
-        with pytest.raises(BadAnswer):
+        with pytest.raises(EngineConnectionError):
             await exchange(g.path, "GET", "/health", timeout=2)
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -97,7 +109,7 @@ async def test_no_engine_garbage_and_silence_are_errors_in_bounded_time(where: P
         assert loop.time() - started < 2
     finally:
         server.close()
-    with pytest.raises(BadAnswer):
+    with pytest.raises(EngineConnectionError):
         dechunk(b"5\r\nhel")
 
 
@@ -152,13 +164,13 @@ async def test_an_engine_setup_seen_before_is_not_asked_its_slots_again(where: P
 async def test_a_chunk_size_that_is_not_plain_hex_is_refused(where: Path, size: bytes) -> None:
     """int(x, 16) also takes a sign, 0x, underscores and spaces: "-5" walked dechunk back
     over the same bytes for ever (a hostile engine froze the event loop)."""
-    with pytest.raises(BadAnswer, match="not hex digits"):   # (in a thread: a loop for
+    with pytest.raises(EngineConnectionError, match="hex digits"):   # (in a thread: a loop for
         await asyncio.wait_for(asyncio.to_thread(                # ever fails, not hangs)
             dechunk, size + b"\r\nhello\r\n0\r\n\r\n"), 5)
     answer = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + size
               + b"\r\nhello\r\n0\r\n\r\n"]
     async with Scripted(str(where / "e.sock"), lambda head: answer) as engine:
-        with pytest.raises(BadAnswer):
+        with pytest.raises(EngineConnectionError):
             await asyncio.wait_for(exchange(engine.path, "GET", "/slots", timeout=2), 5)
         # the probes that ran dechunk on the event loop: an engine not ready, not a freeze
         assert await UnixHealthProbe().status(engine.path) is None
@@ -169,6 +181,6 @@ async def test_an_answer_past_its_bound_is_refused_not_cut(where: Path) -> None:
     body = b"x" * 3000
     answer = [b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\n\r\n" + body]
     async with Scripted(str(where / "e.sock"), lambda head: answer) as engine:
-        with pytest.raises(BadAnswer, match="over 1000 bytes"):
+        with pytest.raises(EngineConnectionError, match="over 1000 bytes"):
             await exchange(engine.path, "GET", "/slots", timeout=2, max_answer=1000)
         assert await exchange(engine.path, "GET", "/slots", timeout=2) == (200, body)

@@ -1,4 +1,4 @@
-/* gatewayd.http._relay: a stream's events from the engine's socket to the client's, with no
+/* gatewayd.adapters.engine_wire._relay: a stream's events from the engine's socket to the client's, with no
  * interpreter per event.
  *
  * Relayed in Python, an event costs the gateway ~43 µs of CPU here against ~29 µs for a
@@ -338,7 +338,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "gatewayd.http._relay",
+    PyModuleDef_HEAD_INIT, "gatewayd.adapters.engine_wire._relay",
     "A stream's events from the engine's socket to the client's (gatewayd/http/relay.c).", -1,
     methods, NULL, NULL, NULL, NULL,
 };

@@ -1,5 +1,5 @@
-"""A stream's events passed from the engine to the client by gatewayd.http._relay (relay.c),
-in a thread of its own, with no interpreter per event.
+"""A stream's events passed from the engine to the client by relay.c (the module
+gatewayd.adapters.engine_wire._relay), in a thread of its own, with no interpreter per event.
 
 After the answer's head and first event (sent by http/proxy as always), the relay hands
 both sockets to relay.c until something needs Python: an event naming usage, the last
@@ -25,16 +25,14 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
-from gatewayd.http.engine_client import EngineResponse
+from gatewayd.adapters.engine_wire.client import EngineResponse
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
 _native: ModuleType | None
 try:
-    from gatewayd.http import _relay
+    from gatewayd.adapters.engine_wire import _relay
     _native = _relay
 except ImportError:   # not built (no C compiler where it was installed): Python's relay
     _native = None
@@ -72,8 +70,8 @@ class NativeRelay:
         if os.environ.get("LLM_GATEWAY_NATIVE_RELAY", "1") in ("0", "no", "false"):
             self.why_off = "turned off by LLM_GATEWAY_NATIVE_RELAY"
         elif _native is None:
-            self.why_off = ("gatewayd/http/relay.c was not built where the gateway was "
-                            "installed (no C compiler or Python headers)")
+            self.why_off = ("gatewayd/adapters/engine_wire/relay.c was not built where the "
+                            "gateway was installed (no C compiler or Python headers)")
         self._max = max_streams
         self._pool: ThreadPoolExecutor | None = None
         self._running: dict[int, int] = {}   # each running stream's eventfd: its engine fd
@@ -87,8 +85,9 @@ class NativeRelay:
     def active(self) -> int:
         return len(self._running)
 
-    def usable(self, request: web.Request, upstream: object) -> bool:
-        transport = request.transport
+    def usable(self, transport: asyncio.Transport | None, upstream: object) -> bool:
+        """Whether relay.c may take this stream: a local engine's answer, a plain client
+        connection with nothing waiting in it, a free thread."""
         return (self.enabled and isinstance(upstream, EngineResponse)
                 and len(self._running) < self._max and transport is not None
                 and not transport.is_closing()
@@ -96,7 +95,7 @@ class NativeRelay:
                 and transport.get_write_buffer_size() == 0
                 and transport.get_extra_info("socket") is not None)
 
-    async def forward(self, request: web.Request, upstream: EngineResponse,
+    async def forward(self, transport: asyncio.Transport, upstream: EngineResponse,
                       stall_timeout_s: float, took: Callable[[Forwarded], None]
                       ) -> Forwarded | None:
         """Runs relay.c on this stream until it stops, then calls took() with what it did
@@ -104,8 +103,6 @@ class NativeRelay:
         handler is cancelled meanwhile, relay.c is stopped and waited for (it returns at
         once), took() called, the connection taken back, and CancelledError re-raised."""
         assert _native is not None
-        transport = request.transport
-        assert transport is not None
         engine_fd = upstream.detach()
         if engine_fd is None:
             return None
@@ -182,6 +179,3 @@ def _interrupt(cancel_fd: int, engine_fd: int) -> None:
 def _close(fds: tuple[int, ...]) -> None:
     for fd in fds:
         os.close(fd)
-
-
-NATIVE_RELAY = web.AppKey("native_relay", NativeRelay)

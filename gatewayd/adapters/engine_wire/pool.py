@@ -1,0 +1,88 @@
+"""One engine socket's connections: the idle keep-alive ones, and how many may be open.
+
+At most `limit` connections per socket at once: llama-server's HTTP threads are held by
+idle keep-alive connections, and past them it stalls; the requests beyond it wait their
+turn here, first come first served, up to a queue limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import TYPE_CHECKING
+
+from gatewayd.adapters.engine_wire.errors import ConnectionsBusy, ConnectionsQueueFull
+
+if TYPE_CHECKING:
+    from gatewayd.adapters.engine_wire.connection import Connection
+
+
+class Pool:
+    """One socket's idle connections (newest last) and its connection slots."""
+
+    def __init__(self, keepalive_s: float, limit: int | None,
+                 refused: collections.Counter[str]) -> None:
+        self.keepalive_s = keepalive_s
+        self.limit = limit
+        self.queue_limit: int | None = None   # None: the client's
+        self.refused = refused
+        self.idle: list[Connection] = []
+        self.busy = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self, timeout: float | None, queue_limit: int) -> None:
+        if not self.waiters and (self.limit is None or self.busy < self.limit):
+            self.busy += 1
+            return
+        if len(self.waiters) >= queue_limit:
+            raise ConnectionsQueueFull(f"{len(self.waiters)} requests already wait for the "
+                                       f"engine's connections (queue_limit {queue_limit})")
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter       # _admit counted the slot as ours before waking us
+        except BaseException as e:
+            handed = waiter.done() and not waiter.cancelled()
+            if isinstance(e, TimeoutError):
+                if handed:
+                    return         # handed a slot as the time ran out: it is ours
+                self.waiters.remove(waiter)
+                raise ConnectionsBusy(f"all {self.limit} of the engine's connections stayed "
+                                      f"busy for {timeout:g} s") from None
+            if handed:
+                self.release_slot()   # handed a slot just as we were cancelled: pass it on
+            else:
+                self.waiters.remove(waiter)
+            raise
+
+    def release_slot(self) -> None:
+        self.busy -= 1
+        self.admit()
+
+    def admit(self) -> None:
+        """Hand free slots to the first waiters (after a release, or a higher limit)."""
+        while self.waiters and (self.limit is None or self.busy < self.limit):
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                self.busy += 1
+                waiter.set_result(None)
+
+    def idle_connection(self) -> Connection | None:
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.open and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.abort()
+        return None
+
+    def put_back(self, conn: Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self.idle.append(conn)
+
+    def close_idle(self) -> None:
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            conn.abort()
