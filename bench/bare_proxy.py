@@ -20,11 +20,11 @@ import argparse
 import os
 import socket
 
+from gatewayd.adapters.client_tls import deferred_ca_loading
 from gatewayd.adapters.event_loop import event_loop_factory  # the floor on the gateway's loop
-from gatewayd.http.client_tls import deferred_ca_loading
 
 # aiohttp reads the system's CA bundle into two TLS contexts at import (~100 ms each here);
-# the gateway defers that (gatewayd/http/client_tls.py) and so does its floor: no TLS here
+# the gateway defers that (gatewayd/adapters/client_tls.py) and so does its floor: no TLS here
 with deferred_ca_loading():
     import aiohttp
     from aiohttp import web

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gatewayd.adapters import admin_socket
+from gatewayd.adapters import admin_socket, client_tls
 from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.engine_wire.client import EngineClient, learn_engine_slots
@@ -34,6 +34,7 @@ from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_sockets
 from gatewayd.adapters.records import RecordWriter
+from gatewayd.adapters.remote_upstreams import Remotes
 from gatewayd.adapters.systemd import Systemd
 from gatewayd.adapters.unit_control import (
     EngineUnitsBase,
@@ -50,7 +51,7 @@ from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
-from gatewayd.http import admin_api, client_tls, openai_api
+from gatewayd.http import admin_api, openai_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers, own_host_names
 from gatewayd.http.middleware import (
     SHUTDOWN,
@@ -60,7 +61,6 @@ from gatewayd.http.middleware import (
     error_middleware,
 )
 from gatewayd.http.proxy import NATIVE_RELAY
-from gatewayd.http.remotes import Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.liveness import Liveness
@@ -438,7 +438,7 @@ def _warn_if_open(config: GatewayConfig, sock: socket.socket | None) -> None:
 
 
 async def _load_ca_certificates() -> None:
-    """The CA certificates left out of the start-up (http/client_tls.py), now that the
+    """The CA certificates left out of the start-up (adapters/client_tls.py), now that the
     gateway serves."""
     try:
         await asyncio.to_thread(client_tls.load_deferred)

@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # socket-activated start); back on, the start's objects frozen, once the
             # gateway serves (app.settle_collector)
             gc.disable()
-            from gatewayd.http.client_tls import deferred_ca_loading
+            from gatewayd.adapters.client_tls import deferred_ca_loading
             with deferred_ca_loading():   # the first import of aiohttp
                 from gatewayd.app import serve
             serve(config)

@@ -399,7 +399,7 @@ FORWARDING = (
            tests=(UP + "test_a_remote_model_is_listed_routed_with_its_key_and_recorded",)),
     Mutant("upstream-concurrency-plus-one", "an upstream serves at most max_concurrency "
            "requests at once",
-           "gatewayd/http/remotes.py",
+           "gatewayd/adapters/remote_upstreams.py",
            "                    and remote.in_flight >= limit:",
            "                    and remote.in_flight > limit:",
            tests=(UP + "test_max_concurrency_tries_the_next_upstream_then_says_429",)),
@@ -416,7 +416,7 @@ FORWARDING = (
            tests=(UPSTREAM_RULES + "test_an_upstreams_credentials_never_show_in_words_about_it",)),
     Mutant("upstream-redirect-followed", "an upstream's redirect is not followed (the "
            "key would go along)",
-           "gatewayd/http/proxy.py",
+           "gatewayd/adapters/remote_client.py",
            "                    method, url, data=body or None, headers=headers, "
            "allow_redirects=False))",
            "                    method, url, data=body or None, headers=headers, "

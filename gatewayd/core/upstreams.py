@@ -6,7 +6,7 @@ discovered from its `GET /models` and refreshed with every health probe. The
 gateway stays the one endpoint its clients know: a remote model is asked for by
 name like a local one, through the same relay, into the same records.
 
-Which answers a name (service/remotes.py holds the live state):
+Which answers a name (adapters/remote_upstreams.py holds the live state):
 - a local model of that name is preferred; it goes remote only when it opted in
   (`spill_over = true`) and cannot take the request within its own wait (queue
   full, no memory, no slot, start failed) — then to an upstream serving one of

@@ -22,10 +22,13 @@ from aiohttp.helpers import parse_mimetype
 from aiohttp.streams import StreamReader
 from multidict import CIMultiDict
 
+from gatewayd.adapters.answer import Answer
 from gatewayd.adapters.engine_wire.client import EngineClient
 from gatewayd.adapters.engine_wire.errors import EngineConnectionError
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
+from gatewayd.adapters.remote_client import to_remote
+from gatewayd.adapters.remote_upstreams import Remote, Remotes
 from gatewayd.core.auth import ApiKey, check_model
 from gatewayd.core.budget import model_need_mib
 from gatewayd.core.catalog import Catalog, Model
@@ -55,15 +58,12 @@ from gatewayd.http.auth import request_key, request_route
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
     WHISPER_INFERENCE_PATH,
-    Answer,
     Outgoing,
     as_whisper_translation,
     relay,
     request_headers,
     to_engine,
-    to_remote,
 )
-from gatewayd.http.remotes import Remote, Remotes
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 

@@ -22,13 +22,13 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
+from gatewayd.adapters.answer import Answer
 from gatewayd.adapters.engine_wire.client import EngineClient, EngineResponse
 from gatewayd.adapters.engine_wire.errors import AnswerTooLarge as EngineAnswerTooLarge
 from gatewayd.adapters.engine_wire.errors import (
@@ -38,6 +38,7 @@ from gatewayd.adapters.engine_wire.errors import (
 )
 from gatewayd.adapters.engine_wire.native_relay import Forwarded, NativeRelay
 from gatewayd.adapters.records import CallRecord
+from gatewayd.adapters.remote_client import AnswerPastLimit
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import (
     AnswerTooLarge,
@@ -71,31 +72,6 @@ ANSWER_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 
 # the streams relay.c takes part of (app.py makes it; the admin API's metrics read it)
 NATIVE_RELAY = web.AppKey("native_relay", NativeRelay)
-
-
-
-class Answer(Protocol):
-    """An answer on its way back: an engine's (http/engine_client) or a remote upstream's
-    (aiohttp's ClientResponse, through _ClientAnswer)."""
-
-    @property
-    def status(self) -> int: ...
-
-    @property
-    def headers(self) -> Mapping[str, str]: ...
-
-    async def read(self, limit: int | None = None) -> bytes:
-        """The whole body; past limit bytes an error (engine_client's AnswerTooLarge, or
-        _AnswerPastLimit), the connection closed."""
-        ...
-
-    async def read_some(self) -> bytes:
-        """The next piece of the body as it arrives; b"" at its end."""
-        ...
-
-    def release(self) -> None: ...
-
-    def close(self) -> None: ...
 
 
 # what sending a request or reading its answer raises when the other side is not there,
@@ -153,63 +129,6 @@ def to_engine(client: EngineClient, socket: str, method: str, target: str,
 BUSY_RETRY_S = 5   # Retry-After of an engine_busy answer
 
 
-def to_remote(session: aiohttp.ClientSession, method: str, url: str,
-              headers: Mapping[str, str], body: bytes) -> Callable[[], Awaitable[Answer]]:
-    """Outgoing.send for a remote upstream, through its aiohttp session."""
-    async def send() -> Answer:
-        for attempt in (1, 2):
-            try:
-                return _ClientAnswer(await session.request(
-                    method, url, data=body or None, headers=headers, allow_redirects=False))
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
-                # a pooled keep-alive connection the upstream had just closed: once more,
-                # on a new connection (a refused connect is not asked twice)
-                if attempt == 2 or isinstance(e, aiohttp.ClientConnectorError):
-                    raise
-        raise AssertionError("unreachable")
-    return send
-
-
-class _ClientAnswer:
-    """aiohttp's ClientResponse as an Answer."""
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-        self.status = response.status
-        self.headers: Mapping[str, str] = response.headers
-
-    async def read(self, limit: int | None = None) -> bytes:
-        response = self._response
-        if limit is None:
-            return await response.read()
-        if (response.content_length or 0) > limit:   # said at once: nothing read
-            response.close()
-            raise _AnswerPastLimit(limit)
-        parts: list[bytes] = []
-        size = 0
-        while data := await response.content.readany():
-            size += len(data)
-            if size > limit:
-                response.close()
-                raise _AnswerPastLimit(limit)
-            parts.append(data)
-        return b"".join(parts)
-
-    async def read_some(self) -> bytes:
-        return await self._response.content.readany()
-
-    def release(self) -> None:
-        self._response.release()
-
-    def close(self) -> None:
-        self._response.close()
-
-
-class _AnswerPastLimit(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the answer is over {limit} bytes")
-
-
 def request_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """What of a client's request headers an engine or upstream is sent."""
     out: CIMultiDict[str] = CIMultiDict()
@@ -244,7 +163,7 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
             return await _relay_stream(request, upstream, out, record, t0)
         try:
             data = await upstream.read(out.max_answer_bytes)
-        except (_AnswerPastLimit, EngineAnswerTooLarge) as e:
+        except (AnswerPastLimit, EngineAnswerTooLarge) as e:
             who = "the engine" if out.upstream is None else f"upstream {out.upstream!r}"
             raise AnswerTooLarge(f"{who} answered with more than {out.max_answer_bytes} "
                                  "bytes (max_answer_mb): refused") from e

@@ -1,4 +1,4 @@
-"""aiohttp imported with its CA certificates deferred (http/client_tls.py), in a fresh
+"""aiohttp imported with its CA certificates deferred (adapters/client_tls.py), in a fresh
 interpreter as `llm-gateway serve` does: the default context is made empty, gets the
 system's certificates from load_deferred(), and nothing else is touched."""
 
@@ -10,7 +10,7 @@ import sys
 
 PROBE = """
 import json, ssl
-from gatewayd.http.client_tls import deferred_ca_loading, load_deferred
+from gatewayd.adapters.client_tls import deferred_ca_loading, load_deferred
 real = ssl.create_default_context
 with deferred_ca_loading():
     import aiohttp.connector as connector
