@@ -27,6 +27,7 @@ from gatewayd.adapters.event_loop import event_loop_factory
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
+from gatewayd.adapters.host_names import own_host_names
 from gatewayd.adapters.journal import Journalctl
 from gatewayd.adapters.kv_cache import SlotCache
 from gatewayd.adapters.learned_memory import LearnedMemory
@@ -52,7 +53,7 @@ from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, openai_api
-from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers, own_host_names
+from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
 from gatewayd.http.middleware import (
     SHUTDOWN,
     ClientBytesRefused,

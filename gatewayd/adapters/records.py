@@ -292,7 +292,7 @@ class RecordWriter:
 def query(path: Path, *, model: str | None = None, since: float | None = None,
           until: float | None = None, status: int | None = None, outcome: str | None = None,
           endpoint: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-    """Newest first. Blocking: call via asyncio.to_thread on the loop."""
+    """Newest first. Blocking: on the loop, search() runs it in a thread."""
     where, args = [], []
     for column, op, value in (("model", "=", model), ("ts", ">=", since), ("ts", "<", until),
                               ("status", "=", status), ("outcome", "=", outcome),
@@ -311,3 +311,8 @@ def query(path: Path, *, model: str | None = None, since: float | None = None,
         return [dict(row) for row in db.execute(sql, args)]
     finally:
         db.close()
+
+
+async def search(path: Path, **filters: Any) -> list[dict[str, Any]]:
+    """query(), in a thread: a read of the database never holds up the event loop."""
+    return await asyncio.to_thread(query, path, **filters)

@@ -12,6 +12,16 @@ import aiohttp
 
 from gatewayd.adapters.answer import Answer
 
+# what sending to an upstream or reading its answer raises when it is not there, breaks
+# off or speaks nonsense (beside TimeoutError and OSError)
+REMOTE_ERRORS = (aiohttp.ClientError,)
+
+
+def never_connected(error: BaseException | None) -> bool:
+    """The upstream could not be connected to at all (refused, no route, connect timeout):
+    the upstream is down, not just this request failed."""
+    return isinstance(error, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+
 
 def to_remote(session: aiohttp.ClientSession, method: str, url: str,
               headers: Mapping[str, str], body: bytes) -> Callable[[], Awaitable[Answer]]:

@@ -161,8 +161,8 @@ async def call_records(request: web.Request) -> web.Response:
                              "numbers") from None
     if not 0 < limit <= 10_000:
         raise InvalidRequest("limit must be 1..10000", param="limit")
-    rows = await asyncio.to_thread(
-        records.query, mgr.config.records_file, model=q.get("model"), since=since,
+    rows = await records.search(
+        mgr.config.records_file, model=q.get("model"), since=since,
         until=until, status=status, outcome=q.get("outcome"), endpoint=q.get("endpoint"),
         limit=limit)
     return web.json_response({"records": rows})

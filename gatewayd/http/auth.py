@@ -26,7 +26,6 @@ replaced by a configuration reload.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gatewayd.adapters.admin_socket import may_administer, peer_of
+from gatewayd.adapters.host_names import own_host_names
 from gatewayd.core.auth import ADMIN, INFERENCE, ApiKey, KeyRing, presented_key
 from gatewayd.core.errors import (
     AdminNotAllowed,
@@ -66,13 +66,6 @@ CORS_MAX_AGE_S = 600
 MAX_FIELD_BYTES = 8190
 MAX_HEAD_BYTES = 32 * 1024
 PARSER_LIMITS: dict[str, Any] = {"max_line_size": 65536, "max_field_size": 65536}
-
-
-def own_host_names() -> frozenset[str]:
-    """This machine's host name, short and as the resolver knows it (no lookup: that
-    could block the start)."""
-    name = socket.gethostname().lower()
-    return frozenset({name, name.split(".", 1)[0]})
 
 
 @dataclass

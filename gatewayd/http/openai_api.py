@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import MultipartReader, web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import parse_mimetype
@@ -27,7 +26,7 @@ from gatewayd.adapters.engine_wire.client import EngineClient
 from gatewayd.adapters.engine_wire.errors import EngineConnectionError
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
-from gatewayd.adapters.remote_client import to_remote
+from gatewayd.adapters.remote_client import never_connected, to_remote
 from gatewayd.adapters.remote_upstreams import Remote, Remotes
 from gatewayd.core.auth import ApiKey, check_model
 from gatewayd.core.budget import model_need_mib
@@ -358,8 +357,7 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
         try:
             return await relay(request, out, call.record, call.t0)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
-            if isinstance(e.__cause__, (aiohttp.ClientConnectorError,
-                                        aiohttp.ConnectionTimeoutError)):
+            if never_connected(e.__cause__):
                 front.remotes.connect_failed(remote, remote.config.redact(str(e.__cause__)))
             raise
     finally:

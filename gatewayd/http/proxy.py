@@ -38,7 +38,7 @@ from gatewayd.adapters.engine_wire.errors import (
 )
 from gatewayd.adapters.engine_wire.native_relay import Forwarded, NativeRelay
 from gatewayd.adapters.records import CallRecord
-from gatewayd.adapters.remote_client import AnswerPastLimit
+from gatewayd.adapters.remote_client import REMOTE_ERRORS, AnswerPastLimit
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import (
     AnswerTooLarge,
@@ -76,7 +76,7 @@ NATIVE_RELAY = web.AppKey("native_relay", NativeRelay)
 
 # what sending a request or reading its answer raises when the other side is not there,
 # breaks off or is silent for too long
-TRANSPORT_ERRORS = (TimeoutError, EngineConnectionError, aiohttp.ClientError, OSError)
+TRANSPORT_ERRORS = (TimeoutError, EngineConnectionError, *REMOTE_ERRORS, OSError)
 
 
 @dataclass
@@ -228,9 +228,9 @@ async def _relay_stream(request: web.Request, upstream: Answer,
             if tail:
                 await _write(request, response, tail, record, out.stall_timeout_s, sent)
             if not sse.ended:
-                raise aiohttp.ClientPayloadError("the stream ended without its final event")
+                raise StreamCut("the stream ended without its final event")
             delivered = True
-        except (*TRANSPORT_ERRORS, EventTooLarge) as e:
+        except (*TRANSPORT_ERRORS, StreamCut, EventTooLarge) as e:
             # The engine died mid-stream, or went past a bound. The status is sent: end
             # with an error event.
             if isinstance(e, EventTooLarge):
@@ -271,6 +271,10 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     finally:
         _stream_usage(record, sse)
     return response
+
+
+class StreamCut(Exception):
+    """A stream's answer ended (whole as HTTP) without the final event of its format."""
 
 
 class _ClientGone(Exception):
