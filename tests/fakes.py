@@ -21,7 +21,15 @@ from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
-from gatewayd.core.ports import EngineUnitInfo, UnitWatcher
+from gatewayd.core.ports import (
+    DesiredList,
+    EngineUnitInfo,
+    GpuProbe,
+    JournalReader,
+    MemoryBook,
+    SlotStore,
+    UnitWatcher,
+)
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from tests.virtual_time import VirtualTimeLoop
@@ -272,12 +280,15 @@ class FakeJournal:
         return [f"{unit}: error loading model", "last line"]
 
 
-def engine_manager_on_fakes(tmp_path: Path, *, gpu: Any = None, max_engines: int = 4,
-         load_timeout_s: float = 5.0, run_root: str = "/run",
+def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
+         max_engines: int = 4, load_timeout_s: float = 5.0, run_root: str = "/run",
          models_config: dict[str, dict[str, Any]] | None = None,
+         desired: DesiredList | None = None, journal: JournalReader | None = None,
+         slots: SlotStore | None = None, learned: MemoryBook | None = None,
          **config: Any) -> tuple[EngineManager, FakeUnits, FakeHealth]:
     """On virtual time (on_virtual_time) its clock is the loop's and its desired list is
-    kept in memory (the real list's writer thread is an event virtual time cannot see)."""
+    kept in memory (the real list's writer thread is an event virtual time cannot see).
+    A test that looks at a collaborator (the desired list, the journal...) passes its own."""
     models = []
     for name in MODELS:
         path = tmp_path / f"{name}.gguf"
@@ -291,11 +302,12 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: Any = None, max_engines: int
     units, health = FakeUnits(run_root), FakeHealth()
     loop = asyncio.get_running_loop()
     virtual = isinstance(loop, VirtualTimeLoop)
+    if desired is None:
+        desired = MemoryDesired() if virtual else DesiredEngines(settings.state_dir)
     mgr = EngineManager(catalog=Catalog(models, {}), config=settings, units=units,
-                        health=health, gpu=gpu or NoGpu("test"), journal=FakeJournal(),
-                        desired=MemoryDesired() if virtual
-                        else DesiredEngines(settings.state_dir),
-                        clock=loop.time if virtual else time.monotonic)
+                        health=health, gpu=gpu or NoGpu("test"),
+                        journal=journal or FakeJournal(), desired=desired, slots=slots,
+                        learned=learned, clock=loop.time if virtual else time.monotonic)
     return mgr, units, health
 
 
@@ -313,19 +325,21 @@ def on_virtual_time(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[
     return run
 
 
-def dispatcher_for(mgr: EngineManager) -> Dispatcher:
-    """A dispatcher over mgr, given what it uses as the gateway's app.py does."""
-    return Dispatcher(mgr, catalog=mgr.catalog, gpu=mgr.gpu, config=mgr.config)
+def dispatcher_for(mgr: EngineManager, gpu: GpuProbe | None = None) -> Dispatcher:
+    """A dispatcher over mgr, given what it uses as the gateway's app.py does; gpu: the
+    one mgr was built on (engine_manager_on_fakes's default when None)."""
+    return Dispatcher(mgr, catalog=mgr.catalog, gpu=gpu or NoGpu("test"), config=mgr.config)
 
 
-def engine_layer_on(mgr: EngineManager) -> Callable[[web.Application], AsyncIterator[None]]:
+def engine_layer_on(mgr: EngineManager, gpu: GpuProbe | None = None
+                    ) -> Callable[[web.Application], AsyncIterator[None]]:
     """build_app's engines_ctx for an EngineManager on fakes: it and its dispatcher."""
     from gatewayd.app import DISPATCHER
     from gatewayd.http import admin_api
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         app[admin_api.ENGINES] = mgr
-        app[DISPATCHER] = dispatcher_for(mgr)
+        app[DISPATCHER] = dispatcher_for(mgr, gpu)
         yield
         await app[DISPATCHER].close()
         await mgr.close()

@@ -108,10 +108,11 @@ RETENTION = "tests/unit/test_records_retention.py::"
 # -- the scheduler, the loader and the engines' lifecycle --------------------------------
 SCHEDULING = (
     Mutant("no-lifecycle-lock", "a start and a stop of one model never overlap",
-           "gatewayd/service/engine_manager.py",
-           "            async with self._locks.setdefault(model_id, asyncio.Lock()):\n"
-           "                self._bump(model_id)\n                yield",
-           "            if True:\n                self._bump(model_id)\n                yield"),
+           "gatewayd/service/engine_lifecycle.py",
+           "            async with self._lock(model_id):\n"
+           "                self._registry.bump(model_id)\n                yield",
+           "            if True:\n"
+           "                self._registry.bump(model_id)\n                yield"),
     Mutant("await-before-stop", "choosing a victim and stopping it are atomic",
            "gatewayd/service/loader.py",
            "        log.info(\"evicting %s (%s)\", victim, reason)\n",
@@ -128,7 +129,7 @@ SCHEDULING = (
            "                new = replace(new, exit_unconfirmed=True)",
            "                pass"),
     Mutant("already-active-fails", "a unit systemd already runs is adopted, not failed",
-           "gatewayd/service/engine_manager.py",
+           "gatewayd/service/engine_lifecycle.py",
            "            except UnitAlreadyActive:\n",
            "            except UnitAlreadyActive if False else ():\n"),
     Mutant("no-reconciler", "the reconciler brings the views together again",
@@ -137,7 +138,7 @@ SCHEDULING = (
            "        self._task = None"),
     Mutant("vanished-load-waits", "whoever waits for an engine hears that it stopped "
            "outside the gateway",
-           "gatewayd/service/engine_manager.py",
+           "gatewayd/service/engine_lifecycle.py",
            "        elif new.state is EngineState.STOPPED:",
            "        elif False:"),
     Mutant("deactivating-listed-as-gone", "a unit found deactivating still holds its slot",
@@ -146,7 +147,7 @@ SCHEDULING = (
            '    if False:\n'),
     Mutant("admit-ignores-loads", "an operator's start counts loads in progress against "
            "free memory",
-           "gatewayd/service/engine_manager.py",
+           "gatewayd/service/engine_capacity.py",
            "                pending_mib=budget.still_to_load_mib(engine.state, True, need, held),",
            "                pending_mib=0,"),
     Mutant("try-anyway-at-once", "'try anyway' waits while a stopped engine's memory may "
@@ -662,7 +663,7 @@ RESTARTS = (
            tests=(STATES + "test_systemd_252s_failed_on_the_way_to_auto_restart_is_a_restart"
                   "_it_confirms",)),
     Mutant("restart-fails-waiters", "whoever waits for a restarting engine waits on",
-           "gatewayd/service/engine_manager.py",
+           "gatewayd/service/engine_registry.py",
            "        if engine.state is EngineState.FAILED:\n            raise self.failed_error",
            "        if engine.state in (EngineState.FAILED, EngineState.RESTARTING):\n"
            "            raise self.failed_error",
@@ -670,15 +671,16 @@ RESTARTS = (
                   "restarted_engine",)),
     Mutant("restart-fails-the-queued", "requests queued for an engine that crashed wait "
            "for systemd's restart of it",
-           "gatewayd/service/engine_manager.py",
+           "gatewayd/service/engine_lifecycle.py",
            "        elif new.state is EngineState.RESTARTING:   # its waiters wait on\n",
            "        elif new.state is EngineState.RESTARTING:   # its waiters wait on\n"
-           "            self._fail_waiters(new.model_id, self.failed_error(new.model_id))\n",
+           "            self._registry.fail_waiters(\n"
+           "                new.model_id, self._registry.failed_error(new.model_id))\n",
            tests=("tests/unit/test_dispatcher_model.py::test_requests_queued_for_an_engine_"
                   "that_crashes_wait_for_its_restart",)),
     Mutant("restart-start-job-fails", "a start job that failed because systemd restarts "
            "its process is that restart, not a failed start",
-           "gatewayd/service/engine_manager.py",
+           "gatewayd/service/engine_lifecycle.py",
            "                if isinstance(e, GatewayError) and current is not None and "
            "current.restarting:",
            "                if False:",
@@ -686,9 +688,9 @@ RESTARTS = (
                   "_is_a_wait",)),
     Mutant("kill-failure-keeps-waiting", "a kill that finds no unit leaves no one waiting "
            "for a restart",
-           "gatewayd/service/engine_manager.py",
-           "                self._reconcile(model_id, await self._info_quietly(engine.unit))",
-           "                await self._info_quietly(engine.unit)",
+           "gatewayd/service/engine_lifecycle.py",
+           "                self._registry.reconcile(model_id, await self.info(engine.unit))",
+           "                await self.info(engine.unit)",
            tests=(RESTART + "test_a_kill_that_finds_no_unit_leaves_no_one_waiting_for_a_"
                   "restart",)),
     Mutant("shut-socket-fails-at-once", "a request that met a just-dead engine's shut "
@@ -712,7 +714,7 @@ RESTARTS = (
            tests=(RESTART + "test_a_restart_is_counted_as_a_restart_not_a_failed_start",)),
     Mutant("log-tail-read-once", "a failure's log tail is read again after journald "
            "caught up",
-           "gatewayd/service/engine_manager.py",
+           "gatewayd/service/failure_logs.py",
            "        for at in (0.0,) * now + LOG_REREAD_S:",
            "        for at in (0.0,) * now:",
            tests=("tests/unit/test_engine_manager.py::test_the_failure_gets_the_journal_lines_"

@@ -73,17 +73,8 @@ async def status_page(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
-    engines = mgr.engines()
     return web.json_response({
-        "unit_mode": mgr.units.mode,
-        "systemd_manager": mgr.units.manager,
-        "gpu": mgr.gpu.description,
-        "max_engines": mgr.config.max_engines,
-        "engines": {state: sum(1 for e in engines if e.state.value == state)
-                    for state in sorted({e.state.value for e in engines})},
-        "models": len(mgr.catalog),
-        "desired": mgr.desired.ids,
-        "parked": mgr.units.parked(),
+        **mgr.describe(),
         **_gpu_memory(request),
         "config": str(mgr.config.source) if mgr.config.source else None,
         "records_dropped": front.records.dropped
@@ -176,13 +167,13 @@ async def metrics(request: web.Request) -> web.Response:
     if front.metrics is None:
         raise web.HTTPNotFound()
     uses = _uses(request)
-    snapshot = Snapshot(max_engines=mgr.config.max_engines, parked=len(mgr.units.parked()),
+    kv_counts = mgr.kv_cache_counts()
+    snapshot = Snapshot(max_engines=mgr.config.max_engines, parked=len(mgr.parked()),
                         records_dropped=front.records.dropped if front.records else 0,
-                        kv_cache=mgr.slots.counts if mgr.slots is not None else {},
+                        kv_cache=kv_counts,
                         upstreams=[(r.name, r.up, r.in_flight) for r in front.remotes.remotes()])
     if (native := request.app.get(NATIVE_RELAY)) is not None:
         snapshot.native_relay_streams, snapshot.native_relay_active = native.streams, native.active
-    kv_counts = mgr.slots.counts if mgr.slots is not None else {}
     pruned = front.records.pruned if front.records else {}
     snapshot.bounded = {"engine_framing": front.engine_client.refused["framing"],
                         "records_max_age_days": pruned.get("age", 0),
@@ -199,7 +190,7 @@ async def metrics(request: web.Request) -> web.Response:
             memory_bytes=info.memory_bytes if info else None,
             cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None))
     with contextlib.suppress(GpuUnavailable):   # a lost GPU: no figures (status says why)
-        for device in mgr.gpu.devices() or ():
+        for device in mgr.gpu_devices() or ():
             snapshot.gpus.append((device.uuid, (device.total_mib - device.free_mib) * MIB,
                                   device.total_mib * MIB))
     own = None
@@ -238,7 +229,7 @@ def _gpu_memory(request: web.Request) -> dict[str, Any]:
     NVML fails)."""
     mgr = request.app[ENGINES]
     try:
-        devices = mgr.gpu.devices()
+        devices = mgr.gpu_devices()
     except GpuUnavailable as e:
         return {"gpu_memory_mib": None, "gpu_devices": None, "gpu_error": e.message}
     if devices is None:

@@ -33,7 +33,7 @@ RECONCILE_PERIOD_S = 5.0
 async def adopt(engines: EngineManager) -> list[Engine]:
     """Take over the engine units that are already running, without restarting them."""
     adopted = []
-    for info in await engines.units.list_engines():
+    for info in await engines.list_units():
         if info.model_id is None or info.socket is None:
             log.warning("ignoring %s: not started by llm-gateway (no model id in its "
                         "environment)", info.unit)
@@ -55,7 +55,7 @@ async def adopt(engines: EngineManager) -> list[Engine]:
 
 async def restore(engines: EngineManager) -> None:
     """Start the desired engines, then the preload ones, one at a time, in order."""
-    desired = engines.desired.ids
+    desired = engines.desired()
     preload = [m.id for m in engines.catalog if m.config.preload]
     for model_id in [*desired, *(p for p in preload if p not in desired)]:
         current = engines.get(model_id)
@@ -112,7 +112,7 @@ class Reconciler:
         """One pass; returns what it changed (for the log and the tests)."""
         mgr = self._engines
         before = mgr.versions()
-        listed = {i.model_id: i for i in await mgr.units.list_engines()
+        listed = {i.model_id: i for i in await mgr.list_units()
                   if i.model_id is not None and i.socket is not None}
         changes: list[str] = []
         for model_id in sorted({*listed, *(e.model_id for e in mgr.engines())}):

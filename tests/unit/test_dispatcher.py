@@ -68,7 +68,7 @@ def dispatcher_on_fakes(tmp_path: Path, **kw: Any) -> tuple[Dispatcher, FakeUnit
     mgr, units, health = engine_manager_on_fakes(tmp_path, **kw)
     if isinstance(kw.get("gpu"), LedgerGpu | PlacedGpus):
         kw["gpu"].mgr = mgr
-    return dispatcher_for(mgr), units, health
+    return dispatcher_for(mgr, kw.get("gpu")), units, health
 
 
 async def use(d: Dispatcher, model: str) -> None:

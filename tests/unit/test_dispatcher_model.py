@@ -121,7 +121,7 @@ class DispatcherMachine(RuleBasedStateMachine):
                 health=FakeSystemdHealth(self.systemd), gpu=gpu,
                 journal=FakeJournal(), desired=MemoryDesired(),
                 clock=self.loop.time)
-            self.dispatcher = Dispatcher(self.mgr, catalog=catalog, gpu=self.mgr.gpu,
+            self.dispatcher = Dispatcher(self.mgr, catalog=catalog, gpu=gpu,
                                          config=config, clock=self.loop.time)
             self.reconciler = Reconciler(self.mgr, on_over_limit=self.dispatcher.enforce_limit,
                                          period_s=2.0)

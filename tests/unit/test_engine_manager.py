@@ -23,18 +23,19 @@ from gatewayd.core.errors import (
     InsufficientGpu,
 )
 from gatewayd.core.ports import EngineUnitInfo
-from gatewayd.service import engine_manager
+from gatewayd.service import failure_logs, park_queue
 from gatewayd.service.restore import adopt, restore
 from tests.fakes import engine_manager_on_fakes, on_virtual_time
 
 
 async def test_start_waits_until_ready(tmp_path: Path) -> None:
-    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+    desired = DesiredEngines(tmp_path / "state")
+    mgr, units, _ = engine_manager_on_fakes(tmp_path, desired=desired)
     engine = await mgr.start("a")
     assert engine.state is EngineState.READY and engine.main_pid == 101
     assert units.log == ["start a"]
-    assert mgr.desired.ids == ["a"]
-    await mgr.desired.flush()
+    assert desired.ids == ["a"]
+    await desired.flush()
     assert DesiredEngines(tmp_path / "state").ids == ["a"]  # persisted
 
 
@@ -81,7 +82,8 @@ async def test_a_start_is_a_transaction_whatever_the_adapter_raises(
         tmp_path: Path, error: BaseException) -> None:
     """Failed with the reason, waiters told, not on the list restored after a reboot; and
     the next start is tried (after the backoff), not waited on forever."""
-    mgr, units, _ = engine_manager_on_fakes(tmp_path)
+    desired = DesiredEngines(tmp_path / "state")
+    mgr, units, _ = engine_manager_on_fakes(tmp_path, desired=desired)
     units.fail_start = error
     waiter = None
 
@@ -98,7 +100,7 @@ async def test_a_start_is_a_transaction_whatever_the_adapter_raises(
     assert waiter is not None
     with pytest.raises(EngineFailed):
         await asyncio.wait_for(waiter, 1)
-    await mgr.desired.flush()
+    await desired.flush()
     assert DesiredEngines(tmp_path / "state").ids == []
     assert mgr.backoff_left("a") > 0
     units.fail_start = None
@@ -117,7 +119,7 @@ async def test_crash_while_loading_fails_every_waiter(tmp_path: Path) -> None:
     health.all_ready = False
     await mgr.start("a", wait=False)
     waiters = [asyncio.ensure_future(mgr.wait_ready("a")) for _ in range(3)]
-    while len(mgr._waiters.get("a", [])) < 3:       # all three are waiting
+    while len(mgr._registry._waiters.get("a", [])) < 3:       # all three are waiting
         await asyncio.sleep(0.005)
     unit = units.layout("a").unit
     units.emit(unit, ExecMainCode=1, ExecMainStatus=3, Result="exit-code")
@@ -135,14 +137,13 @@ async def test_the_failure_gets_the_journal_lines_written_after_the_exit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """journald writes a dead engine's last stderr lines after systemd reports its exit:
     the first read misses them; the failure ends up with them all the same."""
-    monkeypatch.setattr(engine_manager, "LOG_REREAD_S", (0.01, 0.02))
-    mgr, units, health = engine_manager_on_fakes(tmp_path)
+    monkeypatch.setattr(failure_logs, "LOG_REREAD_S", (0.01, 0.02))
     written = ["llama-server starting"]
 
     class LaggingJournal:
         async def tail(self, unit: str, lines: int) -> list[str]:
             return list(written)
-    mgr._journal = LaggingJournal()
+    mgr, units, health = engine_manager_on_fakes(tmp_path, journal=LaggingJournal())
     health.all_ready = False
     await mgr.start("a", wait=False)
     unit = units.layout("a").unit
@@ -180,11 +181,12 @@ async def test_kill_and_systemd_restart_go_restarting_then_ready(tmp_path: Path)
 
 
 async def test_stop(tmp_path: Path) -> None:
-    mgr, _, _ = engine_manager_on_fakes(tmp_path)
+    desired = DesiredEngines(tmp_path / "state")
+    mgr, _, _ = engine_manager_on_fakes(tmp_path, desired=desired)
     await mgr.start("a")
     stopped = await mgr.stop("a")
     assert stopped.state is EngineState.STOPPED and mgr.get("a") is None
-    await mgr.desired.flush()
+    await desired.flush()
     assert DesiredEngines(tmp_path / "state").ids == []
     with pytest.raises(EngineNotRunning):
         await mgr.stop("a")
@@ -218,9 +220,10 @@ async def test_adopt_running_units_without_restarting(tmp_path: Path) -> None:
 
 
 async def test_restore_starts_one_at_a_time_in_order(tmp_path: Path) -> None:
-    mgr, units, health = engine_manager_on_fakes(tmp_path)
+    desired = DesiredEngines(tmp_path / "state")
     for name in ("c", "a", "gone"):
-        mgr.desired.add(name)
+        desired.add(name)
+    mgr, units, health = engine_manager_on_fakes(tmp_path, desired=desired)
     health.all_ready = False
     order: list[str] = []
     mgr.subscribe(lambda old, new: order.append(f"{new.model_id} {new.state.value}")
@@ -263,8 +266,8 @@ class MeasuringGpu(FakeGpu):
 async def test_gpu_memory_is_learned_from_the_engine_and_replaces_the_estimate(
         tmp_path: Path) -> None:
     gpu = MeasuringGpu(8000, 4000)
-    mgr, _, _ = engine_manager_on_fakes(tmp_path, gpu=gpu)
-    mgr.learned = LearnedMemory(tmp_path / "state")
+    mgr, _, _ = engine_manager_on_fakes(tmp_path, gpu=gpu,
+                                        learned=LearnedMemory(tmp_path / "state"))
     model = mgr.catalog.get("a")
     assert model is not None
     assert mgr.need_mib(model) == 103 and mgr.measured_mib(model) is None   # 3 + 100 margin
@@ -309,7 +312,7 @@ async def test_parking_waits_until_no_engine_is_starting(tmp_path: Path) -> None
     loading = asyncio.ensure_future(mgr.start("b"))
     await _wait(lambda: (e := mgr.get("b")) is not None and e.state is EngineState.LOADING)
     await mgr.stop("a")
-    await asyncio.sleep(4 * engine_manager.PARK_QUIET_POLL_S)   # (virtual) the parker's looks
+    await asyncio.sleep(4 * park_queue.PARK_QUIET_POLL_S)   # (virtual) the parker's looks
     assert units.parks == []
     assert (e := mgr.get("b")) is not None and e.state is EngineState.LOADING   # still
     health.all_ready = True
@@ -330,7 +333,7 @@ async def test_a_model_started_again_before_its_park_is_not_parked(tmp_path: Pat
     await _wait(lambda: (e := mgr.get("b")) is not None and e.state is EngineState.LOADING)
     health.all_ready = True
     await asyncio.gather(loading, again)
-    await asyncio.sleep(4 * engine_manager.PARK_QUIET_POLL_S)   # (virtual) the parker's looks
+    await asyncio.sleep(4 * park_queue.PARK_QUIET_POLL_S)   # (virtual) the parker's looks
     assert units.parks == [] and units.refused == []   # not parked, not even tried
     assert units.log.count("start b") == 2
     await mgr.close()

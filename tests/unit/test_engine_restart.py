@@ -171,5 +171,5 @@ async def test_a_start_job_that_fails_because_systemd_restarts_its_process_is_a_
     await restart(units, "a", pid=4242)
     engine = await starting
     assert engine.state is EngineState.READY and engine.main_pid == 4242
-    assert mgr.desired.ids == ["a"]                   # a start that happened: wanted
+    assert mgr.desired() == ["a"]                     # a start that happened: wanted
     await mgr.close()

@@ -84,8 +84,8 @@ async def test_the_kv_caches_of_models_no_longer_configured_are_deleted(
     from gatewayd.service.reload import Reloader
     from tests.fakes import dispatcher_for, engine_manager_on_fakes
 
-    mgr, units, _ = engine_manager_on_fakes(tmp_path)
-    mgr.slots = cache = SlotCache(tmp_path / "kv-cache", 1 << 30)
+    cache = SlotCache(tmp_path / "kv-cache", 1 << 30)
+    mgr, units, _ = engine_manager_on_fakes(tmp_path, slots=cache)
     for model_id in ("a", "b", "c", "gone"):
         where = cache.prepare(units.layout(model_id).instance, "stamp")
         (where / "slot-0.bin").write_bytes(b"kv")
