@@ -99,9 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_command(args, gateway_address(args))
         config = load_config(args.config, required=args.config is not None)
         if args.command == "serve":
-            # off for the start: it ran ~100 times over the imports' objects (~25 ms of a
-            # socket-activated start); back on, the start's objects frozen, once the
-            # gateway serves (app.settle_collector)
+            # off for the start: it ran again and again over the imports' objects, on the
+            # socket-activated start's path (docs/benchmarks.md, "Figures behind choices
+            # in the code"); back on, the start's objects frozen, once the gateway serves
+            # (app.settle_collector)
             gc.disable()
             from gatewayd.adapters.client_tls import deferred_ca_loading
             with deferred_ca_loading():   # the first import of aiohttp

@@ -6,9 +6,9 @@
  * bound) and its static constructors have run; the wrapper then blocks on the unit's
  * FIFO. The gateway's wake writes one line (the CUDA_VISIBLE_DEVICES placement chose, or
  * "-": keep the unit's own) and the program's main() starts at once. What a shell in
- * front of the engine paid after the wake (exec, the dynamic linker, the constructors:
- * ~3 ms for a CPU llama-server, far more for a CUDA build's libraries) is paid while
- * parked.
+ * front of the engine paid after the wake (exec, the dynamic linker, the constructors,
+ * far more for a CUDA build's libraries than for a CPU llama-server) is paid while
+ * parked (docs/benchmarks.md, "Figures behind choices in the code").
  *
  * Only the engine waits: the unit's environment reaches its other commands too (the
  * ExecStartPre that clears a stale socket), so the wait is for the program whose argv[0]

@@ -2,14 +2,15 @@
 
 aiohttp builds two TLS contexts when it is imported, and each reads the system's
 CA bundle (the verified one through create_default_context, the unverified one
-through set_default_verify_paths): ~100 ms each on a 2-core machine, on the
-socket-activation path (the first request waits for them), in a gateway whose
-engines all speak over unix sockets. `deferred_ca_loading()` wraps the gateway's
-first import of aiohttp so that both are made without reading the bundle, and
-`load_deferred()` (run in a thread once the gateway serves) does that reading
-into those same contexts. Until then a TLS connection through aiohttp's default
-contexts cannot verify a certificate: it fails closed, never open. Contexts made
-outside the wrapped import, or with their own CA files, are made as usual.
+through set_default_verify_paths): on a small machine a large part of a
+socket-activated start (docs/benchmarks.md, "Figures behind choices in the
+code"), which the first request waits for, in a gateway whose engines all speak
+over unix sockets. `deferred_ca_loading()` wraps the gateway's first import of
+aiohttp so that both are made without reading the bundle, and `load_deferred()`
+(run in a thread once the gateway serves) does that reading into those same
+contexts. Until then a TLS connection through aiohttp's default contexts cannot
+verify a certificate: it fails closed, never open. Contexts made outside the
+wrapped import, or with their own CA files, are made as usual.
 """
 
 from __future__ import annotations

@@ -3,12 +3,13 @@
 Written atomically (temporary file, fsync, rename) after every change, read at
 start-up to restore engines after a reboot, in the order they were started.
 
-The list changes at once in memory; the file is written by one writer in a thread,
-the newest list each time, never two writes at once. An fsync takes 1-6 ms here, and
-it came at every start and stop, on the event loop, beside a loading engine (every
-other client's stream waited those ms). `flush()` waits for the file to hold the
-list (the gateway's stop awaits it: nothing is lost); a failed write is logged, and
-the next change writes the whole list again.
+The list changes at once in memory; the file is written by one writer in a thread, the
+newest list each time, never two writes at once. An fsync takes milliseconds
+(docs/benchmarks.md, "Figures behind choices in the code"), and it came at every start
+and stop, on the event loop, beside a loading engine (every other client's stream
+waited for it). `flush()` waits for the file to hold the list (the gateway's stop
+awaits it: nothing is lost); a failed write is logged, and the next change writes the
+whole list again.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop where it is installed (a dependency on Linux): its transports and callbacks
-    in C take ~35 µs of CPU off each proxied request and ~15 µs off each streamed event
-    (bench/hotpath.py). LLM_GATEWAY_EVENT_LOOP=asyncio chooses the standard loop."""
+    in C take a good share of the CPU off each proxied request and each streamed event
+    (bench/hotpath.py; docs/benchmarks.md, "Figures behind choices in the code").
+    LLM_GATEWAY_EVENT_LOOP=asyncio chooses the standard loop."""
     if os.environ.get("LLM_GATEWAY_EVENT_LOOP", "uvloop") == "asyncio":
         return None
     try:

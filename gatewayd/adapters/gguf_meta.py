@@ -9,8 +9,9 @@ MAX_HEADER_BYTES bytes, and gives up on a file claiming more than MAX_N_KV
 keys. A parse error returns what was read so far, with the error.
 
 The constants (magic, value types, file types) are gguf's: importing the
-gguf package pulls in numpy and was measured to cost the gateway +75 ms of
-start-up and +14.5 MB of idle RSS (40 MB without it), for three small tables.
+gguf package pulls in numpy, which costs the gateway's start-up time and idle
+memory out of all proportion to three small tables (docs/benchmarks.md,
+"Figures behind choices in the code").
 So the tables are mirrored here, and tests/unit/test_gguf_meta.py checks them
 against the installed gguf package, which stays the source of truth.
 """

@@ -97,7 +97,8 @@ def _text(value: str | bytes) -> str:
 
 def _nvml_library_present() -> bool:
     """Whether libnvidia-ml can be loaded, asked the way pynvml loads it, before importing
-    pynvml (~9 ms of a socket-activated start, for nothing on a machine without a GPU)."""
+    pynvml (time on the socket-activated start's path, for nothing on a machine without a
+    GPU: docs/benchmarks.md, "Figures behind choices in the code")."""
     try:
         ctypes.CDLL(NVML_LIBRARY)
     except OSError:

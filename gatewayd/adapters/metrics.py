@@ -2,8 +2,8 @@
 it reads at scrape time.
 
 On the request path there is only `observe_call`, once per finished call (the
-same moment its record is queued): a few additions to plain dictionaries, about
-2 µs; prometheus_client builds the exposition from them only when scraped.
+same moment its record is queued): a few additions to plain dictionaries;
+prometheus_client builds the exposition from them only when scraped.
 Engine starts, loads and evictions are counted from the engine manager's state
 changes. Everything that is a current value (engine
 states, queues, in-flight requests, systemd's memory and CPU per unit, GPU
@@ -27,8 +27,9 @@ from gatewayd.core.routing import CAPABILITY_OF_PATH, WHISPER_PATHS
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-# prometheus_client is imported where a scrape needs it, not here: it is ~50 ms of the
-# gateway's start-up (on the socket-activation path), and only a scrape uses it.
+# prometheus_client is imported where a scrape needs it, not here: it is a large part of
+# the gateway's start-up (on the socket-activation path), and only a scrape uses it
+# (docs/benchmarks.md, "Figures behind choices in the code").
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # endpoint label values: the paths the gateway knows; anything else is "other", so a
@@ -99,7 +100,8 @@ class GatewayMetrics:
 
     Kept as plain dictionaries and turned into prometheus_client's metric families only
     when scraped: prometheus_client's own Counter/Histogram take a lock per update,
-    ~15 µs for one call's figures, against ~2 µs this way."""
+    several times the CPU per call of this way (docs/benchmarks.md, "Figures behind
+    choices in the code")."""
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         self.requests = _Counts("llm_gateway_requests", "Requests answered, by status",

@@ -214,8 +214,8 @@ async def settle(pid: int, socket: str, timeout_s: float, waiting_name: str) -> 
     waiting_name: PARKED_COMM, or the shell's). False: it went on to be the engine (its
     socket appeared: the preload did not take), ended, or did neither within timeout_s.
     With the preload it is named after the engine binary between its exec and its wait
-    (the dynamic linker binds every symbol first: ~5 ms for a CPU llama-server, longer
-    for CUDA's libraries)."""
+    (the dynamic linker binds every symbol first, for CUDA's libraries far longer than
+    for a CPU llama-server: docs/benchmarks.md, "Figures behind choices in the code")."""
     deadline = time.monotonic() + timeout_s
     delay = 0.001
     while True:

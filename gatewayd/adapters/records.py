@@ -84,14 +84,16 @@ class CallRecord:
 
 
 COLUMNS = [f.name for f in fields(CallRecord)]
-_ROW = attrgetter(*COLUMNS)   # a record as its row, in column order (asdict: ~10x slower)
+_ROW = attrgetter(*COLUMNS)   # a record as its row, in column order (asdict: several times
+                              # slower; docs/benchmarks.md, "Figures behind choices in the code")
 _ONE_ROW = f"({', '.join('?' * len(COLUMNS))})"
 
 
 def _insert_rows(n: int) -> str:
     """One INSERT of n rows: SQLite runs it in one step with the GIL released, where
     executemany released and took back the GIL once per row (under load each of those was
-    a hand-over with the event loop: ~25 µs per call on the loop vs ~4 µs this way)."""
+    a hand-over with the event loop: several times the loop's CPU per call of this way;
+    docs/benchmarks.md, "Figures behind choices in the code")."""
     return f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES " + ", ".join([_ONE_ROW] * n)
 
 

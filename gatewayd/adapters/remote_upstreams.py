@@ -102,7 +102,8 @@ class Remotes:
         config = remote.config
         tls: ssl.SSLContext | bool = False
         if config.url.startswith("https:"):
-            # reading the CA bundle takes ~100 ms: never on the event loop
+            # reading the CA bundle is slow: never on the event loop (docs/benchmarks.md,
+            # "Figures behind choices in the code")
             tls = await asyncio.to_thread(_tls_context, config) if config.tls_verify else False
         remote.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=tls, limit=0, keepalive_timeout=30),

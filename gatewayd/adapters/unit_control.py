@@ -320,7 +320,8 @@ class TransientEngineUnits(EngineUnitsBase):
         start's unit, running. Otherwise a parked unit is stopped first. Parked for this
         very model and configuration, it is that engine with no spec made again: the
         wake is the cold start's first step, and making and hashing the spec (the
-        engine's settings stamp, its slot directory) cost ~0.3 ms there."""
+        engine's settings stamp, its slot directory) there would delay the engine's load
+        (docs/benchmarks.md, "Figures behind choices in the code")."""
         unit = layout.unit
         await self._lot.settled(unit)
         parked = self._lot.claim(unit)

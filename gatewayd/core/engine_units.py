@@ -342,9 +342,10 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         # engine after a daemon-reexec. (As ExecStopPost it would cost the cold start
         # nothing, but a crash then passes through deactivating/stop-post, which reads
         # as a stop: the slot freed while systemd restarts the engine. Tried, reverted.)
-        # (Inside the sandbox, so a unit being parked takes ~0.1 s more to reach its wait
-        # on a loaded host; a privileged ExecStartPreEx= would not, but systemd 252 loses
-        # those at a daemon-reexec, which is when this one is needed: tried, reverted.)
+        # (Inside the sandbox, so a unit being parked takes noticeably longer to reach its
+        # wait on a loaded host, docs/benchmarks.md, "Figures behind choices in the code";
+        # a privileged ExecStartPreEx= would not, but systemd 252 loses those at a
+        # daemon-reexec, which is when this one is needed: tried, reverted.)
         "ExecStartPre": ("a(sasb)", [["/bin/rm", exec_args(["/bin/rm", "-f", "--", layout.socket]),
                                       False]]),
         "LogExtraFields": ("aay", [f"{MODEL_ENV}={model.id}".encode()]),
@@ -377,16 +378,17 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
 # A parked unit is a model's engine unit created ahead of its start, its main process
 # blocked on opening a FIFO. Waking it is one write to the FIFO, and the engine runs
 # under the unit's name, journal, cgroup and limits with no fork, no cgroup attach and
-# no D-Bus round trip on the request's path (~20 ms against ~50 for a new unit on the
-# test host). The gateway unlinks the FIFO as it wakes the unit, so systemd's restart
-# of a crashed engine (the same ExecStart) finds none and runs the engine at once. The
-# wake line carries the CUDA_VISIBLE_DEVICES placement chose ("-": keep the unit's own).
+# no D-Bus round trip on the request's path: a wake is a fraction of a new unit's start
+# (docs/benchmarks.md, "Figures behind choices in the code"). The gateway unlinks the
+# FIFO as it wakes the unit, so systemd's restart of a crashed engine (the same
+# ExecStart) finds none and runs the engine at once. The wake line carries the
+# CUDA_VISIBLE_DEVICES placement chose ("-": keep the unit's own).
 #
 # Two ways to wait. Preloaded (gatewayd/engine_park.c): the unit runs the engine's own
 # command line with a small library preloaded that blocks before the engine's main(),
 # after the dynamic linker bound every symbol and the constructors ran, so the wake
-# starts main() at once (the exec and linking, ~3 ms for a CPU llama-server and far more
-# for a CUDA build's libraries, are paid while parked). Behind a shell, where the library
+# starts main() at once (the exec and linking, far longer for a CUDA build's libraries
+# than for a CPU llama-server, are paid while parked). Behind a shell, where the library
 # was not built or the engine binary cannot take it (static, or not glibc's): the shell
 # execs the engine in place once woken.
 PARKED_ENV = "LLM_GATEWAY_PARKED"     # the digest of the engine unit it becomes

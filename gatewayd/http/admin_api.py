@@ -59,8 +59,9 @@ def add_routes(app: web.Application) -> None:
 
 
 # beside this module, not through importlib.resources: that and the zipfile it imports
-# cost ~4-6 ms of the socket-activated start, and the package is always installed as
-# files (its preloaded wait is a library LD_PRELOAD must find on disk)
+# would be imported on the socket-activated start's path (docs/benchmarks.md, "Figures
+# behind choices in the code"), and the package is always installed as files (its
+# preloaded wait is a library LD_PRELOAD must find on disk)
 STATUS_PAGE = Path(__file__).with_name("status_page.html").read_bytes()
 
 

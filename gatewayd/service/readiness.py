@@ -5,13 +5,13 @@ is loaded; whisper (behind systemd-socket-proxyd) resets connections until it
 listens. One poller per starting/loading engine, up to load_timeout_s.
 
 When to look is learned: a model's engine loads in about the same time at each
-start (a tiny one in 10-20 ms, most of a cold start), so a start of a model seen
-loading before is looked at seldom until 60% of its shortest recent load E (every
-E/10, within 5-500 ms), then often until well past it (every E/50, within
-1-50 ms: the look that sees it ready is a small fraction of its load late, and
-few looks take CPU from the loading engine on the same cores), then backing off
-to 500 ms. A model never seen loading: every 1 ms for the first 100 ms, then
-backing off.
+start (for a tiny model, most of a cold start: docs/benchmarks.md, "Figures
+behind choices in the code"), so a start of a model seen loading before is
+looked at seldom until 60% of its shortest recent load E (every E/10, within
+5-500 ms), then often until well past it (every E/50, within 1-50 ms: the look
+that sees it ready is a small fraction of its load late, and few looks take CPU
+from the loading engine on the same cores), then backing off to 500 ms. A model
+never seen loading: every 1 ms for the first 100 ms, then backing off.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ EARLY_S = 0.005         # the most often a look comes before the expected time
 TIGHT_S = (0.001, 0.05)    # how often around it: E/50 within these bounds. Not under
                            # 1 ms: uvloop's timers count whole ms and round 0.5 ms to
                            # none, and the poller then looked back to back, taking the
-                           # CPU the loading engine needed (its load 10% slower)
+                           # CPU the loading engine needed (its load measurably
+                           # slower: docs/benchmarks.md, "Figures behind choices in
+                           # the code")
 BACKOFF = 1.3
 CAP_S = 0.5
 

@@ -1,10 +1,11 @@
 """HTTP/1.1 to the local engines over their unix sockets, spoken by hand: the proxy's
 client (the gateway's own short looks use exchange.py).
 
-aiohttp's ClientSession costs ~30 µs of CPU per request (a ClientRequest with its auto
-headers, trace hooks, a timer per read, a StreamReader) and ~10 µs per streamed event; an
-engine is a known peer on a private socket (llama-server, whisper-server behind the
-launcher), so this speaks just what they answer (framing.py) with:
+aiohttp's ClientSession was most of the CPU the gateway spent per request over a bare proxy
+(a ClientRequest with its auto headers, trace hooks, a timer per read, a StreamReader), and
+it cost more on each streamed event too (docs/benchmarks.md, "Figures behind choices in the
+code"). An engine is a known peer on a private socket (llama-server, whisper-server behind
+the launcher), so this speaks just what they answer (framing.py) with:
 
 - requests with a body of known length (the gateway has read the client's body);
 - keep-alive: per socket a LIFO pool of idle connections (pool.py), each reused within

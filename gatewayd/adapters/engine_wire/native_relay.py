@@ -116,7 +116,9 @@ class NativeRelay:
                     os.close(fd)
             upstream.reattach(b"", 0.0)
             return None
-        if self._pool is None:   # (imported here: ~1.3 ms less for a socket-activated start)
+        # imported at the first stream, off the socket-activated start's path
+        # (docs/benchmarks.md, "Figures behind choices in the code")
+        if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(self._max, thread_name_prefix="relay")
         self._running[cancel_fd] = engine_fd

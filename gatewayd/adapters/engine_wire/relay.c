@@ -1,11 +1,11 @@
 /* gatewayd.adapters.engine_wire._relay: a stream's events from the engine's socket to the client's, with no
  * interpreter per event.
  *
- * Relayed in Python, an event costs the gateway ~43 µs of CPU here against ~29 µs for a
- * raw asyncio protocol that passes bytes on unparsed and ~18 µs for llama.cpp's router
- * (bench/hotpath.py --raw, docs/benchmarks.md): the system calls are the same, the rest
- * is the interpreter waking per event with cold caches, and on a machine where the engine
- * and the gateway share the cores it is taken from the engine.
+ * Relayed in Python, an event costs the gateway more CPU than a raw asyncio protocol that
+ * passes bytes on unparsed, and that one more than llama.cpp's router (bench/hotpath.py
+ * --raw; docs/benchmarks.md, "Figures behind choices in the code"): the system calls are
+ * the same, the rest is the interpreter waking per event with cold caches, and on a
+ * machine where the engine and the gateway share the cores it is taken from the engine.
  *
  * forward(engine_fd, client_fd, cancel_fd, read_timeout_s, stall_timeout_s) runs in a
  * thread of its own with the GIL released, on duplicates of the two connections' sockets
@@ -23,11 +23,12 @@
  * interrupt(), which also wakes a read waiting on the engine).
  *
  * It waits for the engine in a blocking read (the socket made blocking, SO_RCVTIMEO the
- * read timeout, both put back before it returns): a system call and a wait queue less
- * per event than poll before each read, 3-6% of the gateway's CPU per stream
- * (bench/hotpath.py --stream, interleaved). interrupt() wakes that read with
- * shutdown(SHUT_RD), which ends the engine connection: a cancelled stream never reads
- * from it again. Where the descriptor takes no socket options, it polls before reads.
+ * read timeout, both put back before it returns): a system call and a wait queue less per
+ * event than poll before each read, a measurable share of the gateway's CPU per stream
+ * (bench/hotpath.py --stream, interleaved; the same table). interrupt() wakes that read
+ * with shutdown(SHUT_RD), which ends the engine connection: a cancelled stream never
+ * reads from it again. Where the descriptor takes no socket options, it polls before
+ * reads.
  *
  * Returns (reason, errno, bytes read and not passed on, events passed on, last chunk
  * passed on, data bytes passed on, seconds since the engine's last byte, the rest of a
