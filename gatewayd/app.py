@@ -273,8 +273,9 @@ EngineLayerCtx = Callable[[web.Application], AsyncIterator[None]]
 
 def settle_collector() -> None:
     """The garbage collector back on after the start, where `llm-gateway serve` turned it
-    off for the imports (it ran ~100 times over their objects: ~25 ms of a socket-activated
-    start on 2 cores). The start's garbage is collected once and what is left is frozen:
+    off for the imports (it ran over their objects again and again, a good part of a
+    socket-activated start: docs/benchmarks.md, "Figures behind choices in the code"). The
+    start's garbage is collected once and what is left is frozen:
     it lives as long as the process, and no later collection need walk it. Nothing to do
     where the collector is on."""
     if gc.isenabled():

@@ -1,6 +1,7 @@
 """Stopped engines' units parked, so that a model's next start is a wake
 (adapters/parked_units), once no start or stop is under way anywhere: creating a
-unit costs systemd ~30 ms of work that must not slow someone's start."""
+unit is work for systemd that must not slow someone's start (docs/benchmarks.md,
+"Figures behind choices in the code")."""
 
 from __future__ import annotations
 
