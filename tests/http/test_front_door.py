@@ -20,13 +20,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from gatewayd import app as app_module
 from gatewayd.adapters import records
 from gatewayd.app import build_app
 from gatewayd.core.config import Backend, ModelKind
 from gatewayd.core.engines import EngineState
 from gatewayd.http import native_relay, openai_api
 from gatewayd.http.auth import PARSER_LIMITS
+from gatewayd.http.drain import cancel_open_requests
 from gatewayd.http.engine_client import EngineResponse
 from gatewayd.http.native_relay import NATIVE_RELAY
 from gatewayd.service.engine_manager import EngineManager
@@ -264,8 +264,7 @@ async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
     relay = gw.client.app[native_relay.NATIVE_RELAY]
     if request.node.callspec.params["gw"] == "native":
         assert relay.active == 1           # relay.c has it now
-    assert gw.client.server.runner is not None
-    app_module._cancel_open_requests(gw.client.app, cast(web.AppRunner, gw.client.server.runner))
+    cancel_open_requests(gw.client.app)
     while not raw.endswith(b"\r\n0\r\n\r\n"):
         raw += await asyncio.wait_for(reader.read(65536), 10)
     writer.close()
