@@ -31,6 +31,7 @@ from gatewayd.adapters.host_names import own_host_names
 from gatewayd.adapters.journal import Journalctl
 from gatewayd.adapters.kv_cache import SlotCache
 from gatewayd.adapters.learned_memory import LearnedMemory
+from gatewayd.adapters.listener import Listener, bind_tcp
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_sockets
@@ -54,6 +55,7 @@ from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, openai_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
+from gatewayd.http.drain import ABANDON_GRACE_S, OPEN_REQUESTS, OpenRequests, drain, track_requests
 from gatewayd.http.middleware import (
     SHUTDOWN,
     ClientBytesRefused,
@@ -69,12 +71,6 @@ from gatewayd.service.reload import Reloader
 from gatewayd.service.restore import Reconciler, adopt, restore
 
 log = logging.getLogger("gatewayd")
-# how long a stop waits for the first request of connections accepted just before it
-FRESH_CONNECTION_GRACE_S = 1.0
-ACCEPTED_SETTLE_S = 0.05
-DRAIN_POLL_S = 0.05
-# after the drain: how long the answers still open get to write their shutting_down error
-ABANDON_GRACE_S = 2.0
 COLLECTOR_SETTLE_S = 1.0   # after the start, the garbage collector back on (settle_collector)
 DAY_S = 86400.0
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -293,8 +289,10 @@ async def _collector_after_start(app: web.Application) -> None:
 def build_app(config: GatewayConfig, notifier: Notifier | None = None,
               engines_ctx: EngineLayerCtx = engine_layer) -> web.Application:
     """engines_ctx sets app[ENGINES] and app[DISPATCHER]; tests pass one on fakes."""
-    app = web.Application(middlewares=[error_middleware],
+    open_requests = OpenRequests()
+    app = web.Application(middlewares=[track_requests(open_requests), error_middleware],
                           client_max_size=config.max_body_bytes)
+    app[OPEN_REQUESTS] = open_requests
     app[CONFIG] = config
     app[ACCESS] = Access(config.api_keys, config.admin_public, config.admin_public_metrics,
                          browser=browser_policy(config))
@@ -329,28 +327,48 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def gateway_runner(app: web.Application) -> web.AppRunner:
+    """aiohttp's runner as the gateway serves with it: no access log (the records are
+    ours), a handler cancelled when its client leaves. The drain (up to
+    shutdown_timeout_s) is ours (http/drain.py); aiohttp's own wait only gives the
+    answers cut at its end the moment to say so."""
+    return web.AppRunner(app, handle_signals=False, access_log=None,
+                         handler_cancellation=True, shutdown_timeout=ABANDON_GRACE_S,
+                         **PARSER_LIMITS)
+
+
+async def stop_serving(app: web.Application, runner: web.AppRunner, listener: Listener,
+                       admin: Listener | None, timeout_s: float) -> None:
+    """The stop after SIGTERM: the drain (http/drain.py), the admin API's socket last (it
+    answers the CLI meanwhile), then aiohttp closes what is left and the app's cleanup
+    runs."""
+    watched = (admin,) if admin is not None else ()
+    await drain(app, listener, timeout_s, also_watched=watched)
+    for other in watched:
+        await other.stop()
+    await runner.cleanup()
+
+
 async def _serve(config: GatewayConfig) -> None:
     _raise_fd_limit()
     notifier = Notifier()
     app = build_app(config, notifier)
-    # The drain (up to shutdown_timeout_s) is ours (_open_requests_end); aiohttp's own
-    # wait only gives the answers cut at its end the moment to say so.
-    runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           handler_cancellation=True, shutdown_timeout=ABANDON_GRACE_S,
-                           **PARSER_LIMITS)
+    runner = gateway_runner(app)
     await runner.setup()
+    assert runner.server is not None   # set up
     sock, admin_sock = inherited_sockets()
-    site: web.BaseSite
     if sock is not None:
-        site = web.SockSite(runner, sock)
+        sockets = [sock]
         where = f"the socket from systemd ({_sockname(sock)})"
     else:
-        site = web.TCPSite(runner, config.listen_host, config.listen_port)
+        sockets = await bind_tcp(config.listen_host, config.listen_port)
         where = f"http://{config.listen_host}:{config.listen_port}"
-    await site.start()
+    # our own accepting, not a web.SockSite/TCPSite: a stop must lose no connection taken
+    listener = Listener(sockets, runner.server)
+    listener.start()
     log.info("serving on %s", where)
     _warn_if_open(config, sock)
-    admin_path = await _admin_site(app, runner, config, admin_sock)
+    admin_listener, admin_path = _admin_listener(app, runner.server, config, admin_sock)
     ready = sum(1 for e in app[admin_api.ENGINES].engines() if e.state is EngineState.READY)
     notifier.ready(f"serving on {where}; {ready} engine(s) ready")
     notifier.start_watchdog()
@@ -370,26 +388,19 @@ async def _serve(config: GatewayConfig) -> None:
     notifier.stopping()
     notifier.stop_watchdog()   # systemd does not watch a stopping service
     app[admin_api.EVENTS].close()   # event followers are not answers to wait for
-    await _stop_accepting(site)   # the socket stays systemd's: the next process accepts
-    await _let_fresh_connections_speak(runner)
-    open_requests = await _open_requests_end(runner, config.shutdown_timeout_s)
-    if open_requests:
-        log.warning("shutdown_timeout_s (%gs) ran out: ending %d open request(s) with a "
-                    "shutting_down error", config.shutdown_timeout_s, open_requests)
-        _cancel_open_requests(app, runner)
-        await _open_requests_end(runner, ABANDON_GRACE_S)
-    await runner.cleanup()
+    await stop_serving(app, runner, listener, admin_listener, config.shutdown_timeout_s)
     if admin_path is not None:
         with contextlib.suppress(OSError):
             admin_path.unlink()
 
 
-async def _admin_site(app: web.Application, runner: web.AppRunner, config: GatewayConfig,
-                      inherited: socket.socket | None) -> Path | None:
+def _admin_listener(app: web.Application, server: web.Server, config: GatewayConfig,
+                    inherited: socket.socket | None) -> tuple[Listener | None, Path | None]:
     """The admin API on its unix socket (adapters/admin_socket.py): systemd's
     (llm-gateway-admin.socket: there through restarts, its mode and group the unit's),
-    else one bound here. Returns the path to remove at exit (None: systemd's, or none
-    could be bound: the gateway serves on without it, and says why)."""
+    else one bound here. Returns its listener (None: none could be bound: the gateway
+    serves on without it, and says why) and the path to remove at exit (None: systemd's,
+    or none)."""
     if inherited is not None:
         path = Path(inherited.getsockname())
         try:
@@ -399,11 +410,12 @@ async def _admin_site(app: web.Application, runner: web.AppRunner, config: Gatew
             log.warning("admin socket from systemd at %s: %s; admin API refused there",
                         path, e)
             gid = None
-        await web.SockSite(runner, inherited).start()
+        listener = Listener([inherited], server)
+        listener.start()
         app[ACCESS].admin_socket, app[ACCESS].admin_gid = str(path), gid
         log.info("admin API on %s (from systemd; root, this gateway's user and gid %s)",
                  path, gid)
-        return None
+        return listener, None
     path = config.admin_socket or admin_socket.default_path()
     try:
         sock = admin_socket.bind(path, config.admin_group)
@@ -411,16 +423,17 @@ async def _admin_site(app: web.Application, runner: web.AppRunner, config: Gatew
         gid = admin_socket.group_id(config.admin_group) if config.admin_group else os.getgid()
     except KeyError:
         log.warning("[admin] group = %r: no such group; no admin socket", config.admin_group)
-        return None
+        return None, None
     except OSError as e:
         log.warning("no admin socket at %s (%s): the CLI reaches this gateway only with "
                     "--url, through the public port's admin API ([admin] public)", path, e)
-        return None
-    await web.SockSite(runner, sock).start()
+        return None, None
+    listener = Listener([sock], server)
+    listener.start()
     app[ACCESS].admin_socket, app[ACCESS].admin_gid = str(path), gid
     log.info("admin API on %s (root, this gateway's user and group %s)", path,
              config.admin_group or gid)
-    return path
+    return listener, path
 
 
 def _warn_if_open(config: GatewayConfig, sock: socket.socket | None) -> None:
@@ -462,65 +475,6 @@ async def _reload_quietly(reloader: Reloader) -> None:
 def _track(tasks: set[asyncio.Task[Any]], task: asyncio.Task[Any]) -> None:
     tasks.add(task)
     task.add_done_callback(tasks.discard)
-
-
-async def _stop_accepting(site: web.BaseSite) -> None:
-    """Stop taking connections from the listening socket without dropping any taken.
-
-    asyncio accepts a batch of connections per wakeup and gives each its transport a
-    loop turn later; closing the server in between makes that fail (Server._attach
-    asserts the server is open) and the connection is reset. So: stop polling the
-    listener, let the connections already accepted get their transports, then close."""
-    loop = asyncio.get_running_loop()
-    server = getattr(site, "_server", None)   # aiohttp keeps the asyncio.Server private
-    for listener in getattr(server, "sockets", None) or ():
-        loop.remove_reader(listener.fileno())
-    await asyncio.sleep(ACCEPTED_SETTLE_S)
-    await site.stop()
-
-
-async def _let_fresh_connections_speak(runner: web.AppRunner) -> None:
-    """A connection accepted just before the stop whose request has not arrived yet would
-    be closed unanswered by aiohttp's shutdown (it closes connections waiting for a
-    request): give such connections a moment to send it, then it is served."""
-    server = runner.server
-    if server is None:
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + FRESH_CONNECTION_GRACE_S
-    while loop.time() < deadline and any(
-            getattr(conn, "_request_count", 1) == 0 for conn in server.connections):
-        await asyncio.sleep(0.01)
-
-
-def _open(runner: web.AppRunner) -> list[Any]:
-    """The connections whose request is being handled (aiohttp keeps that private)."""
-    server = runner.server
-    return [conn for conn in (server.connections if server is not None else ())
-            if getattr(conn, "_request_in_progress", False)]
-
-
-def _cancel_open_requests(app: web.Application, runner: web.AppRunner) -> None:
-    """Cancel each open request's handler ourselves, with the connection still open, so
-    that it can answer shutting_down (a stream: an error event) before the connection
-    closes; aiohttp's own shutdown cancels only after closing the transport."""
-    app[SHUTDOWN].expired = True
-    for conn in _open(runner):
-        task = getattr(conn, "_task_handler", None)
-        if task is not None:
-            task.cancel()
-
-
-async def _open_requests_end(runner: web.AppRunner, timeout_s: float) -> int:
-    """Wait up to timeout_s for every request being handled to be answered; the number
-    still open then (0: all ended)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        busy = len(_open(runner))
-        if not busy or loop.time() >= deadline:
-            return busy
-        await asyncio.sleep(DRAIN_POLL_S)
 
 
 def _sockname(sock: object) -> str:

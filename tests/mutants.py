@@ -721,7 +721,40 @@ RESTARTS = (
                   "written_after_the_exit",)),
 )
 
-MUTANTS = SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS
+# the gateway's stop, on aiohttp's public API (issue 35): it must still drain
+DRAIN = "tests/http/test_drain.py::"
+STOP = (
+    Mutant("drain-sees-no-request", "a request in flight at the stop is answered in full",
+           "gatewayd/http/drain.py",
+           "        task = asyncio.current_task()\n        if task is not None:",
+           "        task = None\n        if task is not None:",
+           tests=(DRAIN + "test_requests_in_flight_finish_and_those_past_the_drain_time_"
+                  "say_so",)),
+    Mutant("drain-no-grace-for-fresh", "a connection accepted just before the stop has its "
+           "request served",
+           "gatewayd/http/drain.py",
+           "    deadline = loop.time() + FRESH_CONNECTION_GRACE_S\n",
+           "    deadline = loop.time()\n",
+           tests=(DRAIN + "test_a_connection_accepted_just_before_the_stop_has_its_request_"
+                  "served",)),
+    Mutant("drain-cut-by-aiohttp", "a request past the drain time answers shutting_down on "
+           "its open connection (aiohttp would cancel it after closing the transport)",
+           "gatewayd/http/drain.py",
+           "        cancel_open_requests(app)\n",
+           "",
+           tests=(DRAIN + "test_requests_in_flight_finish_and_those_past_the_drain_time_"
+                  "say_so",)),
+    Mutant("drain-shuts-the-socket", "the listening socket stays systemd's: the next process "
+           "accepts what this one did not",
+           "gatewayd/adapters/listener.py",
+           "        for sock in self._sockets:\n            sock.close()",
+           "        for sock in self._sockets:\n            sock.shutdown(socket.SHUT_RDWR)\n"
+           "            sock.close()",
+           tests=(DRAIN + "test_the_stop_resets_no_connection_and_leaves_the_rest_to_the_"
+                  "next_process",)),
+)
+
+MUTANTS = SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
 
 
 def copy_tree(dest: Path) -> None:

@@ -20,7 +20,6 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from gatewayd import app as app_module
 from gatewayd.adapters import records
 from gatewayd.adapters.engine_wire import native_relay
 from gatewayd.adapters.engine_wire.client import EngineResponse
@@ -29,6 +28,7 @@ from gatewayd.core.config import Backend, ModelKind
 from gatewayd.core.engines import EngineState
 from gatewayd.http import openai_api
 from gatewayd.http.auth import PARSER_LIMITS
+from gatewayd.http.drain import cancel_open_requests
 from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
@@ -266,8 +266,7 @@ async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
     relay = gw.client.app[NATIVE_RELAY]
     if request.node.callspec.params["gw"] == "native":
         assert relay.active == 1           # relay.c has it now
-    assert gw.client.server.runner is not None
-    app_module._cancel_open_requests(gw.client.app, cast(web.AppRunner, gw.client.server.runner))
+    cancel_open_requests(gw.client.app)
     while not raw.endswith(b"\r\n0\r\n\r\n"):
         raw += await asyncio.wait_for(reader.read(65536), 10)
     writer.close()
