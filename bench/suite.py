@@ -418,7 +418,7 @@ LONG_PROMPT = " ".join(f"word{i % 97} and more" for i in range(300))
 
 
 async def kv_restore(plan: Plan) -> dict[str, Any]:
-    """Per model: stop (the gateway saves its slots, or not), start (restores them, or
+    """Per model: stop (the gateway saves its KV cache, or not), start (restores it, or
     not), then the same long prompt; the start and the first byte are timed apart."""
     gw = Target("gateway", "http://127.0.0.1:18600")
     figures: dict[str, dict[str, list[float]]] = {}
@@ -527,7 +527,7 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
                                                           "tiny-gamma")}
     cold: dict[str, list[float]] = {"gateway": [], "router": []}
     # the same weights with no KV cache kept (the router keeps none): what the start costs
-    # without the restore of the slot the previous engine saved
+    # without the restore of the KV cache the previous engine saved
     no_kv: list[float] = []
     for _ in range(plan.starts):
         await post_json(gw.base + "/admin/engines/stop", {"model": "tiny-cold"})
@@ -569,7 +569,7 @@ async def cold_and_swap(plan: Plan) -> dict[str, Any]:
              "router": engine_loads_ms("bench-router.service", "tiny-beta")[-plan.starts:]}
     await events.stop()
     swap: dict[str, list[float]] = {"gateway": [], "router": []}
-    order = ["tiny-gamma", "tiny-alpha", "tiny-beta"]   # with 2 slots, each evicts one
+    order = ["tiny-gamma", "tiny-alpha", "tiny-beta"]   # with 2 places, each evicts one
     for _ in range(plan.cycles):
         for stem in order:
             swap["gateway"].append(await first_byte_ms(gw, stem))

@@ -21,7 +21,7 @@ from aiohttp import web
 from gatewayd.adapters import admin_socket, client_tls
 from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
-from gatewayd.adapters.engine_wire.client import EngineClient, learn_engine_slots
+from gatewayd.adapters.engine_wire.client import EngineClient, learn_parallel_slots
 from gatewayd.adapters.engine_wire.native_relay import NativeRelay
 from gatewayd.adapters.event_loop import event_loop_factory
 from gatewayd.adapters.events import EventHub
@@ -29,7 +29,7 @@ from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.host_names import own_host_names
 from gatewayd.adapters.journal import Journalctl
-from gatewayd.adapters.kv_cache import SlotCache
+from gatewayd.adapters.kv_cache import KvCache
 from gatewayd.adapters.learned_memory import LearnedMemory
 from gatewayd.adapters.listener import Listener, bind_tcp
 from gatewayd.adapters.metrics import GatewayMetrics
@@ -129,18 +129,18 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     catalog = load_catalog(config)
     mode, bus, manager = unit_mode(config)
     systemd = await Systemd.connect(bus)
-    slot_cache = SlotCache(config.state_dir / "kv-cache", config.kv_cache_max_mb * MIB)
+    kv_cache = KvCache(config.state_dir / "kv-cache", config.kv_cache_max_mb * MIB)
     units: TransientEngineUnits | TemplateEngineUnits
     if mode is UnitMode.TEMPLATE:
-        units = TemplateEngineUnits(systemd, config, slot_cache)
+        units = TemplateEngineUnits(systemd, config, kv_cache)
     else:
         units = TransientEngineUnits(systemd, config, manager=manager,
-                                     run_root=runtime_root(manager), slot_cache=slot_cache)
+                                     run_root=runtime_root(manager), kv_cache=kv_cache)
     gpu = open_gpu()
     health = UnixHealthProbe()
     engines = EngineManager(catalog=catalog, config=config, units=units,
                             health=health, gpu=gpu, journal=Journalctl(manager),
-                            desired=DesiredEngines(config.state_dir), slots=slot_cache,
+                            desired=DesiredEngines(config.state_dir), kv_cache=kv_cache,
                             learned=LearnedMemory(config.state_dir))
     app[admin_api.ENGINES] = engines
     app[UNITS] = units
@@ -209,21 +209,21 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
                  native_relay.why_off)
 
     def connections_follow(old: Engine, new: Engine) -> None:
-        if old.holds_slot and not new.holds_slot:
+        if old.holds_place and not new.holds_place:
             engine_client.forget(new.socket)
     engines.subscribe(connections_follow)
 
-    known_slots: dict[str, int] = {}
+    known_parallel: dict[str, int] = {}
 
-    async def learn_slots(model: Model, socket: str) -> None:
+    async def learn_parallel(model: Model, socket: str) -> None:
         # before the engine is ready: a burst waiting for it then meets the limit, and the
         # first request does not share the engine with this question
         engine_client.set_queue_limit(socket, connection_queue_limit(model))
         if model.backend is Backend.LLAMA:
             setup = (f"{settings_stamp(model, engines.config)}:"
                      f"{binary_identity(server_binary(model, engines.config)[0])}")
-            await learn_engine_slots(engine_client, socket, known=known_slots, setup=setup)
-    engines.before_ready(learn_slots)
+            await learn_parallel_slots(engine_client, socket, known=known_parallel, setup=setup)
+    engines.before_ready(learn_parallel)
     metrics = GatewayMetrics()
     engines.subscribe(lambda old, new: metrics.on_engine_change(
         old, new, engines.stop_reasons.get(new.model_id)))
@@ -237,7 +237,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         front.config = new
         engine_client.queue_limit = new.queue_limit
         for engine in engines.engines():
-            if engine.holds_slot and (model := engines.catalog.get(engine.model_id)):
+            if engine.holds_place and (model := engines.catalog.get(engine.model_id)):
                 engine_client.set_queue_limit(engine.socket, connection_queue_limit(model))
         if records is not None:
             records.max_age_s = new.records_max_age_days * DAY_S

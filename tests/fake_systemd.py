@@ -228,7 +228,7 @@ class FakeSystemd:
 
     async def stop_by_hand(self, model_id: str, exit_s: float | None = None) -> bool:
         """`systemctl stop` by hand: the gateway hears the signals of a stop it did not ask
-        for (a slot freed by an exit that only systemd can confirm)."""
+        for (a place freed by an exit that only systemd can confirm)."""
         unit = self.layout(model_id).unit
         u = self.units.get(unit)
         if u is None or unit in self.starting or unit in self.stopping:

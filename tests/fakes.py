@@ -26,8 +26,8 @@ from gatewayd.core.ports import (
     EngineUnitInfo,
     GpuProbe,
     JournalReader,
+    KvCacheStore,
     MemoryBook,
-    SlotStore,
     UnitWatcher,
 )
 from gatewayd.service.dispatcher import Dispatcher
@@ -284,7 +284,7 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
          max_engines: int = 4, load_timeout_s: float = 5.0, run_root: str = "/run",
          models_config: dict[str, dict[str, Any]] | None = None,
          desired: DesiredList | None = None, journal: JournalReader | None = None,
-         slots: SlotStore | None = None, learned: MemoryBook | None = None,
+         kv_cache: KvCacheStore | None = None, learned: MemoryBook | None = None,
          **config: Any) -> tuple[EngineManager, FakeUnits, FakeHealth]:
     """On virtual time (on_virtual_time) its clock is the loop's and its desired list is
     kept in memory (the real list's writer thread is an event virtual time cannot see).
@@ -306,7 +306,7 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
         desired = MemoryDesired() if virtual else DesiredEngines(settings.state_dir)
     mgr = EngineManager(catalog=Catalog(models, {}), config=settings, units=units,
                         health=health, gpu=gpu or NoGpu("test"),
-                        journal=journal or FakeJournal(), desired=desired, slots=slots,
+                        journal=journal or FakeJournal(), desired=desired, kv_cache=kv_cache,
                         learned=learned, clock=loop.time if virtual else time.monotonic)
     return mgr, units, health
 

@@ -29,7 +29,7 @@ Left out, because no run can tell them apart from the code (equivalent mutants):
 - `_forget` not failing leftover waiters: nobody can begin to wait once the stop has
   marked the engine (wait_ready refuses a stopping engine; signals do not move it out).
 - a starting engine taking the creation's "inactive" as an exit: the signal guard keeps
-  its slot until systemd confirms, and the "activating" that follows moves it back to
+  its place until systemd confirms, and the "activating" that follows moves it back to
   starting (a moment of log noise and nothing else).
 - the wait after an eviction measuring room without the loads in progress
   ("settle-ignores-loads"): since that wait also ends once the room the loader needs is
@@ -118,13 +118,13 @@ SCHEDULING = (
            "        log.info(\"evicting %s (%s)\", victim, reason)\n",
            "        log.info(\"evicting %s (%s)\", victim, reason)\n"
            "        await asyncio.sleep(0)\n"),
-    Mutant("restarting-frees-slot", "an engine that systemd restarts holds its slot "
-           "(with the signal guard off too: alone, the guard keeps the slot until systemd "
+    Mutant("restarting-frees-place", "an engine that systemd restarts holds its place "
+           "(with the signal guard off too: alone, the guard keeps the place until systemd "
            "confirms, and it says 'activating')",
            "gatewayd/core/engines.py",
            "                         EngineState.RESTARTING, EngineState.STOPPING})",
            "                         EngineState.STOPPING})", also=(SIGNAL_GUARD_OFF,)),
-    Mutant("signal-frees-slot", "a signal alone never frees a slot",
+    Mutant("signal-frees-place", "a signal alone never frees a place",
            "gatewayd/core/engines.py",
            "                new = replace(new, exit_unconfirmed=True)",
            "                pass"),
@@ -141,7 +141,7 @@ SCHEDULING = (
            "gatewayd/service/engine_lifecycle.py",
            "        elif new.state is EngineState.STOPPED:",
            "        elif False:"),
-    Mutant("deactivating-listed-as-gone", "a unit found deactivating still holds its slot",
+    Mutant("deactivating-listed-as-gone", "a unit found deactivating still holds its place",
            "gatewayd/core/engines.py",
            '    if ev.active_state == "deactivating":\n',
            '    if False:\n'),
@@ -162,17 +162,17 @@ SCHEDULING = (
            "                        False):"),
     Mutant("stopping-holds-no-memory", "a stopping engine's memory counts until it is gone",
            "gatewayd/core/budget.py",
-           "    if not holds_slot or state is EngineState.READY:",
-           "    if not holds_slot or state not in (EngineState.STARTING, EngineState.LOADING):"),
+           "    if not holds_place or state is EngineState.READY:",
+           "    if not holds_place or state not in (EngineState.STARTING, EngineState.LOADING):"),
     Mutant("failed-is-sticky", "a failed model is tried again by a later request",
            "gatewayd/service/loader.py",
            "            if (left := engines.backoff_left(model.id)) > 0:",
            "            if engine is not None and engine.state is EngineState.FAILED:\n"
            "                raise engines.failed_error(model.id)\n"
            "            if (left := engines.backoff_left(model.id)) > 0:"),
-    Mutant("no-drain", "a model waiting under load on the others gets a slot (drain)",
+    Mutant("no-drain", "a model waiting under load on the others gets a place (drain)",
            "gatewayd/service/loader.py",
-           "                    self._slots.use(victim).draining_for = model.id",
+           "                    self._turns.use(victim).draining_for = model.id",
            "                    await self._wait(deadline, model, reason)"),
     Mutant("no-fifo-line", "models get room in the order they asked",
            "gatewayd/service/loader.py",
@@ -184,9 +184,9 @@ SCHEDULING = (
            "        if self.queued and not self.draining:\n"
            "            # requests woken by its load",
            "        if False:\n            # requests woken by its load"),
-    Mutant("silent-slot-free", "a slot freed without a change of state wakes the loaders",
+    Mutant("silent-place-free", "a place freed without a change of state wakes the loaders",
            "gatewayd/service/dispatcher.py",
-           "        if old.state is new.state and old.holds_slot == new.holds_slot:",
+           "        if old.state is new.state and old.holds_place == new.holds_place:",
            "        if old.state is new.state:"),
     # -- added with the mutants of every layer
     Mutant("evict-most-recent", "the least recently used engine is evicted",
@@ -195,7 +195,7 @@ SCHEDULING = (
            "                     key=lambda u: u.last_used)",
            "    victims = sorted((u for u in candidates if u.why_not_evictable() is None),\n"
            "                     key=lambda u: -u.last_used)",
-           tests=(D + "test_lru_idle_engine_is_evicted_when_slots_run_out",)),
+           tests=(D + "test_lru_idle_engine_is_evicted_when_places_run_out",)),
     Mutant("evict-busy", "an engine serving a request is never evicted",
            "gatewayd/core/scheduler.py",
            "        if self.in_flight:\n            return f\"serving",
@@ -228,7 +228,7 @@ SCHEDULING = (
     Mutant("memory-victim-on-any-device", "short of memory, the victim is on the device "
            "the model goes to",
            "gatewayd/core/scheduler.py",
-           "    candidates = others if slots_short else [u for u in others if u.on(devices)]",
+           "    candidates = others if places_short else [u for u in others if u.on(devices)]",
            "    candidates = others",
            tests=(D + "test_eviction_frees_the_device_that_needs_the_memory",)),
     Mutant("idle-ttl-stops-busy", "the idle reaper never stops an engine serving a request",
@@ -257,17 +257,17 @@ SCHEDULING = (
            tests=(MODEL_TESTS + "::test_a_model_waiting_under_steady_load_on_the_others_is"
                   "_served",)),
     Mutant("queue-limit-plus-one", "at most queue_limit requests wait for a model",
-           "gatewayd/service/slots.py",
+           "gatewayd/service/turns.py",
            "        if len(use.waiters) >= limit:",
            "        if len(use.waiters) > limit:",
            tests=(D + "test_queue_limit_and_fair_wakeup",)),
     Mutant("concurrency-limit-plus-one", "at most max_concurrency requests per engine",
-           "gatewayd/service/slots.py",
+           "gatewayd/service/turns.py",
            "        if limit is not None and use.in_flight >= limit:",
            "        if limit is not None and use.in_flight > limit:",
            tests=(D + "test_concurrency_limit_is_429_with_retry_after",)),
     Mutant("polls-count-as-use", "a status poll does not make an engine recently used",
-           "gatewayd/service/slots.py",
+           "gatewayd/service/turns.py",
            "        use.in_flight += 1\n        if counts_as_use:",
            "        use.in_flight += 1\n        if True:",
            tests=(D + "test_polls_do_not_count_as_use",)),
@@ -425,7 +425,7 @@ FORWARDING = (
            tests=("tests/http/test_upstream_redirects.py",)),
 )
 
-# -- the engine wire: framing, keep-alive, connection slots -------------------------------
+# -- the engine wire: framing, keep-alive, connections --------------------------------
 WIRE = (
     Mutant("keepalive-no-retry", "a reused connection the engine had closed is tried "
            "once more on a new one",
@@ -633,7 +633,7 @@ RESTART = "tests/unit/test_engine_restart.py::"
 STATES = "tests/unit/test_engines_state.py::"
 RESTARTS = (
     Mutant("auto-restart-is-a-start", "a process that ended while systemd restarts it is "
-           "restarting (holding its slot, its waiters waiting), not starting afresh",
+           "restarting (holding its place, its waiters waiting), not starting afresh",
            "gatewayd/core/engines.py",
            '    if active == "activating" and sub == "auto-restart":\n        return True',
            '    if active == "activating" and sub == "auto-restart":\n        return False',

@@ -1,9 +1,9 @@
 """An engine's KV cache kept across its stop: llama-server's slot save and restore.
 
 Before the gateway stops an idle llama engine it asks the engine to write each used
-slot's cache to the model's directory under the state directory (POST /slots/{id}
+parallel slot's cache to the model's directory under the state directory (POST /slots/{id}
 ?action=save, llama-server --slot-save-path); when the engine next becomes ready the
-files are restored into the same slots before it is marked ready, so a repeated long
+files are restored into the same parallel slots before it is marked ready, so a repeated long
 prompt skips its prefill (timings.cache_n). A directory carries a stamp of the engine's
 settings: files written by an engine started differently (another file, context size,
 arguments) are discarded, never restored. Each model's directory is bounded
@@ -34,8 +34,8 @@ SAVE_TIMEOUT_S = 10.0      # the whole save; bounds how long an eviction waits f
 RESTORE_TIMEOUT_S = 10.0   # the whole restore; bounds how long a start waits for it
 
 
-class SlotCache:
-    """The slot files of every model, under <state_dir>/kv-cache/<engine instance>/."""
+class KvCache:
+    """llama-server's slot files of every model, under <state_dir>/kv-cache/<engine instance>/."""
 
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = root
@@ -58,7 +58,7 @@ class SlotCache:
         return where
 
     async def save(self, model_id: str, socket: str, instance: str) -> int:
-        """Save every used slot; the number saved (0 on failure: logged and counted)."""
+        """Save every used parallel slot; the number saved (0 on failure: logged and counted)."""
         started = time.monotonic()
         try:
             async with asyncio.timeout(SAVE_TIMEOUT_S):
@@ -77,17 +77,18 @@ class SlotCache:
                         model_id, e or type(e).__name__)
             return 0
         self.counts["save", "ok"] += 1
-        log.info("%s: KV cache of %d slot(s) saved in %.0f ms", model_id, saved,
+        log.info("%s: KV cache of %d parallel slot(s) saved in %.0f ms", model_id, saved,
                  (time.monotonic() - started) * 1000)
         return saved
 
     async def restore(self, model_id: str, socket: str, instance: str) -> int:
-        """Restore the saved slots into the ready engine; the number of tokens restored.
+        """Restore the saved KV cache into the ready engine; the number of tokens restored.
 
-        Each file straight into its slot, with no look at GET /slots first: the stamp
-        says the files were written by an engine of the same setup, so with the same
-        slots (a round trip less on the cold start's path). A slot the engine says it
-        does not have (its binary replaced in place, another default) drops that file."""
+        Each file straight into its parallel slot, with no look at GET /slots first: the
+        stamp says the files were written by an engine of the same setup, so with the same
+        parallel slots (a round trip less on the cold start's path). A parallel slot the
+        engine says it does not have (its binary replaced in place, another default) drops
+        that file."""
         where = self.directory(instance)
         files = sorted(where.glob("slot-*.bin")) if where.is_dir() else []
         if not files:
@@ -153,7 +154,7 @@ class SlotCache:
 
 
 class NoSuchSlot(ValueError):
-    """The engine has no slot of that id (HTTP 400 to a slot action)."""
+    """The engine has no parallel slot of that id (HTTP 400 to a /slots action)."""
 
 
 async def _slots(socket: str) -> list[dict[str, Any]]:

@@ -228,7 +228,7 @@ class Snapshot:
     gpus: list[tuple[str, int, int]] = field(default_factory=list)  # (device, used, total) B
     records_dropped: int = 0
     max_engines: int = 0
-    parked: int = 0                     # engine units parked (no engine, no slot)
+    parked: int = 0                     # engine units parked (no engine, no place)
     kv_cache: Mapping[tuple[str, str], int] = field(default_factory=dict)
     upstreams: list[tuple[str, bool, int]] = field(default_factory=list)  # (name, up, in flight)
     native_relay_streams: int = 0       # streams relay.c passed on (past the first event)
@@ -246,8 +246,9 @@ class Snapshot:
         queued = GaugeMetricFamily("llm_gateway_queue_depth",
                                    "Requests waiting for an engine", labels=["model"])
         waiting = GaugeMetricFamily("llm_gateway_engine_waiting",
-                                    "Requests waiting for a turn at an engine whose slots are "
-                                    "all in use (counted in requests_in_flight too)",
+                                    "Requests waiting for a connection to an engine whose "
+                                    "parallel slots are all in use (counted in "
+                                    "requests_in_flight too)",
                                     labels=["model"])
         memory = GaugeMetricFamily("llm_gateway_engine_memory_bytes",
                                    "Memory of the engine's cgroup (systemd's MemoryCurrent)",
@@ -279,7 +280,7 @@ class Snapshot:
                                   "Call records that could not be written",
                                   value=self.records_dropped)
         yield GaugeMetricFamily("llm_gateway_engines_running",
-                                "Engines holding a slot (starting, loading, ready, stopping)",
+                                "Engines holding a place (starting, loading, ready, stopping)",
                                 value=sum(1 for e in self.engines if e.state in
                                           ("starting", "loading", "ready", "stopping")))
         yield GaugeMetricFamily("llm_gateway_max_engines", "The configured max_engines",
@@ -288,7 +289,7 @@ class Snapshot:
                                 "Stopped engines whose unit waits, parked, for their next start",
                                 value=self.parked)
         kv = CounterMetricFamily("llm_gateway_kv_cache_operations",
-                                 "KV cache slot saves (at a stop) and restores (at a start)",
+                                 "KV cache saves (at a stop) and restores (at a start)",
                                  labels=["action", "result"])
         for action in ("save", "restore"):
             for result in ("ok", "failed"):

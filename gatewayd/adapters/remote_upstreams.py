@@ -1,4 +1,4 @@
-"""Remote upstreams, live: one HTTP client session each, health probes, request slots.
+"""Remote upstreams, live: one HTTP client session each, health probes, room for requests.
 
 The rules (which upstream, when it counts as down, the backoff) are core/upstreams.py's;
 this holds their state and does the I/O:
@@ -7,8 +7,8 @@ this holds their state and does the I/O:
   connect_timeout_s, then up to read_timeout_s between bytes);
 - a probe task per upstream: GET <url>/models (with its key), which both checks it
   and, where its models are not listed, discovers them;
-- request slots: take() picks the first upstream serving the name that is not down
-  and below its max_concurrency; release() gives the slot back;
+- room: take() picks the first upstream serving the name that is not down
+  and below its max_concurrency; release() gives the room back;
 - a reload swaps the set in place: an unchanged upstream keeps its session and state,
   a changed or removed one is closed once its last request has ended.
 """
@@ -165,7 +165,7 @@ class Remotes:
         return self._names.candidates(names)
 
     def take(self, names: Iterable[str], what: str) -> tuple[Remote, RemoteModel]:
-        """A request slot on the first upstream answering one of names that is not down
+        """Room for a request on the first upstream answering one of names that is not down
         and not full; what (the name asked for) goes into the refusals."""
         candidates = self._names.candidates(names)
         full: list[Remote] = []

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gatewayd.adapters.files import write_atomic
-from gatewayd.adapters.kv_cache import SlotCache
+from gatewayd.adapters.kv_cache import KvCache
 from gatewayd.adapters.parked_units import (
     ParkedUnit,
     ParkingLot,
@@ -93,19 +93,19 @@ class EngineUnitsBase:
     collected: bool   # unloaded once inactive (transient units, CollectMode=)
 
     def __init__(self, systemd: Systemd, config: GatewayConfig,
-                 slot_cache: SlotCache | None = None) -> None:
+                 kv_cache: KvCache | None = None) -> None:
         self._sd = systemd
         self._config = config
-        self._slot_cache = slot_cache
+        self._kv_cache = kv_cache
 
     def _slot_save_path(self, model: Model, layout: EngineLayout) -> str | None:
-        """The model's slot directory, ready for this engine (files another engine setup
+        """The model's KV cache directory, ready for this engine (files another engine setup
         wrote are dropped), or None: no KV cache kept, or the directory cannot be made."""
-        if self._slot_cache is None or not keeps_kv_cache(model):
+        if self._kv_cache is None or not keeps_kv_cache(model):
             return None
         stamp = settings_stamp(model, self._config)
         try:
-            return str(self._slot_cache.prepare(layout.instance, stamp))
+            return str(self._kv_cache.prepare(layout.instance, stamp))
         except OSError as e:
             log.warning("%s: no KV cache directory (%s); it runs without one", model.id, e)
             return None
@@ -189,8 +189,8 @@ class TransientEngineUnits(EngineUnitsBase):
     patterns = tuple(unit_patterns())
 
     def __init__(self, systemd: Systemd, config: GatewayConfig, *, manager: str,
-                 run_root: str, slot_cache: SlotCache | None = None) -> None:
-        super().__init__(systemd, config, slot_cache)
+                 run_root: str, kv_cache: KvCache | None = None) -> None:
+        super().__init__(systemd, config, kv_cache)
         self.manager = manager
         self._run_root = run_root
         self._lot = ParkingLot(config.state_dir / "parked", config.parked_engines)
@@ -224,7 +224,7 @@ class TransientEngineUnits(EngineUnitsBase):
 
     def _specs(self, model: Model, layout: EngineLayout) -> Callable[[str | None], UnitSpec]:
         """The model's unit for the given CUDA_VISIBLE_DEVICES; the engine binary and
-        the slot directory looked up once. On the system manager the engine runs as
+        the KV cache directory looked up once. On the system manager the engine runs as
         ENGINE_USER: a model or binary that user cannot read is a clear error here, not
         an engine that fails to load."""
         binary = resolve_binary(*server_binary(model, self._config))
@@ -320,7 +320,7 @@ class TransientEngineUnits(EngineUnitsBase):
         start's unit, running. Otherwise a parked unit is stopped first. Parked for this
         very model and configuration, it is that engine with no spec made again: the
         wake is the cold start's first step, and making and hashing the spec (the
-        engine's settings stamp, its slot directory) there would delay the engine's load
+        engine's settings stamp, its KV cache directory) there would delay the engine's load
         (docs/benchmarks.md, "Figures behind choices in the code")."""
         unit = layout.unit
         await self._lot.settled(unit)
@@ -384,16 +384,16 @@ class TemplateEngineUnits(EngineUnitsBase):
     patterns = (f"{UNIT_PREFIX}@*.service",)
 
     def __init__(self, systemd: Systemd, config: GatewayConfig,
-                 slot_cache: SlotCache | None = None) -> None:
-        super().__init__(systemd, config, slot_cache)
+                 kv_cache: KvCache | None = None) -> None:
+        super().__init__(systemd, config, kv_cache)
         self.settings_dir = config.state_dir / "engines"
 
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, template=True)
 
     def _slot_save_path(self, model: Model, layout: EngineLayout) -> str | None:
-        """The slot directory, shared with the engine's user through group llm-engine:
-        the engine writes its slot files there, the gateway counts and deletes them."""
+        """The KV cache directory, shared with the engine's user through group llm-engine:
+        llama-server writes its slot files there, the gateway counts and deletes them."""
         path = super()._slot_save_path(model, layout)
         if path is None:
             return None
@@ -498,7 +498,7 @@ def check_engine_can_read(model: Model, binary: str) -> None:
 
 
 def share_with_engines(directory: Path, group: str = ENGINE_USER) -> None:
-    """Hand a model's KV directory to the engines' group: 0770, so the engine writes its
+    """Hand a model's KV directory to the engines' group: 0770, so llama-server writes its
     slot files there (0660 and its group under its UMask=0007) and the gateway counts
     and deletes them. The group comes from the parent, kv-cache/, setgid 2710
     llm-gateway:llm-engine by the package's tmpfiles.d: the gateway never calls chown

@@ -40,12 +40,12 @@ def model_need_mib(model: Model, default_margin_mib: int,
     return required_mib(model.size_bytes, margin)
 
 
-def still_to_load_mib(state: EngineState, holds_slot: bool, estimate_mib: int,
+def still_to_load_mib(state: EngineState, holds_place: bool, estimate_mib: int,
                       measured_mib: int | None) -> int:
     """GPU memory an engine may still take beyond what NVML shows it holding: one that
-    holds a slot and is not ready (starting, loading, restarting, stopping) counts its
+    holds a place and is not ready (starting, loading, restarting, stopping) counts its
     estimate less what it holds (the ledger's "pending")."""
-    if not holds_slot or state is EngineState.READY:
+    if not holds_place or state is EngineState.READY:
         return 0
     return max(0, estimate_mib - (measured_mib or 0))
 
@@ -55,11 +55,11 @@ def check_admission(model_id: str, engines: Iterable[Engine], *, max_engines: in
     """placement: where the engine would go (None: no GPU, memory not checked)."""
     engines = list(engines)
     for engine in engines:
-        if engine.model_id == model_id and engine.holds_slot:
+        if engine.model_id == model_id and engine.holds_place:
             raise AlreadyRunning(
                 f"an engine for {model_id!r} is already {engine.state.value} "
                 f"({engine.unit})", model=model_id, state=engine.state.value, unit=engine.unit)
-    active = [e for e in engines if e.holds_slot]
+    active = [e for e in engines if e.holds_place]
     if len(active) >= max_engines:
         raise EngineLimitReached(
             f"{len(active)} engines are running, the limit (max_engines) is {max_engines}; "

@@ -69,7 +69,7 @@ class ModelConfig:
     kind: ModelKind | None = None        # None: from the GGUF header (whisper: audio)
     max_concurrency: int | None = None   # requests served at once; above: 429
     queue_limit: int | None = None       # requests waiting for it; above: 503
-    kv_cache_save: bool = True           # llama chat engines: slots saved at a stop,
+    kv_cache_save: bool = True           # llama chat engines: KV cache saved at a stop,
                                          # restored at the next start (adapters/kv_cache)
     spill_over: bool = False             # when it cannot take a request within its wait,
                                          # an upstream serving one of its names does
@@ -102,7 +102,7 @@ class GatewayConfig:
     default_model: str | None = None
     autoload: bool = True                # a request for a stopped model starts it
     eviction_wait_s: float = 30.0        # how long a start waits for room to free up
-    kv_cache_max_mb: int = 4096          # saved slot files per model, oldest removed first
+    kv_cache_max_mb: int = 4096          # saved KV cache per model, oldest files removed first
     queue_limit: int = 100               # default per-model queue limit
     max_body_bytes: int = 256 * 1024 * 1024
     # an answer read whole (not streamed) past this: 502 answer_too_large; one streamed

@@ -122,7 +122,7 @@ def engine_fingerprint(model: Model, config: GatewayConfig) -> tuple[object, ...
 
 
 def keeps_kv_cache(model: Model) -> bool:
-    """Its slots are saved at a stop and restored at the next start: llama chat engines
+    """Its KV cache is saved at a stop and restored at the next start: llama chat engines
     (embedding and rerank engines keep no conversation worth a file), unless the model
     says kv_cache_save = false."""
     return (model.backend is Backend.LLAMA and model.kind is ModelKind.CHAT
@@ -341,7 +341,7 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         # is recreated on every start, but not for systemd's own restart of a crashed
         # engine after a daemon-reexec. (As ExecStopPost it would cost the cold start
         # nothing, but a crash then passes through deactivating/stop-post, which reads
-        # as a stop: the slot freed while systemd restarts the engine. Tried, reverted.)
+        # as a stop: the place freed while systemd restarts the engine. Tried, reverted.)
         # (Inside the sandbox, so a unit being parked takes noticeably longer to reach its
         # wait on a loaded host, docs/benchmarks.md, "Figures behind choices in the code";
         # a privileged ExecStartPreEx= would not, but systemd 252 loses those at a

@@ -13,7 +13,7 @@
 Unit facts arrive as UnitChanged events built from systemd's PropertiesChanged
 signals (ActiveState, SubState, MainPID, NRestarts, ExecMainCode/Status, Result),
 so a crash is seen the moment systemd sees it. While systemd restarts an engine
-(Restart=on-failure) the engine is *restarting*: it keeps its slot, and whoever
+(Restart=on-failure) the engine is *restarting*: it keeps its place, and whoever
 waits for it waits on, as for a cold start. The process that died is remembered
 (`dead_pid`): its own late signals (its "active" before the kill lands, its exit)
 are never read as the restarted process's; only a new process running again
@@ -41,19 +41,19 @@ class EngineState(StrEnum):
 
 
 # States in which an engine's unit exists and holds (or is about to hold) memory.
-SLOT_STATES = frozenset({EngineState.STARTING, EngineState.LOADING, EngineState.READY,
+PLACE_STATES = frozenset({EngineState.STARTING, EngineState.LOADING, EngineState.READY,
                          EngineState.RESTARTING, EngineState.STOPPING})
 # States whose waiters wait on: the engine is on its way to ready.
 COMING_STATES = frozenset({EngineState.STARTING, EngineState.LOADING,
                            EngineState.RESTARTING})
 
 
-def holds_slot(state: EngineState, exit_unconfirmed: bool = False) -> bool:
-    """The one definition of "holds one of the max_engines slots": the unit exists and
+def holds_place(state: EngineState, exit_unconfirmed: bool = False) -> bool:
+    """The one definition of "holds one of the max_engines places": the unit exists and
     runs or will run again — starting, loading, ready, restarting (Restart=on-failure:
     its unit is still there), stopping — or a signal said it ended and systemd has not
     confirmed that yet."""
-    return exit_unconfirmed or state in SLOT_STATES
+    return exit_unconfirmed or state in PLACE_STATES
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Engine:
     ready_since: float | None = None    # monotonic time it last became ready
     failure: Failure | None = None
     adopted: bool = False
-    # A signal (not our stop) said the unit ended. Until systemd confirms it, the slot
+    # A signal (not our stop) said the unit ended. Until systemd confirms it, the place
     # stays counted: a late or reordered signal must never let a start exceed max_engines.
     exit_unconfirmed: bool = False
     devices: tuple[str, ...] = ()       # the GPUs it was placed on (UUIDs); (): all / none
@@ -108,8 +108,8 @@ class Engine:
         return self.state is EngineState.RESTARTING
 
     @property
-    def holds_slot(self) -> bool:
-        return holds_slot(self.state, self.exit_unconfirmed)
+    def holds_place(self) -> bool:
+        return holds_place(self.state, self.exit_unconfirmed)
 
 
 # -- events ----------------------------------------------------------------------
@@ -261,8 +261,8 @@ def apply(engine: Engine, event: Event) -> Engine:
             return replace(engine, failure=replace(engine.failure, log_tail=lines))
         case UnitChanged():
             new = _unit_changed(engine, event)
-            if engine.holds_slot and not new.holds_slot:
-                # a signal alone never frees a slot: it may be late or out of order (the
+            if engine.holds_place and not new.holds_place:
+                # a signal alone never frees a place: it may be late or out of order (the
                 # creation's "inactive" can even arrive while our stop waits its turn);
                 # our stop's end (UnitGone) or systemd's answer (Reconciled) does
                 new = replace(new, exit_unconfirmed=True)
@@ -426,7 +426,7 @@ def _reconciled(engine: Engine, ev: Reconciled) -> Engine:
         return _to(engine, EngineState.LOADING, ev.now, main_pid=pid, ready_since=None,
                    restarts=ev.n_restarts, failure=None)
     if ev.active_state == "deactivating":
-        # going away, not gone: it keeps its slot (and a new start waits) until systemd
+        # going away, not gone: it keeps its place (and a new start waits) until systemd
         # says inactive or the unit is gone
         return _to(engine, EngineState.STOPPING, ev.now, ready_since=None)
     if s is EngineState.FAILED:

@@ -74,8 +74,8 @@ class UnitControl(Protocol):
     def watch(self, callback: UnitWatcher) -> Callable[[], None]: ...
 
 
-class SlotStore(Protocol):
-    """An engine's KV cache kept across its stop (llama-server slot files). Neither call
+class KvCacheStore(Protocol):
+    """An engine's KV cache kept across its stop (llama-server's slot files). Neither call
     raises: a failure is logged and counted, and the stop or start goes on without it."""
 
     @property
@@ -84,15 +84,15 @@ class SlotStore(Protocol):
         ...
 
     async def save(self, model_id: str, socket: str, instance: str) -> int:
-        """Save the used slots of the ready engine at socket; how many were saved."""
+        """Save the KV cache of the ready engine at socket; how many parallel slots."""
         ...
 
     async def restore(self, model_id: str, socket: str, instance: str) -> int:
-        """Restore the saved slots into the engine at socket; tokens restored."""
+        """Restore the saved KV cache into the engine at socket; tokens restored."""
         ...
 
     def prune(self, keep: Collection[str]) -> list[str]:
-        """Delete the saved slots of every engine instance not in keep; the instances
+        """Delete the saved KV cache of every engine instance not in keep; the instances
         deleted. Blocking (the file system): run it off the event loop."""
         ...
 

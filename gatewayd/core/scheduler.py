@@ -5,7 +5,7 @@ functions, and carries out the answer (stop a victim, mark one draining, start
 an engine, wait). Because a decision never awaits, nothing can change under it:
 no locks.
 
-Who gets the next slot: models waiting for room form one line, in the order
+Who gets the next place: models waiting for room form one line, in the order
 their first request arrived (FIFO across models, as llama-swap does). Only the
 model at the head may make room; the ones behind it may take room that is
 already free only if it is more than the models ahead of them need.
@@ -17,7 +17,7 @@ How room is made, at the head of the line:
 2. if none can go now, *drain* the least recently used ready, unpinned engine:
    its in-flight requests finish (never preempted), its new requests queue
    behind the waiting model, and once it serves nobody it is evicted (1.).
-   Without this a model waiting for a slot under continuous load on the others
+   Without this a model waiting for a place under continuous load on the others
    would wait until an engine happens to be idle: starvation.
 One victim at a time; the dispatcher waits for its memory to come back before
 deciding again.
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gatewayd.core.budget import still_to_load_mib
-from gatewayd.core.engines import EngineState, holds_slot
+from gatewayd.core.engines import EngineState, holds_place
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class Usage:
         return devices is None or not self.devices or not devices.isdisjoint(self.devices)
 
     @property
-    def holds_slot(self) -> bool:
-        return holds_slot(self.state, self.exit_unconfirmed)
+    def holds_place(self) -> bool:
+        return holds_place(self.state, self.exit_unconfirmed)
 
     def why_not_evictable(self) -> str | None:
         """Why this engine may not be stopped now (None: it may)."""
@@ -81,7 +81,7 @@ class Usage:
         if self.state is not EngineState.READY:
             return self._state_text()
         if self.queued and not self.draining:
-            # requests woken by its load, about to take their slots: each load serves
+            # requests woken by its load, about to take their turns: each load serves
             # the requests that waited for it, so swapping always makes progress
             return f"awaited by {self.queued} request(s)"
         return None
@@ -142,26 +142,26 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     free_mib is a fresh reading of free GPU memory on the devices placement chose
     (None: no GPU, memory not checked); devices: those devices (UUIDs), where memory
     is made room on: short of memory only, victims are the engines on them (short
-    of slots, any engine); ahead is how many models are before this one in the line
+    of places, any engine); ahead is how many models are before this one in the line
     for room.
     """
-    others = [u for u in usages if u.model_id != model_id and u.holds_slot]
-    free_slots = max_engines - len(others)
+    others = [u for u in usages if u.model_id != model_id and u.holds_place]
+    free_places = max_engines - len(others)
     memory_short = free_mib is not None and need_mib > free_mib
     if ahead:
-        # the models ahead come first; a slot beyond what they need may be taken
+        # the models ahead come first; a place beyond what they need may be taken
         # (memory may not: what they need is not known here)
-        if free_slots > ahead and free_mib is None:
+        if free_places > ahead and free_mib is None:
             return Fits()
         return Wait(f"{ahead} model(s) ahead in the line for room")
-    if free_slots > 0 and not memory_short:
+    if free_places > 0 and not memory_short:
         return Fits()
-    slots_short = free_slots <= 0
-    limit = "engine_limit" if slots_short else "gpu_memory"
-    why = ("max_engines reached" if slots_short else
+    places_short = free_places <= 0
+    limit = "engine_limit" if places_short else "gpu_memory"
+    why = ("max_engines reached" if places_short else
            f"needs {need_mib} MiB, {free_mib} MiB free")
     # short of memory, only an engine on the chosen devices frees what is missing
-    candidates = others if slots_short else [u for u in others if u.on(devices)]
+    candidates = others if places_short else [u for u in others if u.on(devices)]
     victims = sorted((u for u in candidates if u.why_not_evictable() is None),
                      key=lambda u: u.last_used)
     if victims:
@@ -185,7 +185,7 @@ class Ledger:
     """GPU memory, accounted for. All MiB.
 
     held     = Σ measured use of the engines' processes (NVML per process; 0 where unknown)
-    pending  = Σ over engines holding a slot that are not ready (starting, loading,
+    pending  = Σ over engines holding a place that are not ready (starting, loading,
                restarting, stopping) of max(0, estimate - measured): memory a load will
                still take, which NVML's free figure does not show yet; a stopping engine
                counts until it is gone (it may have been loading, or hold what it
@@ -208,7 +208,7 @@ class Ledger:
 def memory_ledger(total_mib: int, free_mib: int, usages: Iterable[Usage]) -> Ledger:
     held = pending = 0
     for u in usages:
-        if not u.holds_slot:
+        if not u.holds_place:
             continue
         held += u.measured_mib or 0
         pending += still_to_load_mib(u.state, True, u.estimate_mib, u.measured_mib)

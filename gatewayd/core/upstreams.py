@@ -9,10 +9,10 @@ name like a local one, through the same relay, into the same records.
 Which answers a name (adapters/remote_upstreams.py holds the live state):
 - a local model of that name is preferred; it goes remote only when it opted in
   (`spill_over = true`) and cannot take the request within its own wait (queue
-  full, no memory, no slot, start failed) — then to an upstream serving one of
+  full, no memory, no place, start failed) — then to an upstream serving one of
   its names;
 - otherwise the upstreams serving that name, in configuration order: the first
-  that is not known to be down and has a free request slot.
+  that is not known to be down and has room for another request.
 
 Health: each upstream is probed (its /models) every `health_interval_s` while up.
 A failed probe, or a request that could not connect, marks it down: requests for

@@ -236,7 +236,7 @@ def _gpu_memory(request: web.Request) -> dict[str, Any]:
     if devices is None:
         return {"gpu_memory_mib": None, "gpu_devices": None, "gpu_error": None}
     ledger = scheduler.memory_ledger(*placement.total(devices), _uses(request).values())
-    engines = [e for e in mgr.engines() if e.holds_slot]
+    engines = [e for e in mgr.engines() if e.holds_place]
     return {"gpu_error": None, "gpu_memory_mib": {
         "total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines": ledger.held_mib,
         "pending_loads": ledger.pending_mib, "external": ledger.external_mib,

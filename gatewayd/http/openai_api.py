@@ -309,7 +309,7 @@ class Call:
 
 async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: bool,
                       inference: bool) -> web.StreamResponse:
-    """To the model's engine; its slot (taken by acquire) is given back at the end."""
+    """To the model's engine; its turn (taken by acquire) is given back at the end."""
     request = call.request
     try:
         body, path = call.body, call.target

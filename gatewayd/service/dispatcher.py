@@ -1,13 +1,13 @@
 """On-demand scheduling: who gets an engine, who waits, who makes room.
 
-The request path: a ready engine that is not draining → take a slot (slots.py;
+The request path: a ready engine that is not draining → take a turn (turns.py;
 429 above max_concurrency). Otherwise the request waits in its model's queue
 (FIFO, 503 above the queue limit) while that model's one loader (loader.py)
 makes room and starts the engine; the loader wakes the queue with the result.
 A waiter whose client leaves just leaves the queue. Idle engines past their
 TTL are stopped by the reaper (reaper.py).
 
-Taking a slot and choosing a victim are both synchronous: a request that was
+Taking a turn and choosing a victim are both synchronous: a request that was
 handed an engine keeps it until it releases it, because a victim must serve
 nobody at the moment it is chosen, and from that moment (its stop marks it
 `stopping` before any await) no request is handed it.
@@ -28,7 +28,7 @@ from gatewayd.core.ports import GpuProbe
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.loader import Changes, Loader
 from gatewayd.service.reaper import IdleReaper
-from gatewayd.service.slots import QueueListener, Slots
+from gatewayd.service.turns import QueueListener, Turns
 
 
 class Dispatcher:
@@ -39,10 +39,10 @@ class Dispatcher:
         self._gpu = gpu
         self._config = config
         self._clock = clock
-        self._slots = Slots(clock)
+        self._turns = Turns(clock)
         self._changes = Changes(clock)
         self._loader = Loader(engines, catalog=catalog, gpu=gpu, config=config,
-                              slots=self._slots, usages=self.usages, changes=self._changes,
+                              turns=self._turns, usages=self.usages, changes=self._changes,
                               clock=clock)
         self._reaper = IdleReaper(engines, catalog, self.usages, clock)
         engines.subscribe(self._on_engine_change)
@@ -63,10 +63,10 @@ class Dispatcher:
         model = self._catalog.get(model_id)
         while True:
             engine = self._engines.get(model_id)
-            use = self._slots.use(model_id)
+            use = self._turns.use(model_id)
             if engine is not None and engine.state is EngineState.READY and (
                     not use.draining or not autoload):
-                self._slots.take(model_id, limit=model.config.max_concurrency if model
+                self._turns.take(model_id, limit=model.config.max_concurrency if model
                                  else None, counts_as_use=counts_as_use)
                 return engine
             state = engine.state.value if engine else EngineState.STOPPED.value
@@ -79,13 +79,13 @@ class Dispatcher:
                     retry_after=1 if engine is not None and engine.state in COMING_STATES
                     else None)
             limit = model.config.queue_limit
-            waiter = self._slots.enqueue(
+            waiter = self._turns.enqueue(
                 model_id, self._config.queue_limit if limit is None else limit)
             self._loader.ensure(model)
             try:
-                await waiter          # room made and engine ready (take a slot above), or why not
+                await waiter          # room made and engine ready (take a turn above), or why not
             finally:
-                self._slots.leave(model_id, waiter)
+                self._turns.leave(model_id, waiter)
 
     async def unreachable(self, engine: Engine) -> bool:
         """The engine's socket refused a request that reached no process: whether it is
@@ -93,7 +93,7 @@ class Dispatcher:
         return await self._engines.unreachable(engine.model_id, engine.main_pid)
 
     def release(self, model_id: str, *, counts_as_use: bool = True) -> None:
-        if self._slots.release(model_id, counts_as_use=counts_as_use):
+        if self._turns.release(model_id, counts_as_use=counts_as_use):
             self._changes.notify()
 
     # -- state ---------------------------------------------------------------------------
@@ -102,7 +102,7 @@ class Dispatcher:
         per_process = self._gpu.process_mib()
         rows = []
         for engine in self._engines.engines():
-            use = self._slots.peek(engine.model_id)
+            use = self._turns.peek(engine.model_id)
             model = self._catalog.get(engine.model_id)
             rows.append(scheduler.Usage(
                 model_id=engine.model_id, state=engine.state,
@@ -121,23 +121,23 @@ class Dispatcher:
 
     def serves(self, model_id: str) -> bool:
         """Requests in flight or queued for model_id."""
-        use = self._slots.peek(model_id)
+        use = self._turns.peek(model_id)
         return use is not None and (use.in_flight > 0 or bool(use.waiters))
 
     def subscribe_queue(self, listener: QueueListener) -> Callable[[], None]:
         """listener(model, depth) whenever a model's queue depth changes."""
-        return self._slots.subscribe(listener)
+        return self._turns.subscribe(listener)
 
     def enforce_limit(self) -> None:
         """More engines than max_engines (the reconciler found some): evict the surplus."""
         self._loader.enforce_limit()
 
     def _on_engine_change(self, old: Engine, new: Engine) -> None:
-        if old.state is new.state and old.holds_slot == new.holds_slot:
-            return   # (a slot freed without a change of state: an exit confirmed, a stop done)
-        use = self._slots.peek(new.model_id)
+        if old.state is new.state and old.holds_place == new.holds_place:
+            return   # (a place freed without a change of state: an exit confirmed, a stop done)
+        use = self._turns.peek(new.model_id)
         if new.state is EngineState.READY:
-            use = self._slots.use(new.model_id)
+            use = self._turns.use(new.model_id)
             use.last_used = use.last_used or self._clock()
         elif use is not None and old.state is EngineState.READY:
             use.draining_for = None   # it left service: nothing more to drain

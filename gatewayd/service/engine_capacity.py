@@ -4,7 +4,7 @@ Need: learned once an engine of the same setup was measured (NVML per process,
 kept by adapters/learned_memory), estimated from the files before. Placement
 is core/placement.py on a fresh reading of every device; admission is
 core/budget.py. Synchronous: a start admits and registers without an await in
-between, so two starts cannot both take the last slot.
+between, so two starts cannot both take the last place.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class EngineCapacity:
         placed = []
         for engine in self._registry.engines():
             other = self._catalog.get(engine.model_id)
-            if other is None or not engine.holds_slot or engine.model_id == model.id:
+            if other is None or not engine.holds_place or engine.model_id == model.id:
                 continue
             need, held = self.need_mib(other), per_process.get(engine.main_pid)
             placed.append(placement.Placed(

@@ -11,7 +11,7 @@ loaded). A stop marks the engine `stopping` *before* it waits for the lock, so
 from that moment no request is handed the engine; a start checks admission only
 once it holds the lock, so it sees what the stop left. Within the lock,
 admission and registration do not await, so two starts of different models
-cannot both take the last slot.
+cannot both take the last place.
 
 State comes from three sources, all turned into `engines` events in the
 registry (service/engine_registry.py):
@@ -290,7 +290,7 @@ class EngineLifecycle:
         return engine is not None and engine.state in COMING_STATES
 
     async def _confirm_exit(self, model_id: str) -> None:
-        """A signal said the unit ended (not our stop): ask systemd before the slot is
+        """A signal said the unit ended (not our stop): ask systemd before the place is
         released. Real D-Bus keeps one connection's signals in order, so this is one
         round trip per engine exit that confirms; it guards against the lost or late one."""
         engine = self._registry.get(model_id)

@@ -30,8 +30,8 @@ from gatewayd.core.ports import (
     GpuProbe,
     HealthProbe,
     JournalReader,
+    KvCacheStore,
     MemoryBook,
-    SlotStore,
     UnitControl,
 )
 from gatewayd.service.engine_capacity import EngineCapacity
@@ -44,7 +44,7 @@ from gatewayd.service.failure_logs import FailureLogs
 class EngineManager:
     def __init__(self, *, catalog: Catalog, config: GatewayConfig, units: UnitControl,
                  health: HealthProbe, gpu: GpuProbe, journal: JournalReader,
-                 desired: DesiredList, slots: SlotStore | None = None,
+                 desired: DesiredList, kv_cache: KvCacheStore | None = None,
                  learned: MemoryBook | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog   # shared, replaced in place by a reload
@@ -55,7 +55,7 @@ class EngineManager:
         self._registry = EngineRegistry(clock)
         self._capacity = EngineCapacity(catalog=catalog, config=config, gpu=gpu,
                                         learned=learned, registry=self._registry)
-        self._hooks = EngineHooks(catalog, units, slots)
+        self._hooks = EngineHooks(catalog, units, kv_cache)
         self._logs = FailureLogs(journal, self._registry)
         self._lifecycle = EngineLifecycle(
             catalog=catalog, config=config, units=units, health=health, desired=desired,
@@ -101,7 +101,7 @@ class EngineManager:
 
     @property
     def last_release(self) -> float | None:
-        """When an engine last gave up its slot (its GPU memory shows as free later)."""
+        """When an engine last gave up its place (its GPU memory shows as free later)."""
         return self._registry.last_release
 
     @property

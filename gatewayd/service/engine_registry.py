@@ -4,7 +4,7 @@ Every change of an engine is an `engines` event applied here (the state machine
 is core/engines.py): systemd's signals (merged per unit, because the Unit and
 Service interfaces signal separately), what systemd says when asked, and the
 gateway's own operations. A change is counted (the retry backoff, the last
-release of a slot), goes to the subscribers in order, is logged, and goes last
+release of a place), goes to the subscribers in order, is logged, and goes last
 to the lifecycle's own follow-up (service/engine_lifecycle.py). Nothing here
 awaits, except a waiter for an engine to be ready.
 """
@@ -47,7 +47,7 @@ class EngineRegistry:
         self._waiters: dict[str, list[asyncio.Future[Engine]]] = {}
         self._failures: dict[str, tuple[int, float]] = {}   # model -> (in a row, retry at)
         self._state_since: dict[str, float] = {}   # model -> when it entered its state
-        self.last_release: float | None = None   # when an engine last gave up its slot
+        self.last_release: float | None = None   # when an engine last gave up its place
 
     # -- queries ---------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class EngineRegistry:
             main_pid=info.main_pid if info else 0, n_restarts=info.n_restarts if info else 0))
 
     def _changed(self, old: Engine, new: Engine) -> None:
-        if old.holds_slot and not new.holds_slot:
+        if old.holds_place and not new.holds_place:
             self.last_release = self._clock()   # its GPU memory shows as free a bit later
         if new.state is EngineState.READY:
             self._failures.pop(new.model_id, None)

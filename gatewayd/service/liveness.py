@@ -6,7 +6,7 @@ active and its socket open: systemd sees nothing wrong, and requests relayed to
 it wait out read_timeout_s (10 minutes by default). So every ready engine is
 asked GET /health every `health.interval_s`; an answer of any status within
 `health.timeout_s` counts as alive (llama-server answers /health from its HTTP
-threads even while every slot generates). After `health.misses` missing answers
+threads even while every parallel slot generates). After `health.misses` missing answers
 in a row from the same process, the engine is marked failed with the reason and
 its unit is sent SIGKILL: systemd restarts it (Restart=on-failure), its
 requests in flight end with an error, and requests that wait are served by the

@@ -1,7 +1,7 @@
 """Loading: one loader task per model makes room and starts its engine.
 
 A model whose engine is not ready gets a loader when its first request queues
-(the queue itself is in slots.py). Loaders stand in one line, in the order they
+(the queue itself is in turns.py). Loaders stand in one line, in the order they
 were created (FIFO across models). Each asks the pure scheduler
 (core.scheduler.plan_start) what to do with a fresh snapshot and carries out the
 answer: start; evict one victim and wait for its memory to show as free; mark
@@ -36,7 +36,7 @@ from gatewayd.core.errors import (
 from gatewayd.core.placement import Placement, total
 from gatewayd.core.ports import GpuProbe
 from gatewayd.service.engine_manager import EngineManager
-from gatewayd.service.slots import Slots
+from gatewayd.service.turns import Turns
 
 log = logging.getLogger("gatewayd.dispatcher")
 MEMORY_SETTLE_S = 10.0   # how long a stopped engine's GPU memory may take to show as free
@@ -46,7 +46,7 @@ LOOK_AGAIN_S = 0.01   # never spin: a retry always yields to the event loop firs
 
 
 class Changes:
-    """Wakes whoever waits for "something changed" (an engine state, a slot freed)."""
+    """Wakes whoever waits for "something changed" (an engine state, a place freed)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -68,13 +68,13 @@ class Changes:
 class Loader:
     def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
                  config: GatewayConfig,
-                 slots: Slots, usages: Callable[[], list[scheduler.Usage]],
+                 turns: Turns, usages: Callable[[], list[scheduler.Usage]],
                  changes: Changes, clock: Callable[[], float]) -> None:
         self._engines = engines
         self._catalog = catalog
         self._gpu = gpu
         self._config = config
-        self._slots = slots
+        self._turns = turns
         self._usages = usages
         self._changes = changes
         self._clock = clock
@@ -95,8 +95,8 @@ class Loader:
             if other == model_id:
                 break
             engine = self._engines.get(other)
-            use = self._slots.peek(other)
-            if engine is None or not engine.holds_slot or engine.state is EngineState.STOPPING \
+            use = self._turns.peek(other)
+            if engine is None or not engine.holds_place or engine.state is EngineState.STOPPING \
                     or (engine.state is EngineState.READY and use is not None and use.draining):
                 count += 1
         return count
@@ -127,11 +127,11 @@ class Loader:
             self._tasks.pop(model.id, None)
             with contextlib.suppress(ValueError):
                 self._line.remove(model.id)
-            for use in self._slots.uses().values():   # room no longer wanted
+            for use in self._turns.uses().values():   # room no longer wanted
                 if use.draining_for == model.id:
                     use.draining_for = None
             self._changes.notify()
-        self._slots.wake(model.id, error)
+        self._turns.wake(model.id, error)
 
     async def _make_room_and_start(self, model: Model) -> None:
         need = self._engines.need_mib(model)
@@ -139,14 +139,14 @@ class Loader:
         give_up = deadline + self._config.load_timeout_s
         engines = self._engines
         while True:
-            if not self._slots.queued(model.id):
+            if not self._turns.queued(model.id):
                 return   # every client left: nothing to make room for
             if self._clock() >= give_up:
                 waited = self._config.eviction_wait_s + self._config.load_timeout_s
                 raise EngineFailed(f"{model.id!r} was not ready within {waited:g}s",
                                    retry_after=5, model=model.id)
             engine = engines.get(model.id)
-            use = self._slots.use(model.id)
+            use = self._turns.use(model.id)
             if engine is not None and engine.state is EngineState.READY:
                 if not use.draining:
                     return
@@ -193,7 +193,7 @@ class Loader:
                     await self._evict(victim, reason, room_for=need)
                 case scheduler.Drain(victim, reason):
                     log.info("draining %s (%s)", victim, reason)
-                    self._slots.use(victim).draining_for = model.id
+                    self._turns.use(victim).draining_for = model.id
                 case scheduler.Wait(why):
                     await self._wait(deadline, model, why)
                 case scheduler.Blocked(limit, holders):
@@ -210,7 +210,7 @@ class Loader:
             holders = tuple(
                 (u.model_id, (u.why_not_evictable() or "idle")
                  + (", draining" if u.draining else ""))
-                for u in self._usages() if u.holds_slot and u.model_id != model.id)
+                for u in self._usages() if u.holds_place and u.model_id != model.id)
             raise self._no_room(model, "engine_limit", holders, 0, None, why=why)
         await self._changes.wait(deadline)
 
@@ -220,7 +220,7 @@ class Loader:
         wait_s = self._config.eviction_wait_s
         if limit == "engine_limit" or where is None:
             return EngineLimitReached(
-                f"no engine slot for {model.id!r} within {wait_s:g}s"
+                f"no engine place for {model.id!r} within {wait_s:g}s"
                 + (f" ({why})" if why else "") + ": max_engines is "
                 f"{self._config.max_engines}, held by {held}",
                 retry_after=5, running=[m for m, _ in holders])
@@ -242,7 +242,7 @@ class Loader:
         except GatewayError as e:
             log.warning("evicting %s failed: %s", victim, e.message)
         finally:
-            if (use := self._slots.peek(victim)) is not None:
+            if (use := self._turns.peek(victim)) is not None:
                 use.draining_for = None
         if before is not None:   # wait until its memory really shows as free
             model = self._catalog.get(victim)
@@ -275,7 +275,7 @@ class Loader:
         deadline = self._clock() + self._config.eviction_wait_s
         while self._clock() < deadline:
             usages = self._usages()
-            holders = [u for u in usages if u.holds_slot]
+            holders = [u for u in usages if u.holds_place]
             if len(holders) <= self._config.max_engines:
                 return
             victims = sorted((u for u in holders if u.why_not_evictable() is None),

@@ -59,7 +59,7 @@ async def restore(engines: EngineManager) -> None:
     preload = [m.id for m in engines.catalog if m.config.preload]
     for model_id in [*desired, *(p for p in preload if p not in desired)]:
         current = engines.get(model_id)
-        if current is not None and current.holds_slot:
+        if current is not None and current.holds_place:
             continue
         if model_id not in engines.catalog:
             log.warning("restore: %r is no longer in the catalog; skipped", model_id)
@@ -131,7 +131,7 @@ class Reconciler:
             if after is not None and after.state is not engine.state:
                 changes.append(f"{model_id}: {engine.state.value} -> {after.state.value} "
                                f"(systemd: {info.active_state if info else 'no unit'})")
-        if sum(1 for e in mgr.engines() if e.holds_slot) > mgr.config.max_engines:
+        if sum(1 for e in mgr.engines() if e.holds_place) > mgr.config.max_engines:
             changes.append("more engines than max_engines: evicting the surplus")
             self._on_over_limit()
         for change in changes:

@@ -123,7 +123,7 @@ async def _one_waits_the_next_is_refused(gw: Gateway) -> None:
     socket = gw.units.layout("c").socket
     gw.fakes["c"].slots = 1   # two connections at once
     assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
-    await _until(lambda: client.limit(socket) == 2, "the engine's slots were never learned")
+    await _until(lambda: client.limit(socket) == 2, "its parallel slots were never learned")
     streams = [asyncio.ensure_future(gw.client.post(   # ~2 s each, a token per 0.1 s
         "/v1/chat/completions", json=chat("c", prompt="slow 100", stream=True,
                                          max_tokens=20))) for _ in range(2)]

@@ -521,7 +521,7 @@ async def test_a_client_that_reads_nothing_for_read_timeout_s_is_dropped_and_let
         tmp_path: Path, relay: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream's client that takes no bytes for read_timeout_s while the gateway has some
     for it (a stuck or hostile reader) is cut off: the engine it held is let go (its
-    connection closed, the slot free), and the record says client_stalled."""
+    connection closed, the turn free), and the record says client_stalled."""
     _choose_relay(relay, monkeypatch)
     async for gw in _gateway(tmp_path, ("a",), read_timeout_s=1.0):
         body = json.dumps(chat("a", stream=True, prompt="pad 4000", max_tokens=6000)).encode()
@@ -720,7 +720,7 @@ async def test_a_get_never_autoloads(gw: Gateway) -> None:
     assert "start c" not in gw.units.log
 
 
-async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_here(
+async def test_connections_to_an_engine_are_limited_to_its_parallel_slots_the_rest_queue_here(
         gw: Gateway) -> None:
     """Once ready, an engine's /props total_slots (+ 1) bounds the gateway's connections to
     it: llama-server would queue the rest itself, its HTTP threads held by idle keep-alive
@@ -730,8 +730,8 @@ async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_
     gw.fakes["c"].slots = 2
     assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
     deadline = time.monotonic() + 5
-    while client.limit(socket) != 3:   # slots + 1, learned once it is ready
-        assert time.monotonic() < deadline, "the engine's slots were never learned"
+    while client.limit(socket) != 3:   # parallel slots + 1, learned once it is ready
+        assert time.monotonic() < deadline, "the engine's parallel slots were never learned"
         await asyncio.sleep(0.01)
     gw.fakes["c"].peak_in_flight = 0
     answers = await asyncio.gather(*(gw.client.post(
@@ -745,7 +745,7 @@ async def test_connections_to_an_engine_are_limited_to_its_slots_the_rest_queue_
     assert (await gw.client.get("/admin/metrics", params={"engines": "1"})).status == 200
 
 
-async def test_an_engines_slots_are_known_before_it_is_ready(gw: Gateway) -> None:
+async def test_an_engines_parallel_slots_are_known_before_it_is_ready(gw: Gateway) -> None:
     """The limit is learned before the engine is ready (not after, beside the first
     request): a burst that waited for the engine to start meets it at once."""
     client = gw.client.app[openai_api.FRONT].engine_client
@@ -777,7 +777,7 @@ async def test_a_request_that_waits_too_long_for_a_busy_engine_is_told_to_retry(
         assert (await gw.client.post("/v1/chat/completions", json=chat("c"))).status == 200
         deadline = time.monotonic() + 5
         while client.limit(socket) != 2:
-            assert time.monotonic() < deadline, "the engine's slots were never learned"
+            assert time.monotonic() < deadline, "the engine's parallel slots were never learned"
             await asyncio.sleep(0.01)
         streams = [asyncio.ensure_future(gw.client.post(   # ~2 s each, a token per 0.1 s
             "/v1/chat/completions", json=chat("c", prompt="slow 100", stream=True,
@@ -854,7 +854,7 @@ async def test_busy_and_full_answers_carry_retry_after(tmp_path: Path) -> None:
         resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
         assert resp.status == 429 and resp.headers["Retry-After"] == "1"
         assert (await resp.json())["error"]["code"] == "concurrency_limit"
-        await held.read()                                        # the slot is free again
+        await held.read()                                        # the turn is free again
         assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
         resp = await gw.client.post("/v1/chat/completions", json=chat("c"))
         assert resp.status == 503 and int(resp.headers["Retry-After"]) > 0
@@ -1016,7 +1016,7 @@ async def test_metrics_after_known_traffic(tmp_path: Path) -> None:
         assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 429
         await held.read()
         assert (await gw.client.post("/v1/chat/completions", json=chat("b"))).status == 200
-        # c is stopped and both slots are taken: starting it evicts the idle one (a)
+        # c is stopped and both places are taken: starting it evicts the idle one (a)
         assert (await gw.client.post("/v1/completions", json={
             "model": "c", "prompt": "x", "max_tokens": 2})).status == 200
         assert (await gw.client.post("/v1/chat/completions", json=chat("nope"))).status == 404

@@ -148,7 +148,7 @@ async def test_spill_over_only_when_the_local_model_cannot_take_it(
         # the local engine, ready and free, is preferred
         resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
         assert resp.headers["X-Request-Id"] == "a"
-        # its one slot taken by a slow stream: the next request goes to the upstream
+        # its one turn taken by a slow stream: the next request goes to the upstream
         slow = asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=chat(
             "a", prompt="slow 100", stream=True, max_tokens=10)))
         await until(lambda: _in_flight(gw))

@@ -50,10 +50,10 @@ def test_the_kv_cache_survives_a_stop_and_start(
     # the whole prompt but its last token came from the restored cache
     assert again["timings"]["cache_n"] >= prompt_tokens - 2, again["timings"]
     assert again["timings"]["prompt_n"] <= 2
-    journal_until("tiny-alpha: KV cache of 1 slot(s) saved", "-u", gw.unit)
+    journal_until("tiny-alpha: KV cache of 1 parallel slot(s) saved", "-u", gw.unit)
     journal_until("tiny-alpha: KV cache restored", "-u", gw.unit)
-    slot_dir = tmp_path / "state" / "kv-cache"
-    assert [p.name for p in slot_dir.glob("*/slot-*.bin")]
+    kv_dir = tmp_path / "state" / "kv-cache"
+    assert [p.name for p in kv_dir.glob("*/slot-*.bin")]
 
     complete(gw, "cold")
     restarted(gw, "cold")

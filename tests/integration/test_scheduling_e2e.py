@@ -52,7 +52,7 @@ def test_twenty_concurrent_requests_start_one_engine(gateway: GatewayService) ->
     assert unit_starts("llm-engine-tiny\\x2dgamma.service", cursor) == 1
 
 
-def test_cycling_three_models_in_two_slots_never_evicts_the_streaming_one(
+def test_cycling_three_models_in_two_places_never_evicts_the_streaming_one(
         gateway_factory: GatewayFactory, slow_model: Path) -> None:
     gw = gateway_factory(max_engines=2, extra=(
         f"[models.long]\npath = {toml_str(str(slow_model))}\nthreads = 1\n"))
@@ -74,7 +74,7 @@ def test_cycling_three_models_in_two_slots_never_evicts_the_streaming_one(
     reader.start()
     assert first_chunk.wait(30), "the stream did not start"   # long is busy from here
     for model in ("tiny-beta", "tiny-gamma", "tiny-beta", "tiny-gamma"):
-        assert ask(gw, model) == 2          # each needs the slot the other one holds
+        assert ask(gw, model) == 2          # each needs the place the other one holds
     assert reader.is_alive(), "the stream should still be running (a slow model)"
     reader.join(60)
     assert streamed and streamed[0] > 1000           # the stream ran to its end

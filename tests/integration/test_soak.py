@@ -1,10 +1,11 @@
 """The scheduler under sustained load (bench/soak, one minute): clients over more models
-than slots, some dropping their streams, against a socket-activated gateway whose engines
-are transient units. Every request is answered, never more engines run than slots, and the
-gateway's view of its engines matches systemd's. Speed is not asserted.
+than places (max_engines), some dropping their streams, against a socket-activated gateway
+whose engines are transient units. Every request is answered, never more engines run than
+places, and the gateway's view of its engines matches systemd's. Speed is not asserted.
 
 The soak boots its own container and drives it from the host, like bench/soak does:
-marker `container`. The sampler's rules are checked here too, without a container."""
+marker `container`. The sampler's rules are checked here too, without a container. (Spec's
+and Sampler's `slots` are bench/soak's: its --slots flag and its results' JSON key.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.harness.plugin import engine_binary, unavailable
 @pytest.mark.container
 @pytest.mark.engine
 @pytest.mark.slow
-def test_a_minute_of_load_over_three_models_in_two_slots() -> None:
+def test_a_minute_of_load_over_three_models_in_two_places() -> None:
     if reason := why_unavailable():
         unavailable(reason)
     spec = Spec(mode="transient", models=3, slots=2, concurrency=16, drop=0.25,
@@ -51,7 +52,7 @@ def test_unit_names_map_back_to_models() -> None:
     assert model_of("llm-engine@soak0.service") == "soak0"
 
 
-def test_more_active_units_than_slots_is_a_violation_every_sample() -> None:
+def test_more_active_units_than_places_is_a_violation_every_sample() -> None:
     s = Sampler(slots=2)
     units = {f"llm-engine-m{i}.service": "active" for i in range(3)}
     units["llm-engine-m3.service"] = "deactivating"          # not counted

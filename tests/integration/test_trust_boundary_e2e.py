@@ -2,7 +2,7 @@
 front of a real llama-server, tried with no key, another model's key, an inference key
 and an admin key, from a foreign Host and Origin, on every engine route of the route
 table and on paths spelled to slip past it. The witness is the engine itself: its slot
-folder stays empty and its slots untouched until an admin key asks."""
+files' folder stays empty and its parallel slots untouched until an admin key asks."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_no_caller_without_the_right_key_reaches_a_real_engine(
     assert "tiny-beta" not in gw.engines()
     assert slot_files(tmp_path) == before, "a refused request reached the engine"
 
-    # the witness can see: the admin key saves a slot, and the file is there
+    # the witness can see: the admin key saves a parallel slot, and the file is there
     status, body = send(gw, "POST", "/slots/0?action=save&model=tiny-alpha",
                         {"filename": "by-ops.bin"}, key=OPS)
     assert status == 200, body

@@ -36,7 +36,7 @@ class LedgerGpu:
 
     def devices(self) -> list[DeviceMemory]:
         assert self.mgr is not None
-        used = 103 * sum(1 for e in self.mgr.engines() if e.holds_slot)
+        used = 103 * sum(1 for e in self.mgr.engines() if e.holds_place)
         return [DeviceMemory(0, "GPU-0", "ledger", self.total, self.total - used)]
 
     def process_mib(self) -> dict[int, int] | None:
@@ -54,7 +54,7 @@ class PlacedGpus:
 
     def devices(self) -> list[DeviceMemory]:
         assert self.mgr is not None
-        engines = [e for e in self.mgr.engines() if e.holds_slot]
+        engines = [e for e in self.mgr.engines() if e.holds_place]
         return [DeviceMemory(i, f"GPU-{i}", f"Fake {i}", total,
                              total - sum(103 // len(e.devices) for e in engines
                                          if f"GPU-{i}" in e.devices))
@@ -76,7 +76,7 @@ async def use(d: Dispatcher, model: str) -> None:
         pass
 
 
-async def test_lru_idle_engine_is_evicted_when_slots_run_out(
+async def test_lru_idle_engine_is_evicted_when_places_run_out(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", "gatewayd.dispatcher")
     d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2)
@@ -120,7 +120,7 @@ async def test_a_start_waits_for_a_busy_engine_to_become_idle(tmp_path: Path) ->
     d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=1, eviction_wait_s=5)
     await d.acquire("a", autoload=True)                 # a busy
     wanted = asyncio.ensure_future(use(d, "b"))
-    while not d._slots.queued("b"):                    # b waits ...
+    while not d._turns.queued("b"):                    # b waits ...
         await asyncio.sleep(0.01)
     for _ in range(20):                                # ... through many loader turns
         await asyncio.sleep(0)
@@ -216,7 +216,7 @@ async def test_queue_limit_and_fair_wakeup(tmp_path: Path) -> None:
         async with d.serve("c", autoload=True):
             order.append(n)
     first = [asyncio.ensure_future(request(n)) for n in range(2)]
-    await _until(lambda: d._slots.queued("c") == 2)
+    await _until(lambda: d._turns.queued("c") == 2)
     with pytest.raises(QueueFull) as err:
         await d.acquire("c", autoload=True)
     assert err.value.status == 503 and err.value.retry_after
@@ -230,9 +230,9 @@ async def test_a_waiter_that_leaves_does_not_cancel_the_load(tmp_path: Path) -> 
     health.all_ready = False
     leaving = asyncio.ensure_future(use(d, "c"))
     staying = asyncio.ensure_future(use(d, "c"))
-    await _until(lambda: d._slots.queued("c") == 2)
+    await _until(lambda: d._turns.queued("c") == 2)
     leaving.cancel()
-    await _until(lambda: d._slots.queued("c") == 1)
+    await _until(lambda: d._turns.queued("c") == 1)
     health.all_ready = True
     await asyncio.wait_for(staying, 5)
     assert units.log == ["start c"]
@@ -291,7 +291,7 @@ async def _until(condition: Callable[[], bool], timeout: float = 5) -> None:
 async def test_a_request_for_a_model_being_parked_makes_room_meanwhile(
         tmp_path: Path) -> None:
     """The park of a's unit holds a's lifecycle; a request for a evicts b (b and c hold
-    the two slots) meanwhile, not once the park is over; then its start follows the park."""
+    the two places) meanwhile, not once the park is over; then its start follows the park."""
     mgr, units, _ = engine_manager_on_fakes(tmp_path, max_engines=2)
     d = dispatcher_for(mgr)
     parking, release = asyncio.Event(), asyncio.Event()

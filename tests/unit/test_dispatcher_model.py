@@ -13,7 +13,7 @@ every step:
 - first come, first served across models: a model asks for room when its first request
   queues (its loader joins the line, loader.py) and gets it when its loader starts its
   engine; no model gets room while one that asked before it still waits for room (its
-  request not ended), unless a slot beyond what those need is free and there is no GPU
+  request not ended), unless a place beyond what those need is free and there is no GPU
   (core/scheduler.py: what they need in memory is not known). Checked at every start, as
   it happens, not only between steps;
 and after the system settles, the gateway's view of every model equals systemd's.
@@ -132,7 +132,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         self._watch_the_line()
 
     def _in_flight(self, model_id: str) -> int:
-        use = self.dispatcher._slots.peek(model_id)
+        use = self.dispatcher._turns.peek(model_id)
         return use.in_flight if use else 0
 
     def _advance(self, seconds: float) -> None:
@@ -312,7 +312,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         running = self.systemd.running()
         for model in MODELS:
             engine = self.mgr.get(model)
-            ours = engine is not None and engine.holds_slot
+            ours = engine is not None and engine.holds_place
             assert ours == (model in running), (model, engine, running)
             if engine is not None and running.get(model) == "active":
                 assert engine.state in (EngineState.READY, EngineState.LOADING), engine
@@ -396,18 +396,18 @@ class DispatcherMachine(RuleBasedStateMachine):
         if not waiting:
             return
         free = self.max_engines - sum(1 for e in self.mgr.engines()
-                                      if e.holds_slot and e.model_id != model_id)
+                                      if e.holds_place and e.model_id != model_id)
         if self.gpu_fits is None and free > len(waiting):
-            return   # a slot beyond what the ones ahead need
+            return   # a place beyond what the ones ahead need
         self.overtaken.append(f"{model_id} got room at {self.loop.time():.3f} before "
-                              f"{waiting}, who asked before it ({free} slot(s) free)")
+                              f"{waiting}, who asked before it ({free} place(s) free)")
 
     def _waits_for_room(self, model_id: str) -> bool:
-        """No engine that holds a slot for it, or one on its way out (stopping, or ready
+        """No engine that holds a place for it, or one on its way out (stopping, or ready
         but draining: its new requests queue for the next instance)."""
         engine = self.mgr.get(model_id)
-        use = self.dispatcher._slots.peek(model_id)
-        return engine is None or not engine.holds_slot \
+        use = self.dispatcher._turns.peek(model_id)
+        return engine is None or not engine.holds_place \
             or engine.state is EngineState.STOPPING \
             or (engine.state is EngineState.READY and use is not None and use.draining)
 
@@ -467,7 +467,7 @@ def test_requests_queued_for_an_engine_that_crashes_wait_for_its_restart() -> No
                   ("check_ok", {"model": "a", "last": 5})])
 
 
-def test_a_restarting_engine_keeps_its_slot() -> None:
+def test_a_restarting_engine_keeps_its_place() -> None:
     run_scenario([("steady_load", {"model": "a", "seconds": 12.0}),
                   ("time_passes", {"seconds": 1.0}),
                   ("requests", {"model": "b", "hold": 0.0, "count": 1, "leave_after": None}),
@@ -494,8 +494,8 @@ def test_a_request_arriving_as_its_engine_is_chosen_for_eviction_keeps_it() -> N
                   ("check_ok", {"model": "a", "last": 1})])
 
 
-def test_a_stale_exit_signal_does_not_free_the_slot_of_the_next_instance() -> None:
-    """a's stop signals arrive after its next instance is running: the slot stays taken."""
+def test_a_stale_exit_signal_does_not_free_the_place_of_the_next_instance() -> None:
+    """a's stop signals arrive after its next instance is running: the place stays taken."""
     run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
                   ("time_passes", {"seconds": 1.0}),
                   ("signals_held_back", {"model": "a", "seconds": 1.5}),
@@ -535,9 +535,9 @@ def test_a_load_whose_unit_vanished_is_tried_again_and_the_line_moves_on() -> No
                   ("check_ok", {"model": "c", "last": 1})], max_engines=3, gpu_fits=1)
 
 
-def test_a_unit_listed_while_it_stops_keeps_its_slot_until_gone() -> None:
+def test_a_unit_listed_while_it_stops_keeps_its_place_until_gone() -> None:
     """a is stopped by hand and takes 5 s to exit (SIGTERM handling): a listing in that time
-    finds it deactivating. It still holds its slot: b waits until it is gone."""
+    finds it deactivating. It still holds its place: b waits until it is gone."""
     run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
                   ("time_passes", {"seconds": 1.0}),
                   ("stopped_by_hand", {"model": "a", "exit_s": 5.0}),
@@ -547,8 +547,8 @@ def test_a_unit_listed_while_it_stops_keeps_its_slot_until_gone() -> None:
 
 
 def test_models_are_served_in_the_order_they_asked_while_memory_comes_back() -> None:
-    """c asked before a. When b's slot frees, c waits for b's memory to show as free;
-    a must not take the slot meanwhile (enough memory shows for a, but c is first)."""
+    """c asked before a. When b's place frees, c waits for b's memory to show as free;
+    a must not take the place meanwhile (enough memory shows for a, but c is first)."""
     run_scenario([("steady_load", {"model": "b", "seconds": 12.0}),
                   ("time_passes", {"seconds": 1.0}),
                   ("requests", {"model": "c", "hold": 0.1, "count": 1, "leave_after": None}),
@@ -557,9 +557,9 @@ def test_models_are_served_in_the_order_they_asked_while_memory_comes_back() -> 
                   ("check_order", {"first": "c", "then": "a"})], gpu_fits=2)
 
 
-def test_a_slot_freed_by_an_exit_systemd_confirms_goes_to_the_waiting_model_at_once(
+def test_a_place_freed_by_an_exit_systemd_confirms_goes_to_the_waiting_model_at_once(
         ) -> None:
-    """b waits for a's slot; a is stopped by hand. The slot is free once systemd confirms
+    """b waits for a's place; a is stopped by hand. The place is free once systemd confirms
     the exit (no change of a's state then): b's loader hears it at once, not at its next
     periodic look."""
     run_scenario([("requests", {"model": "a", "hold": 4.0, "count": 1, "leave_after": None}),
@@ -640,7 +640,7 @@ def test_a_failed_model_is_tried_again_later() -> None:
 
 
 def test_shuffled_signals_never_let_a_start_exceed_max_engines() -> None:
-    """A reordered 'inactive' must not free the slot of a unit that still runs."""
+    """A reordered 'inactive' must not free the place of a unit that still runs."""
     for seed in range(20):
         run_scenario([("requests", {"model": "a", "hold": 0.0, "count": 1, "leave_after": None}),
                       ("time_passes", {"seconds": 0.02}),

@@ -270,7 +270,7 @@ async def test_nothing_there_fails_at_once_as_a_connect_error(tmp_path: Path) ->
     with pytest.raises(EngineConnectionError) as err:
         await client.request(str(tmp_path / "none.sock"), "GET", "/health", [], b"")
     assert err.value.connect and err.value.fresh
-    assert client.in_use(str(tmp_path / "none.sock")) == 0    # its slot was given back
+    assert client.in_use(str(tmp_path / "none.sock")) == 0    # its connection was given back
     await client.close()
 
 
@@ -372,7 +372,7 @@ def answers_once_released(engine: Engine, release: asyncio.Event) -> Handler:
 async def test_a_wait_for_a_connection_ends_after_the_queue_time_and_leaves_no_trace(
         engine: Engine) -> None:
     """All connections busy for queue_timeout_s: ConnectionsBusy, the waiter gone from the
-    queue, the slots as they were; the busy ones answer, and the next request gets one."""
+    queue, the connections as they were; the busy ones answer, and the next request gets one."""
     release = asyncio.Event()
     engine.handler = answers_once_released(engine, release)
     client = EngineClient(read_timeout_s=5, queue_timeout_s=0.2)

@@ -1,7 +1,8 @@
 """The gateway's own short exchanges with an engine (adapters/engine_wire/exchange.py) and what
 rides on them on the cold start's path: the KV cache restore (straight into the saved
-slots, no GET /slots first) and the slot count of an engine setup seen before (no GET
-/props). Scripted engines on real unix sockets, on both event loops the gateway runs on."""
+parallel slots, no GET /slots first) and the parallel slot count of an engine setup seen
+before (no GET /props). Scripted engines on real unix sockets, on both event loops the
+gateway runs on."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.adapters.engine_wire.client import EngineClient, learn_engine_slots
+from gatewayd.adapters.engine_wire.client import EngineClient, learn_parallel_slots
 from gatewayd.adapters.engine_wire.errors import EngineConnectionError
 from gatewayd.adapters.engine_wire.exchange import exchange
 from gatewayd.adapters.engine_wire.framing import AnswerParser
 from gatewayd.adapters.health import UnixHealthProbe
-from gatewayd.adapters.kv_cache import SlotCache
+from gatewayd.adapters.kv_cache import KvCache
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
@@ -113,13 +114,13 @@ async def test_no_engine_garbage_and_silence_are_errors_in_bounded_time(where: P
         dechunk(b"5\r\nhel")
 
 
-async def test_a_restore_goes_straight_to_the_saved_slots(where: Path) -> None:
-    """No GET /slots first (a round trip on the cold start's path); a slot the engine says
-    it does not have (400) drops its file, the others are restored and counted."""
-    cache = SlotCache(where / "kv", max_bytes=1 << 20)
-    slots = cache.prepare("m", "stamp")
+async def test_a_restore_goes_straight_to_the_saved_parallel_slots(where: Path) -> None:
+    """No GET /slots first (a round trip on the cold start's path); a parallel slot the engine
+    says it does not have (400) drops its file, the others are restored and counted."""
+    cache = KvCache(where / "kv", max_bytes=1 << 20)
+    directory = cache.prepare("m", "stamp")
     for slot_id in (0, 7):
-        (slots / f"slot-{slot_id}.bin").write_bytes(b"kv")
+        (directory / f"slot-{slot_id}.bin").write_bytes(b"kv")
 
     def answer(head: bytes) -> list[bytes]:
         if head.startswith(b"POST /slots/7"):
@@ -131,16 +132,17 @@ async def test_a_restore_goes_straight_to_the_saved_slots(where: Path) -> None:
     assert engine.seen == [
         'POST /slots/0?action=restore HTTP/1.1 {"filename": "slot-0.bin"}',
         'POST /slots/7?action=restore HTTP/1.1 {"filename": "slot-7.bin"}']
-    assert (slots / "slot-0.bin").exists() and not (slots / "slot-7.bin").exists()
+    assert (directory / "slot-0.bin").exists() and not (directory / "slot-7.bin").exists()
     assert cache.counts == {("restore", "ok"): 1}
 
     async with Scripted(str(where / "e.sock"),
                         lambda head: json_answer(500, {"error": {"message": "x"}})) as engine:
         assert await cache.restore("m", engine.path, "m") == 0   # failed: counted, not raised
-    assert (slots / "slot-0.bin").exists() and cache.counts[("restore", "failed")] == 1
+    assert (directory / "slot-0.bin").exists() and cache.counts[("restore", "failed")] == 1
 
 
-async def test_an_engine_setup_seen_before_is_not_asked_its_slots_again(where: Path) -> None:
+async def test_an_engine_setup_seen_before_is_not_asked_its_parallel_slots_again(
+        where: Path) -> None:
     client = EngineClient(5.0)
     known: dict[str, int] = {}
 
@@ -148,13 +150,13 @@ async def test_an_engine_setup_seen_before_is_not_asked_its_slots_again(where: P
         return Scripted(path, lambda head: json_answer(200, {"total_slots": slots}))
 
     async with await engine_with(2, str(where / "a.sock")) as first:
-        assert await learn_engine_slots(client, first.path, known=known, setup="s1") == 2
+        assert await learn_parallel_slots(client, first.path, known=known, setup="s1") == 2
     assert first.seen == ["GET /props HTTP/1.1"] and known == {"s1": 2}
     assert client.limit(first.path) == 3
     async with await engine_with(6, str(where / "b.sock")) as again:
-        assert await learn_engine_slots(client, again.path, known=known, setup="s1") == 2
+        assert await learn_parallel_slots(client, again.path, known=known, setup="s1") == 2
         assert again.seen == [] and client.limit(again.path) == 3   # not asked
-        assert await learn_engine_slots(client, again.path, known=known, setup="s2") == 6
+        assert await learn_parallel_slots(client, again.path, known=known, setup="s2") == 6
         assert again.seen == ["GET /props HTTP/1.1"]                 # another setup: asked
     await client.close()
 

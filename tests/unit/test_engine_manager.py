@@ -96,7 +96,7 @@ async def test_a_start_is_a_transaction_whatever_the_adapter_raises(
         await mgr.start("a")
     assert type(error).__name__ in err.value.message
     engine = mgr.get("a")
-    assert engine is not None and engine.state is EngineState.FAILED and not engine.holds_slot
+    assert engine is not None and engine.state is EngineState.FAILED and not engine.holds_place
     assert waiter is not None
     with pytest.raises(EngineFailed):
         await asyncio.wait_for(waiter, 1)
@@ -382,8 +382,9 @@ async def test_a_failed_park_leaves_the_next_start_as_it_was(
 
 async def test_a_ready_hook_that_raises_leaves_the_engine_ready_not_loading(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """What runs before an engine is ready (the front door's slot question, the KV
-    restore) must never keep it loading: its poller has ended, nothing would time it out."""
+    """What runs before an engine is ready (the front door's question about its parallel
+    slots, the KV restore) must never keep it loading: its poller has ended, nothing would
+    time it out."""
     mgr, _, _ = engine_manager_on_fakes(tmp_path)
 
     async def broken(model: object, socket: str) -> None:

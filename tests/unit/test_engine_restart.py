@@ -50,7 +50,7 @@ async def queued(d: Dispatcher, model: str, count: int,
                  requests: list[asyncio.Future[int]]) -> None:
     """Until count requests wait for model (each still unanswered)."""
     deadline = asyncio.get_running_loop().time() + 5
-    while d._slots.queued(model) < count:
+    while d._turns.queued(model) < count:
         answered = [r for r in requests if r.done()]
         assert not answered, [r.exception() or r.result() for r in answered]
         assert asyncio.get_running_loop().time() < deadline, "never queued"

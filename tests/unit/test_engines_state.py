@@ -69,7 +69,7 @@ def test_crash_and_systemd_restart_is_counted() -> None:
     engine = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
     engine = apply(engine, unit("activating", "auto-restart", exec_code=CLD_KILLED,
                                 exec_status=signal.SIGKILL, n_restarts=0))
-    assert engine.state is S.RESTARTING and engine.holds_slot and engine.restarting
+    assert engine.state is S.RESTARTING and engine.holds_place and engine.restarting
     assert engine.failure is not None
     assert engine.failure.reason == "killed by SIGKILL" and engine.failure.signal == 9
     engine = apply(engine, unit("activating", "start", n_restarts=1, main_pid=43))
@@ -128,7 +128,7 @@ def test_the_start_limit_ends_a_restart_in_failed_with_both_reasons() -> None:
     assert failed.state is S.FAILED and not failed.restarting and failed.failure is not None
     assert failed.failure.reason == ("exited with status 4; systemd gave up restarting it "
                                      "after 1 restart(s) (start limit hit)")
-    assert failed.holds_slot and failed.exit_unconfirmed   # until systemd confirms it
+    assert failed.holds_place and failed.exit_unconfirmed   # until systemd confirms it
 
 
 def test_systemd_252s_failed_on_the_way_to_auto_restart_is_a_restart_it_confirms() -> None:
@@ -177,21 +177,21 @@ def test_exit_status_arriving_after_the_state_fills_in_the_reason() -> None:
     engine = apply(engine, UnitChanged(2, exec_code=CLD_EXITED, exec_status=1))
     assert engine.failure is not None and engine.failure.reason == "exited with status 1"
     assert engine.failure.exit_code == 1
-    assert engine.holds_slot and engine.exit_unconfirmed   # until systemd confirms it
+    assert engine.holds_place and engine.exit_unconfirmed   # until systemd confirms it
     engine = apply(engine, Reconciled(3, "failed"))
     assert engine.state is S.FAILED and engine.failure is not None
     assert engine.failure.exit_code == 1
-    assert not engine.holds_slot
+    assert not engine.holds_place
 
 
-def test_a_listing_that_finds_the_unit_deactivating_keeps_the_slot_taken() -> None:
+def test_a_listing_that_finds_the_unit_deactivating_keeps_the_place_taken() -> None:
     """Stopped by hand (`systemctl stop`), seen by the reconciler mid-stop: the unit still
-    exists, so its slot stays taken and no new start may be sent yet."""
+    exists, so its place stays taken and no new start may be sent yet."""
     ready = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
     going = apply(ready, Reconciled(2, "deactivating", main_pid=42))
-    assert going.state is S.STOPPING and going.holds_slot
+    assert going.state is S.STOPPING and going.holds_place
     gone = apply(going, Reconciled(3, None))
-    assert gone.state is S.STOPPED and not gone.holds_slot
+    assert gone.state is S.STOPPED and not gone.holds_place
 
 
 def test_a_late_deactivating_of_the_previous_instance_leaves_a_start_alone() -> None:
@@ -200,17 +200,17 @@ def test_a_late_deactivating_of_the_previous_instance_leaves_a_start_alone() -> 
     assert engine.state is S.STARTING
 
 
-def test_an_end_we_did_not_ask_for_keeps_the_slot_until_systemd_confirms_it() -> None:
+def test_an_end_we_did_not_ask_for_keeps_the_place_until_systemd_confirms_it() -> None:
     ready = run(StartRequested(0), unit("active", "running", main_pid=42), HealthReady(1))
     reordered = apply(ready, unit("inactive", "dead"))   # e.g. the creation's, arriving late
-    assert reordered.state is S.STOPPED and reordered.holds_slot
+    assert reordered.state is S.STOPPED and reordered.holds_place
     running = apply(reordered, Reconciled(2, "active", main_pid=42))
-    assert running.state is S.LOADING and not running.exit_unconfirmed and running.holds_slot
+    assert running.state is S.LOADING and not running.exit_unconfirmed and running.holds_place
     gone = apply(reordered, Reconciled(2, None))
-    assert gone.state is S.STOPPED and not gone.holds_slot
+    assert gone.state is S.STOPPED and not gone.holds_place
     ours = apply(apply(ready, StopRequested(3)), unit("inactive", "dead"))
-    assert ours.state is S.STOPPED and ours.holds_slot   # until our stop sees the unit gone
-    assert not apply(ours, UnitGone(4)).holds_slot
+    assert ours.state is S.STOPPED and ours.holds_place   # until our stop sees the unit gone
+    assert not apply(ours, UnitGone(4)).holds_place
 
 
 def test_restart_we_did_not_see_fails_back_to_loading() -> None:

@@ -1,5 +1,5 @@
 """First come, first served across models: fixed scenarios where the model at the head of
-the line for room cannot use a slot yet and a model behind it could take one.
+the line for room cannot use a place yet and a model behind it could take one.
 
 The line (gatewayd/service/loader.py) orders the models waiting for room by their first
 request; the scheduler lets a model behind the head take only room beyond what the models
@@ -36,16 +36,16 @@ def test_a_model_behind_in_the_line_does_not_overtake_a_head_waiting_for_its_own
         ) -> None:
     """a and c run (max_engines 2); c is stopped by hand and takes 3 s to exit. c asks
     again meanwhile: it is first in the line, and waits for its old engine to go. b asks
-    next: the only slot it could get is a's (idle), by evicting a, but c is ahead and
-    there is no slot beyond c's, so b waits; c is served (its own slot back), then b."""
+    next: the only place it could get is a's (idle), by evicting a, but c is ahead and
+    there is no place beyond c's, so b waits; c is served (its own place back), then b."""
     run_scenario([*C_AHEAD_OF_B,
                   wait(8.0),
                   ("check_order", {"first": "c", "then": "b"}),
                   ("check_ok", {"model": "b", "last": 1})], max_engines=2)
 
 
-def test_a_slot_beyond_what_the_head_needs_goes_to_the_next_at_once() -> None:
-    """The same line with two slots free (max_engines 4): a slot beyond the one counted
+def test_a_place_beyond_what_the_head_needs_goes_to_the_next_at_once() -> None:
+    """The same line with two places free (max_engines 4): a place beyond the one counted
     for each model ahead (c) is b's at once; it need not wait for c's old engine to go."""
     run_scenario([*C_AHEAD_OF_B,
                   wait(1.0),
@@ -55,9 +55,9 @@ def test_a_slot_beyond_what_the_head_needs_goes_to_the_next_at_once() -> None:
 
 
 def test_models_asking_at_once_take_the_room_in_their_order() -> None:
-    """a runs, one slot of two is free; c and b ask in the same tick (both in the line
-    before either looks). c, first, takes the free slot; b, then the head, makes room by
-    evicting the idle a. Neither waits for the other's place in the line."""
+    """a runs, one place of two is free; c and b ask in the same tick (both in the line
+    before either looks). c, first, takes the free place; b, then the head, makes room by
+    evicting the idle a. Neither waits for the other's position in the line."""
     run_scenario([request("a"), wait(1.0),
                   ("burst", {"models": ["c", "b"], "hold": 0.1, "ticks": 0}),
                   wait(3.0),

@@ -1,5 +1,5 @@
 """The KV cache kept across a stop: which engines keep one, how it reaches llama-server's
-command line, and the rules of the slot directory (a stamp of the engine's settings, a
+command line, and the rules of the KV cache directory (a stamp of the engine's settings, a
 size bound, failures that are counted and never raised)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from gatewayd.adapters.kv_cache import STAMP, SlotCache
+from gatewayd.adapters.kv_cache import STAMP, KvCache
 from gatewayd.adapters.metrics import GatewayMetrics, Snapshot
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
@@ -46,7 +46,7 @@ def _slot(where: Path, slot_id: int, size: int, age_s: float) -> Path:
 
 def test_files_of_another_engine_setup_are_dropped_and_the_size_is_bounded(
         tmp_path: Path) -> None:
-    cache = SlotCache(tmp_path / "kv", max_bytes=250)
+    cache = KvCache(tmp_path / "kv", max_bytes=250)
     stamp = settings_stamp(_model(), GatewayConfig())
     where = cache.prepare("m", stamp)
     kept = _slot(where, 0, 100, age_s=0)
@@ -62,7 +62,7 @@ def test_files_of_another_engine_setup_are_dropped_and_the_size_is_bounded(
 
 
 def test_an_engine_that_does_not_answer_is_counted_not_raised(tmp_path: Path) -> None:
-    cache = SlotCache(tmp_path / "kv", max_bytes=1 << 20)
+    cache = KvCache(tmp_path / "kv", max_bytes=1 << 20)
     where = cache.prepare("m", "stamp")
     _slot(where, 0, 10, age_s=0)
     missing = str(tmp_path / "no-engine.sock")
@@ -84,8 +84,8 @@ async def test_the_kv_caches_of_models_no_longer_configured_are_deleted(
     from gatewayd.service.reload import Reloader
     from tests.fakes import dispatcher_for, engine_manager_on_fakes
 
-    cache = SlotCache(tmp_path / "kv-cache", 1 << 30)
-    mgr, units, _ = engine_manager_on_fakes(tmp_path, slots=cache)
+    cache = KvCache(tmp_path / "kv-cache", 1 << 30)
+    mgr, units, _ = engine_manager_on_fakes(tmp_path, kv_cache=cache)
     for model_id in ("a", "b", "c", "gone"):
         where = cache.prepare(units.layout(model_id).instance, "stamp")
         (where / "slot-0.bin").write_bytes(b"kv")

@@ -26,10 +26,10 @@ def u(model: str, state: EngineState = R, **kw: object) -> Usage:
 
 
 @pytest.mark.parametrize("usages,max_engines,need,free,expected", [
-    # room in slots and memory
+    # room in places and memory
     ([u("a")], 2, 100, 1000, Fits()),
-    ([u("a")], 2, 100, None, Fits()),                        # no GPU: slots only
-    # slots full: the least recently used idle engine goes
+    ([u("a")], 2, 100, None, Fits()),                        # no GPU: places only
+    # places full: the least recently used idle engine goes
     ([u("a", last_used=5), u("b", last_used=1)], 2, 1, None, Evict("b", "")),
     ([u("a", last_used=5), u("b", last_used=1, in_flight=1)], 2, 1, None, Evict("a", "")),
     # none can go now: the least recently used busy one drains
@@ -107,7 +107,7 @@ def test_ledger_without_per_process_figures() -> None:
 @pytest.mark.parametrize("usages,ahead,expected", [
     # models ahead in the line come first: nobody behind them makes room
     ([u("a", last_used=1), u("b", last_used=2)], 1, Wait("1 model(s) ahead in the line for room")),
-    # a free slot beyond what the models ahead need may be taken (no GPU to weigh)
+    # a free place beyond what the models ahead need may be taken (no GPU to weigh)
     ([u("a")], 1, Fits()),
     ([u("a"), u("b")], 1, Wait("1 model(s) ahead in the line for room")),
 ])
@@ -117,8 +117,8 @@ def test_the_line_for_room_is_first_come_first_served(usages: list[Usage], ahead
                       ahead=ahead) == expected
 
 
-def test_a_slot_held_by_a_restarting_engine_counts() -> None:
+def test_a_place_held_by_a_restarting_engine_counts() -> None:
     restarting = u("a", EngineState.RESTARTING)
-    assert restarting.holds_slot
+    assert restarting.holds_place
     assert plan_start("new", [restarting], max_engines=1, need_mib=1, free_mib=None) == \
         Blocked("engine_limit", (("a", "restarting"),))

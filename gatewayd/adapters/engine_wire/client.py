@@ -41,7 +41,7 @@ from gatewayd.adapters.engine_wire.pool import Pool
 from gatewayd.core.config import GatewayConfig
 
 __all__ = ["AnswerTooLarge", "ConnectionsBusy", "ConnectionsQueueFull", "EngineClient",
-           "EngineConnectionError", "EngineResponse", "learn_engine_slots"]
+           "EngineConnectionError", "EngineResponse", "learn_parallel_slots"]
 
 
 class EngineResponse:
@@ -50,7 +50,7 @@ class EngineResponse:
     def __init__(self, conn: Connection, pool: Pool, status: int, reason: str,
                  headers: CIMultiDict[str]) -> None:
         self._conn = conn
-        self._pool: Pool | None = pool    # holds one of its connection slots until done
+        self._pool: Pool | None = pool    # holds one of its connections until done
         self.status = status
         self.reason = reason
         self.headers = headers
@@ -118,17 +118,17 @@ class EngineResponse:
         """Done with it: a complete answer on a reusable connection goes back to the pool,
         anything else is closed. Idempotent."""
         self._conn.finish()
-        self._give_back_slot()
+        self._give_back_connection()
 
     def close(self) -> None:
         """Drop the connection now (the client left: the engine stops generating)."""
         self._conn.abort()
-        self._give_back_slot()
+        self._give_back_connection()
 
-    def _give_back_slot(self) -> None:
+    def _give_back_connection(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.release_slot()
+            pool.release()
 
 
 class EngineClient:
@@ -215,7 +215,7 @@ class EngineClient:
                 return EngineResponse(conn, pool, status, reason, answer_headers)
             raise AssertionError("unreachable")
         except BaseException:
-            pool.release_slot()
+            pool.release()
             raise
 
     async def _connect(self, socket: str, pool: Pool) -> Connection:
@@ -251,35 +251,35 @@ class EngineClient:
         self._pools.clear()
 
 
-SLOTS_TIMEOUT_S = 5.0
+PROPS_TIMEOUT_S = 5.0
 
 
-async def learn_engine_slots(client: EngineClient, socket: str, *,
-                             known: MutableMapping[str, int] | None = None,
-                             setup: str = "") -> int | None:
+async def learn_parallel_slots(client: EngineClient, socket: str, *,
+                               known: MutableMapping[str, int] | None = None,
+                               setup: str = "") -> int | None:
     """How many requests a llama engine serves at once (GET /props: total_slots); one more
     than that is the limit of the gateway's connections to it. More would only queue
     inside llama-server, where idle keep-alive connections hold its HTTP threads (at c=64
     its p99 went to seconds); the queue is then the gateway's, first come first served.
-    The one more keeps a request waiting inside, so a slot that frees starts the next at
-    once instead of idling a round trip; llama-server has slots + 2 HTTP threads, so one
+    The one more keeps a request waiting inside, so a freed parallel slot starts the next at
+    once instead of idling a round trip; llama-server has parallel slots + 2 HTTP threads, so one
     stays free for /health, /metrics and /slots. None, and no limit, when the engine does
     not say (an old build, whisper).
 
-    known: slot counts learned before, by engine setup (settings and binary): an engine
-    started again as it was before has the same slots, and is not asked (a round trip on
+    known: parallel slot counts learned before, by engine setup (settings and binary): an engine
+    started again as it was before has as many, and is not asked (a round trip on
     the cold start's path, to an engine that has just loaded)."""
-    if known is not None and (slots := known.get(setup)) is not None:
-        client.set_limit(socket, slots + 1)
-        return slots
+    if known is not None and (parallel := known.get(setup)) is not None:
+        client.set_limit(socket, parallel + 1)
+        return parallel
     try:
-        status, body = await exchange(socket, "GET", "/props", timeout=SLOTS_TIMEOUT_S)
-        slots = json.loads(body).get("total_slots") if status == 200 else None
+        status, body = await exchange(socket, "GET", "/props", timeout=PROPS_TIMEOUT_S)
+        parallel = json.loads(body).get("total_slots") if status == 200 else None
     except (TimeoutError, EngineConnectionError, OSError, ValueError, AttributeError):
         return None
-    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         return None
-    client.set_limit(socket, slots + 1)
+    client.set_limit(socket, parallel + 1)
     if known is not None:
-        known[setup] = slots
-    return slots
+        known[setup] = parallel
+    return parallel

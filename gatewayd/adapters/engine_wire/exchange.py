@@ -2,7 +2,7 @@
 own (Connection: close), the answer read to its end.
 
 Readiness polls (health.py) run every few milliseconds while an engine loads, the KV
-cache's slot calls (kv_cache.py) just before it is ready, the slot count (/props) as it
+cache's save and restore (kv_cache.py) just before it is ready, its parallel slots (/props) as it
 becomes ready, an operator's look at its /metrics: on the same cores as the engine, never
 queued behind inference (the engine keeps spare HTTP threads for those). A bare socket on
 the loop, no transport or protocol objects: an aiohttp session per call cost several
@@ -18,7 +18,7 @@ import socket as socket_module
 from gatewayd.adapters.engine_wire.errors import EngineConnectionError
 from gatewayd.adapters.engine_wire.framing import AnswerParser, request_head
 
-MAX_ANSWER = 16 << 20   # /slots with many slots is tens of KB; anything this big is no engine
+MAX_ANSWER = 16 << 20   # /slots of many parallel slots: tens of KB; this big is no engine
 OWN_HEADERS = (("User-Agent", "llm-gateway"), ("Connection", "close"))   # not a client's
 JSON_BODY = (("Content-Type", "application/json"),)
 

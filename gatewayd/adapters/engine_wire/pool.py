@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class Pool:
-    """One socket's idle connections (newest last) and its connection slots."""
+    """One socket's idle connections (newest last) and how many are in use."""
 
     def __init__(self, keepalive_s: float, limit: int | None,
                  refused: collections.Counter[str]) -> None:
@@ -42,27 +42,27 @@ class Pool:
         self.waiters.append(waiter)
         try:
             async with asyncio.timeout(timeout):
-                await waiter       # _admit counted the slot as ours before waking us
+                await waiter       # _admit counted the connection as ours before waking us
         except BaseException as e:
             handed = waiter.done() and not waiter.cancelled()
             if isinstance(e, TimeoutError):
                 if handed:
-                    return         # handed a slot as the time ran out: it is ours
+                    return         # handed a connection as the time ran out: it is ours
                 self.waiters.remove(waiter)
                 raise ConnectionsBusy(f"all {self.limit} of the engine's connections stayed "
                                       f"busy for {timeout:g} s") from None
             if handed:
-                self.release_slot()   # handed a slot just as we were cancelled: pass it on
+                self.release()   # handed a connection just as we were cancelled: pass it on
             else:
                 self.waiters.remove(waiter)
             raise
 
-    def release_slot(self) -> None:
+    def release(self) -> None:
         self.busy -= 1
         self.admit()
 
     def admit(self) -> None:
-        """Hand free slots to the first waiters (after a release, or a higher limit)."""
+        """Hand free connections to the first waiters (after a release, or a higher limit)."""
         while self.waiters and (self.limit is None or self.busy < self.limit):
             waiter = self.waiters.popleft()
             if not waiter.done():

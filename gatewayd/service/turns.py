@@ -1,4 +1,4 @@
-"""Slots and queues: who is being served by each model's engine, and who waits for it.
+"""Turns and queues: who is being served by each model's engine, and who waits for it.
 
 Per model: the requests in flight (up to max_concurrency, else 429), when it
 was last used, the queue of requests waiting for its engine (FIFO, up to the
@@ -33,7 +33,7 @@ class Use:
         return self.draining_for is not None
 
 
-class Slots:
+class Turns:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._uses: dict[str, Use] = {}
@@ -96,7 +96,7 @@ class Slots:
         return len(use.waiters) if use else 0
 
     def wake(self, model_id: str, error: BaseException | None) -> None:
-        """Every waiter, in arrival order: go and take a slot (or hear the error)."""
+        """Every waiter, in arrival order: go and take a turn (or hear the error)."""
         for waiter in list(self.use(model_id).waiters):
             if not waiter.done():
                 if error is None:
