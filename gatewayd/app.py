@@ -27,10 +27,11 @@ from gatewayd.adapters.event_loop import event_loop_factory
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
+from gatewayd.adapters.host_memory import MemInfo
 from gatewayd.adapters.host_names import own_host_names
 from gatewayd.adapters.journal import Journalctl
 from gatewayd.adapters.kv_cache import KvCache
-from gatewayd.adapters.learned_memory import LearnedMemory
+from gatewayd.adapters.learned_memory import RAM_FILE_NAME, LearnedMemory
 from gatewayd.adapters.listener import Listener, bind_tcp
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import load_catalog
@@ -141,7 +142,8 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     engines = EngineManager(catalog=catalog, config=config, units=units,
                             health=health, gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir), kv_cache=kv_cache,
-                            learned=LearnedMemory(config.state_dir))
+                            learned=LearnedMemory(config.state_dir), host=MemInfo(),
+                            learned_ram=LearnedMemory(config.state_dir, RAM_FILE_NAME))
     app[admin_api.ENGINES] = engines
     app[UNITS] = units
     app[DISPATCHER] = dispatcher = Dispatcher(engines, catalog=catalog, gpu=gpu,

@@ -1,8 +1,10 @@
-"""GPU memory learned from what engines really hold, kept in the state directory.
+"""Memory learned from what engines really hold, kept in the state directory.
 
-One JSON file (<state_dir>/gpu-memory.json): per engine setup (core.engine_units
-settings_stamp: model file, context, arguments, server), the MiB NVML last showed its
-engine's process holding once ready, with the model id and when, for people reading it.
+One JSON file per kind of memory (<state_dir>/gpu-memory.json: what NVML showed the
+engine's process holding once ready; ram-memory.json: the peak of its unit's cgroup,
+or its processes' PSS): per engine setup (core.engine_units settings_stamp: model
+file, context, arguments, server), the MiB, with the model id and when, for people
+reading it.
 A missing or damaged file is an empty book (logged); a failed write is logged and the
 figure is still used until the gateway stops.
 """
@@ -19,11 +21,12 @@ from gatewayd.adapters.files import write_atomic
 
 log = logging.getLogger("gatewayd.gpu")
 FILE_NAME = "gpu-memory.json"
+RAM_FILE_NAME = "ram-memory.json"
 
 
 class LearnedMemory:
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / FILE_NAME
+    def __init__(self, state_dir: Path, file_name: str = FILE_NAME) -> None:
+        self.path = state_dir / file_name
         self._book: dict[str, dict[str, Any]] = {}
         try:
             data = json.loads(self.path.read_text())
@@ -33,7 +36,7 @@ class LearnedMemory:
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:
-            log.warning("%s: unreadable (%s); GPU memory is learned again", self.path, e)
+            log.warning("%s: unreadable (%s); memory is learned again", self.path, e)
 
     def get(self, key: str) -> int | None:
         entry = self._book.get(key)

@@ -14,11 +14,19 @@ Checked in this order, each with its own error:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
 
 from gatewayd.core.catalog import Model
 from gatewayd.core.engines import Engine, EngineState
-from gatewayd.core.errors import AlreadyRunning, EngineLimitReached, InsufficientGpu
+from gatewayd.core.errors import (
+    AlreadyRunning,
+    EngineLimitReached,
+    InsufficientGpu,
+    InsufficientMemory,
+)
 from gatewayd.core.placement import Placement
+from gatewayd.core.ram_budget import RamLedger, describe_shortage
 
 MIB = 1024 * 1024
 
@@ -40,6 +48,54 @@ def model_need_mib(model: Model, default_margin_mib: int,
     return required_mib(model.size_bytes, margin)
 
 
+@dataclass(frozen=True)
+class Need:
+    """What a model's engine is expected to hold, per budget (MiB), and why we think so."""
+
+    vram_mib: int    # margin included; what the GPU check counts (unused without a GPU)
+    ram_mib: int
+    vram_source: str   # "learned" (NVML saw it), "estimate" (GGUF) or "files"
+    ram_source: str    # "learned" (its cgroup or PSS peak), "estimate" or "files"
+
+    def describe(self) -> dict[str, object]:
+        return {"vram_mib": self.vram_mib, "ram_mib": self.ram_mib,
+                "vram_source": self.vram_source, "ram_source": self.ram_source}
+
+
+def model_need(model: Model, *, gpu: bool, vram_margin_mib: int, ram_margin_mib: int,
+               learned_vram_mib: int | None, learned_ram_mib: int | None,
+               estimate: Estimate | None) -> Need:
+    """The one definition of what a model's engine needs. GPU: learned (NVML) + margin,
+    else the estimate's VRAM part + margin, else the files + margin (model_need_mib).
+    RAM: its learned peak, else the estimate's RAM part, else (no header to estimate
+    from: whisper) the files + ram_margin without a GPU and ram_margin with one."""
+    margin = model.config.vram_margin_mib
+    margin = vram_margin_mib if margin is None else margin
+    if learned_vram_mib is not None:
+        vram, vram_source = learned_vram_mib + margin, "learned"
+    elif estimate is not None and gpu:
+        vram, vram_source = estimate.vram_mib + margin, "estimate"
+    else:
+        vram, vram_source = required_mib(model.size_bytes, margin), "files"
+    if learned_ram_mib is not None:
+        ram, ram_source = learned_ram_mib, "learned"
+    elif estimate is not None:
+        ram, ram_source = estimate.ram_mib, "estimate"
+    else:
+        ram = ram_margin_mib + (0 if gpu else required_mib(model.size_bytes, 0))
+        ram_source = "files"
+    return Need(vram_mib=vram, ram_mib=ram, vram_source=vram_source, ram_source=ram_source)
+
+
+class Estimate(Protocol):
+    """What core/memory_estimate says an engine will hold (MiB, per memory)."""
+
+    @property
+    def ram_mib(self) -> int: ...
+    @property
+    def vram_mib(self) -> int: ...
+
+
 def still_to_load_mib(state: EngineState, holds_place: bool, estimate_mib: int,
                       measured_mib: int | None) -> int:
     """GPU memory an engine may still take beyond what NVML shows it holding: one that
@@ -51,8 +107,10 @@ def still_to_load_mib(state: EngineState, holds_place: bool, estimate_mib: int,
 
 
 def check_admission(model_id: str, engines: Iterable[Engine], *, max_engines: int,
-                    need_mib: int, placement: Placement | None) -> None:
-    """placement: where the engine would go (None: no GPU, memory not checked)."""
+                    need_mib: int, placement: Placement | None,
+                    ram_need_mib: int = 0, ram: RamLedger | None = None) -> None:
+    """placement: where the engine would go (None: no GPU, memory not checked); ram: the
+    RAM ledger without this model's engine (None: RAM not checked)."""
     engines = list(engines)
     for engine in engines:
         if engine.model_id == model_id and engine.holds_place:
@@ -68,6 +126,25 @@ def check_admission(model_id: str, engines: Iterable[Engine], *, max_engines: in
     if placement is not None and not placement.fits:
         raise insufficient_gpu(model_id, need_mib, placement,
                                running=[e.model_id for e in active])
+    if ram is not None and ram_need_mib > ram.plan_free_mib:
+        raise insufficient_ram(model_id, ram_need_mib, ram,
+                               running=[e.model_id for e in active])
+
+
+def insufficient_ram(model_id: str, need_mib: int, ledger: RamLedger, *, running: list[str],
+                     retry_after: int | None = None, prefix: str = "",
+                     held_by: str = "") -> InsufficientMemory:
+    never = need_mib > ledger.ceiling_mib
+    advice = ("more than this machine's RAM budget could give it even with every engine "
+              "stopped: lower its ctx_size or parallel slots, use a smaller quantisation, "
+              "or raise ram_budget_mib / lower ram_reserve_mib" if never else
+              "stop an engine, or wait for one to go idle")
+    return InsufficientMemory(
+        prefix + describe_shortage(model_id, need_mib, ledger)
+        + (f"; held by {held_by}" if held_by else "") + f". {advice}",
+        retry_after=None if never else retry_after, memory="ram", required_mib=need_mib,
+        free_mib=ledger.plan_free_mib, ceiling_mib=ledger.ceiling_mib,
+        ram=ledger.describe(), running=running)
 
 
 def insufficient_gpu(model_id: str, need_mib: int, placement: Placement, *,
@@ -83,5 +160,6 @@ def insufficient_gpu(model_id: str, need_mib: int, placement: Placement, *,
         + (f"; held by {held_by}" if held_by else "")
         + f". Per device: {placement.describe_devices()}. Stop an engine, or lower "
         "vram_margin_mib", retry_after=retry_after,
-        required_mib=need_mib, free_mib=placement.free_mib, total_mib=placement.total_mib,
+        memory="gpu", required_mib=need_mib, free_mib=placement.free_mib,
+        total_mib=placement.total_mib,
         devices=placement.per_device(), running=running)

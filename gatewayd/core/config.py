@@ -59,6 +59,7 @@ class ModelConfig:
     ctx_size: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     memory_max: int | None = None       # bytes (MemoryMax=)
+    memory_high: int | None = None      # bytes (MemoryHigh=)
     cpu_quota: float | None = None      # percent of one CPU (CPUQuota=)
     cuda_visible_devices: str | None = None
     vram_margin_mib: int | None = None
@@ -85,6 +86,16 @@ class GatewayConfig:
     # engine), so that their next start skips creating a unit; 0: none
     parked_engines: int = 4
     vram_margin_mib: int = 1024
+    # [memory]: RAM as a budget (core/ram_budget.py). The reserve stays for the rest of
+    # the machine; the budget (None: none) caps what all engines together may hold;
+    # ram_margin_mib is added to a RAM need that has no GGUF estimate (whisper models).
+    # auto_memory_high: each engine's unit gets MemoryHigh= at its learned need plus
+    # memory_high_headroom_pct (off: see README, "Memory")
+    ram_reserve_mib: int = 1024
+    ram_budget_mib: int | None = None
+    ram_margin_mib: int = 256
+    auto_memory_high: bool = False
+    memory_high_headroom_pct: int = 25
     llama_server: str = "llama-server"
     whisper_server: str = "whisper-server"
     state_dir: Path = DEFAULT_STATE_DIR
@@ -143,7 +154,8 @@ class GatewayConfig:
 
 
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
-               "memory_max", "cpu_quota", "cuda_visible_devices", "vram_margin_mib", "threads",
+               "memory_max", "memory_high", "cpu_quota", "cuda_visible_devices",
+               "vram_margin_mib", "threads",
                "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind",
                "kv_cache_save", "spill_over"}
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
@@ -151,7 +163,7 @@ _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_se
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
              "kv_cache_max_mb", "auth", "admin", "upstreams", "parked_engines",
-             "max_answer_mb", "max_event_mb"}
+             "max_answer_mb", "max_event_mb", "memory"}
 
 
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
@@ -199,6 +211,10 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     admin = data.get("admin", {})
     _expect(admin, dict, where, "admin")
     _no_unknown(admin, {"socket", "group", "public", "public_metrics"}, f"{where} [admin]")
+    memory = data.get("memory", {})
+    _expect(memory, dict, where, "memory")
+    _no_unknown(memory, {"ram_reserve_mib", "ram_budget_mib", "ram_margin_mib",
+                         "auto_memory_high", "memory_high_headroom_pct"}, f"{where} [memory]")
     upstreams = parse_upstreams(data.get("upstreams", {}), base, where)
     spilling = [m.name for m in models if m.spill_over]
     if spilling and not upstreams:
@@ -213,6 +229,17 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         max_engines=max_engines,
         parked_engines=parked_engines,
         vram_margin_mib=_non_negative(data.get("vram_margin_mib", 1024), where, "vram_margin_mib"),
+        ram_reserve_mib=_non_negative(memory.get("ram_reserve_mib", 1024), where,
+                                      "memory.ram_reserve_mib"),
+        ram_budget_mib=None if memory.get("ram_budget_mib") is None else int(_positive(
+            _expect(memory["ram_budget_mib"], int, where, "memory.ram_budget_mib"), where,
+            "memory.ram_budget_mib")),
+        ram_margin_mib=_non_negative(memory.get("ram_margin_mib", 256), where,
+                                     "memory.ram_margin_mib"),
+        auto_memory_high=_expect(memory.get("auto_memory_high", False), bool, where,
+                                 "memory.auto_memory_high"),
+        memory_high_headroom_pct=_non_negative(memory.get("memory_high_headroom_pct", 25),
+                                               where, "memory.memory_high_headroom_pct"),
         llama_server=_binary(data.get("llama_server", "llama-server"), base, where,
                              "llama_server"),
         whisper_server=_binary(data.get("whisper_server", "whisper-server"), base, where,
@@ -337,6 +364,7 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
         mmproj=_path(table.get("mmproj"), base, where, f"{key}.mmproj"),
         aliases=tuple(aliases), ctx_size=ctx, env=dict(env),
         memory_max=_bytes(table.get("memory_max"), where, f"{key}.memory_max"),
+        memory_high=_bytes(table.get("memory_high"), where, f"{key}.memory_high"),
         cpu_quota=_percent(table.get("cpu_quota"), where, f"{key}.cpu_quota"),
         cuda_visible_devices=_optional(table.get("cuda_visible_devices"), str, where,
                                        f"{key}.cuda_visible_devices"),

@@ -63,17 +63,26 @@ class Failure:
     exit_code: int | None = None
     signal: int | None = None
     log_tail: tuple[str, ...] = ()
+    # killed for want of memory: what it was thought to need and what was free (MiB)
+    out_of_memory: bool = False
+    memory: tuple[tuple[str, int | None], ...] = ()
 
     def describe(self) -> dict[str, object]:
         return {"reason": self.reason, "exit_code": self.exit_code, "signal": self.signal,
-                "log_tail": list(self.log_tail)}
+                "log_tail": list(self.log_tail),
+                **({"out_of_memory": True, **dict(self.memory)} if self.out_of_memory else {})}
+
+    @property
+    def oom_kill_said(self) -> bool:
+        """systemd's Result=oom-kill (cgroup v2) is in the reason (_exit_failure)."""
+        return "(oom-kill)" in self.reason
 
     @property
     def kind(self) -> str:
         """A closed set for metrics: why a process ended."""
         if "(hung)" in self.reason:
             return "hung"
-        if "oom" in self.reason:
+        if self.out_of_memory or self.oom_kill_said:
             return "oom"
         if self.signal is not None:
             return "signal"
@@ -165,6 +174,17 @@ class Unresponsive:
 
 
 @dataclass(frozen=True)
+class OutOfMemory:
+    """Its process was killed for want of memory (the kernel's OOM killer, or its unit's
+    MemoryMax=) and the gateway stopped systemd's restart: failed, not restarted into
+    the same wall. memory: what it needed and what was free, for the error."""
+
+    now: float
+    reason: str
+    memory: tuple[tuple[str, int | None], ...] = ()
+
+
+@dataclass(frozen=True)
 class StopRequested:
     """The gateway asked systemd to stop the engine's unit."""
     now: float
@@ -195,7 +215,7 @@ class Reconciled:
 
 
 Event = (StartRequested | UnitChanged | HealthReady | StartFailed | LoadTimedOut
-         | Unresponsive | StopRequested | UnitGone | LogsRead | Reconciled)
+         | Unresponsive | OutOfMemory | StopRequested | UnitGone | LogsRead | Reconciled)
 RUNNING_STATES = frozenset({"active", "activating", "reloading"})
 
 
@@ -247,6 +267,15 @@ def apply(engine: Engine, event: Event) -> Engine:
                                f"did not answer /health for {seconds:g}s (hung): killed, "
                                "and systemd restarts it"))
             return engine
+        case OutOfMemory(now, reason, memory):
+            if s in (EngineState.STOPPED, EngineState.STOPPING):
+                return engine
+            last = engine.failure
+            return _to(engine, EngineState.FAILED, now, main_pid=0, dead_pid=0,
+                       ready_since=None, exit_unconfirmed=False, failure=Failure(
+                           reason, last.exit_code if last else None,
+                           last.signal if last else None, out_of_memory=True,
+                           memory=memory))
         case StopRequested(now):
             if s is EngineState.STOPPED:
                 return engine

@@ -93,6 +93,13 @@ class InsufficientGpu(GatewayError):
     status, type, code = 503, "server_error", "insufficient_gpu"
 
 
+class InsufficientMemory(GatewayError):
+    """The host's memory (RAM) cannot hold the engine: not free now and nothing may go, or
+    more than the RAM budget could ever give it. (GPU memory short: InsufficientGpu, whose
+    code predates this one; both carry memory="gpu"/"ram" with the figures.)"""
+    status, type, code = 503, "server_error", "insufficient_memory"
+
+
 class GpuUnavailable(GatewayError):
     """NVML answered at start but fails now (a lost GPU, a driver error): admission cannot
     know the free memory, so it refuses instead of guessing; running engines are left."""
@@ -107,6 +114,14 @@ class EngineFailed(GatewayError):
     """The engine could not be started or died while loading."""
 
     status, type, code = 502, "server_error", "engine_failed"
+
+
+class EngineOutOfMemory(EngineFailed):
+    """The engine was killed for want of memory (the kernel's OOM killer, or its unit's
+    MemoryMax=): it is not restarted into the same wall; what it needed and what was free
+    ride along."""
+
+    status, type, code = 503, "server_error", "engine_out_of_memory"
 
 
 class ModelRequired(GatewayError):

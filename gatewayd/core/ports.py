@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.placement import DeviceMemory
+from gatewayd.core.ram_budget import HostMemory
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class EngineUnitInfo:
     started_at_us: int          # ExecMainStartTimestamp (µs since the epoch), 0 if never
     cpu_ns: int | None = None   # systemd's CPUUsageNSec (cgroup accounting)
     visible_devices: str | None = None   # its CUDA_VISIBLE_DEVICES (placement), if any
+    control_group: str | None = None     # systemd's ControlGroup (where its memory is read)
 
 
 UnitWatcher = Callable[[str, Mapping[str, Any]], None]
@@ -142,3 +144,27 @@ class DesiredList(Protocol):
     def add(self, model_id: str) -> None: ...
     def remove(self, model_id: str) -> None: ...
     async def flush(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """What one engine unit holds in RAM now, and where the figure came from."""
+
+    current_bytes: int
+    peak_bytes: int | None   # highest the kernel saw since the cgroup was made (None: unknown)
+    source: str              # "cgroup" (the unit's memory cgroup) or "pss" (its processes)
+    oom_kills: int | None    # kernel OOM kills inside the unit's cgroup so far (None: unknown)
+
+
+class MemoryMeter(Protocol):
+    """Reads an engine unit's memory (adapters/engine_memory)."""
+
+    def read(self, control_group: str) -> MemoryUse | None:
+        """control_group: systemd's ControlGroup of the unit; None: nothing to read."""
+        ...
+
+
+class HostMemoryProbe(Protocol):
+    """The machine's memory, read fresh (/proc/meminfo)."""
+
+    def read(self) -> HostMemory: ...

@@ -48,6 +48,8 @@ class Usage:
     draining: bool = False    # picked to make room: finishing its requests, then evicted
     exit_unconfirmed: bool = False   # a signal said it ended; systemd has not confirmed
     devices: tuple[str, ...] = ()    # the GPUs it was placed on; (): all (or no GPU)
+    ram_need_mib: int = 0     # RAM it is expected to hold (learned peak, else estimate)
+    ram_measured_mib: int | None = None   # RAM it holds now (cgroup or PSS), where known
 
     def on(self, devices: frozenset[str] | None) -> bool:
         """Whether stopping it frees memory on any of these devices (None: any)."""
@@ -121,7 +123,7 @@ class Wait:
 class Blocked:
     """No room and nothing may go. `holders` say what is holding the resources."""
 
-    limit: str                      # "engine_limit" or "gpu_memory"
+    limit: str                      # "engine_limit", "gpu_memory" or "ram"
     holders: tuple[tuple[str, str], ...]
 
 
@@ -136,32 +138,39 @@ Decision = Fits | Evict | Drain | Wait | Blocked | TryAnyway
 
 def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need_mib: int,
                free_mib: int | None, ahead: int = 0,
-               devices: frozenset[str] | None = None) -> Decision:
+               devices: frozenset[str] | None = None, ram_need_mib: int = 0,
+               ram_free_mib: int | None = None, ahead_ram_mib: int = 0) -> Decision:
     """Can model_id's engine start now, and if not, what happens first?
 
     free_mib is a fresh reading of free GPU memory on the devices placement chose
     (None: no GPU, memory not checked); devices: those devices (UUIDs), where memory
-    is made room on: short of memory only, victims are the engines on them (short
-    of places, any engine); ahead is how many models are before this one in the line
-    for room.
+    is made room on: short of GPU memory, victims are the engines on them (short of
+    places or of RAM, any engine); ram_free_mib: what the RAM ledger leaves for it
+    (None: not checked); ahead is how many models are before this one in the line
+    for room, and ahead_ram_mib the RAM they need.
     """
     others = [u for u in usages if u.model_id != model_id and u.holds_place]
     free_places = max_engines - len(others)
-    memory_short = free_mib is not None and need_mib > free_mib
+    gpu_short = free_mib is not None and need_mib > free_mib
+    ram_short = ram_free_mib is not None and ram_need_mib > ram_free_mib
     if ahead:
-        # the models ahead come first; a place beyond what they need may be taken
-        # (memory may not: what they need is not known here)
-        if free_places > ahead and free_mib is None:
+        # the models ahead come first; a place beyond what they need may be taken, and
+        # RAM beyond theirs (GPU memory may not: where they go is not known here)
+        if free_places > ahead and free_mib is None and (
+                ram_free_mib is None or ram_need_mib + ahead_ram_mib <= ram_free_mib):
             return Fits()
         return Wait(f"{ahead} model(s) ahead in the line for room")
-    if free_places > 0 and not memory_short:
+    if free_places > 0 and not gpu_short and not ram_short:
         return Fits()
     places_short = free_places <= 0
-    limit = "engine_limit" if places_short else "gpu_memory"
+    limit = "engine_limit" if places_short else "gpu_memory" if gpu_short else "ram"
     why = ("max_engines reached" if places_short else
-           f"needs {need_mib} MiB, {free_mib} MiB free")
-    # short of memory, only an engine on the chosen devices frees what is missing
-    candidates = others if places_short else [u for u in others if u.on(devices)]
+           f"needs {need_mib} MiB, {free_mib} MiB free" if gpu_short else
+           f"needs {ram_need_mib} MiB of RAM, {ram_free_mib} MiB free")
+    # short of GPU memory, only an engine on the chosen devices frees what is missing;
+    # every engine holds RAM
+    candidates = [u for u in others if u.on(devices)] if gpu_short and not places_short \
+        else others
     victims = sorted((u for u in candidates if u.why_not_evictable() is None),
                      key=lambda u: u.last_used)
     if victims:
@@ -174,7 +183,10 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
                        key=lambda u: u.last_used)
     if drainable:
         return Drain(drainable[0].model_id, f"making room for {model_id}: {why}")
-    if not candidates and memory_short:
+    if not candidates and gpu_short and not ram_short:
+        # the GPU estimate errs high (llama.cpp may also fit what it can): the engine's
+        # own failure says more than a refusal. RAM is not tried: the OOM killer's
+        # victim may be any process of the machine
         return TryAnyway()
     holders = tuple((u.model_id, u.why_not_evictable() or "running") for u in others)
     return Blocked(limit, holders)

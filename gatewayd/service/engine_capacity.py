@@ -1,8 +1,12 @@
 """Room for engines: what a model's engine needs, where it would go, whether it may start.
 
-Need: learned once an engine of the same setup was measured (NVML per process,
-kept by adapters/learned_memory), estimated from the files before. Placement
-is core/placement.py on a fresh reading of every device; admission is
+Two budgets: the GPU's (per device) and the host's RAM. Need, per budget: learned
+once an engine of the same setup was measured (GPU: NVML per process; RAM: the
+peak of its unit's cgroup, or its processes' PSS; both kept by
+adapters/learned_memory), estimated from the GGUF header before
+(core/memory_estimate.py), else from the files. Placement is core/placement.py on a
+fresh reading of every device; the RAM ledger is core/ram_budget.py on a fresh
+/proc/meminfo and fresh readings of each engine's memory; admission is
 core/budget.py. Synchronous: a start admits and registers without an await in
 between, so two starts cannot both take the last place.
 """
@@ -10,27 +14,44 @@ between, so two starts cannot both take the last place.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from gatewayd.core import budget, placement
+from gatewayd.core import budget, placement, ram_budget
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engine_units import settings_stamp
 from gatewayd.core.engines import EngineState
 from gatewayd.core.errors import GatewayError
-from gatewayd.core.ports import GpuProbe, MemoryBook
+from gatewayd.core.ports import GpuProbe, HostMemoryProbe, MemoryBook, MemoryMeter, MemoryUse
 from gatewayd.service.engine_registry import EngineRegistry
 
 log = logging.getLogger("gatewayd.engines")
 
 
+EstimateFor = Callable[[Model, bool], budget.Estimate | None]
+MIB = 1024 * 1024
+OOM_GROWTH = 1.25   # an engine killed for want of memory needs at least this much more
+
+
 class EngineCapacity:
     def __init__(self, *, catalog: Catalog, config: GatewayConfig, gpu: GpuProbe,
-                 learned: MemoryBook | None, registry: EngineRegistry) -> None:
+                 learned: MemoryBook | None, registry: EngineRegistry,
+                 host: HostMemoryProbe | None = None, meter: MemoryMeter | None = None,
+                 learned_ram: MemoryBook | None = None,
+                 estimate: EstimateFor | None = None) -> None:
         self._catalog = catalog
         self._config = config
         self._gpu = gpu
         self._learned = learned
         self._registry = registry
+        self._host = host
+        self._meter = meter
+        self._learned_ram = learned_ram
+        self._estimate = estimate
+        self._has_gpu: bool | None = None
+        self._control_groups: dict[str, str] = {}    # model -> its unit's ControlGroup
+        self._ram_now: dict[str, MemoryUse] = {}     # model -> its last reading
+        self._oom_seen: dict[str, int] = {}          # model -> OOM kills counted so far
 
     def reconfigure(self, config: GatewayConfig) -> None:
         self._config = config
@@ -41,10 +62,136 @@ class EngineCapacity:
             return None
         return self._learned.get(settings_stamp(model, self._config))
 
+    def has_gpu(self) -> bool:
+        if self._has_gpu is None:
+            try:
+                self._has_gpu = self._gpu.devices() is not None
+            except GatewayError:
+                return True   # NVML answered once: a GPU that fails now is still one
+        return self._has_gpu
+
+    def need(self, model: Model) -> budget.Need:
+        """Its engine's expected memory, per budget: learned once measured, estimated
+        before."""
+        gpu = self.has_gpu()
+        stamp = settings_stamp(model, self._config)
+        return budget.model_need(
+            model, gpu=gpu, vram_margin_mib=self._config.vram_margin_mib,
+            ram_margin_mib=self._config.ram_margin_mib,
+            learned_vram_mib=self._learned.get(stamp) if self._learned else None,
+            learned_ram_mib=self._learned_ram.get(stamp) if self._learned_ram else None,
+            estimate=self._estimate(model, gpu) if self._estimate else None)
+
     def need_mib(self, model: Model) -> int:
         """Its engine's expected GPU memory: learned once measured, estimated before."""
-        return budget.model_need_mib(model, self._config.vram_margin_mib,
-                                     self.measured_mib(model))
+        return self.need(model).vram_mib
+
+    # -- RAM ---------------------------------------------------------------------------
+
+    def track(self, model_id: str, control_group: str | None) -> None:
+        """The unit's cgroup, where its memory is read (from what systemd said of it)."""
+        if control_group:
+            self._control_groups[model_id] = control_group
+
+    def ram_measured(self, model_id: str) -> MemoryUse | None:
+        """The engine's last RAM reading (None: none yet, or not measurable here)."""
+        return self._ram_now.get(model_id)
+
+    def read_ram(self) -> None:
+        """Read every engine's memory now (a few small files each): cgroup figures, or
+        PSS where the cgroup's are not to be had. Forgets the engines that are gone."""
+        if self._meter is None:
+            return
+        engines = {e.model_id: e for e in self._registry.engines() if e.holds_place}
+        for model_id in list(self._ram_now):
+            if model_id not in engines:
+                self._ram_now.pop(model_id)
+        for model_id in list(self._control_groups):
+            if model_id not in engines:
+                self._control_groups.pop(model_id)
+                self._oom_seen.pop(model_id, None)
+        for model_id, cgroup in self._control_groups.items():
+            if (use := self._meter.read(cgroup)) is not None:
+                self._ram_now[model_id] = use
+            else:
+                self._ram_now.pop(model_id, None)
+
+    def ram(self, model: Model | None = None) -> ram_budget.RamLedger | None:
+        """The RAM ledger from a fresh reading, without model's own engine (None: RAM is
+        not checked: no host probe)."""
+        if self._host is None:
+            return None
+        self.read_ram()
+        rows = []
+        for engine in self._registry.engines():
+            other = self._catalog.get(engine.model_id)
+            if other is None or not engine.holds_place or (model and engine.model_id == model.id):
+                continue
+            use = self._ram_now.get(engine.model_id)
+            rows.append(ram_budget.EngineRam(
+                engine.model_id, ready=engine.state is EngineState.READY,
+                need_mib=self.need(other).ram_mib,
+                measured_mib=-(-use.current_bytes // MIB) if use else None))
+        return ram_budget.ram_ledger(self._host.read(), rows,
+                                     reserve_mib=self._config.ram_reserve_mib,
+                                     budget_mib=self._config.ram_budget_mib)
+
+    def check_ram_ceiling(self, model: Model) -> None:
+        """More RAM than the budget could ever give (every engine stopped): refused at
+        once, naming RAM, rather than after evicting everything."""
+        ledger = self.ram(model)
+        need = self.need(model).ram_mib
+        if ledger is not None and need > ledger.ceiling_mib:
+            raise budget.insufficient_ram(model.id, need, ledger, running=[
+                e.model_id for e in self._registry.engines() if e.holds_place])
+
+    def learn_ram(self) -> list[str]:
+        """Record what each ready engine held at its peak (its cgroup's, else what it
+        holds now): the next admission of that setup uses it. The models whose figure
+        changed."""
+        if self._learned_ram is None or self._meter is None:
+            return []
+        self.read_ram()
+        changed = []
+        for engine in self._registry.engines():
+            model = self._catalog.get(engine.model_id)
+            use = self._ram_now.get(engine.model_id)
+            if engine.state is not EngineState.READY or model is None or use is None:
+                continue
+            mib = -(-(use.peak_bytes or use.current_bytes) // MIB)
+            stamp = settings_stamp(model, self._config)
+            known = self._learned_ram.get(stamp)
+            # a peak only grows (a figure learned at an OOM is not lowered by a calm run)
+            if (known is None or mib > known) and self._learned_ram.record(stamp, model.id, mib):
+                log.info("%s: its engine holds %d MiB of RAM at its peak (%s; learned)",
+                         model.id, mib, use.source)
+                changed.append(model.id)
+        return changed
+
+    def out_of_memory(self, model_id: str, result_says_oom: bool) -> bool:
+        """Whether the engine's last process was killed for want of memory: systemd said
+        so (Result=oom-kill, cgroup v2), or the kernel counted an OOM kill in its cgroup
+        since we last looked (cgroup v1, where systemd does not tell)."""
+        cgroup = self._control_groups.get(model_id)
+        use = self._meter.read(cgroup) if self._meter is not None and cgroup else None
+        seen = self._oom_seen.get(model_id, 0)
+        if use is not None and use.oom_kills is not None:
+            self._oom_seen[model_id] = use.oom_kills
+            if use.oom_kills > seen:
+                return True
+        return result_says_oom
+
+    def learn_oom(self, model: Model) -> int:
+        """After an OOM kill: its RAM need is at least OOM_GROWTH times what it had (its peak,
+        its limit, or what was thought); the next admission counts that. The new need."""
+        need = self.need(model).ram_mib
+        use = self._ram_now.get(model.id)
+        peak = -(-(use.peak_bytes or use.current_bytes) // MIB) if use else 0
+        limit = -(-model.config.memory_max // MIB) if model.config.memory_max else 0
+        grown = round(max(need, peak, limit) * OOM_GROWTH)
+        if self._learned_ram is not None:
+            self._learned_ram.record(settings_stamp(model, self._config), model.id, grown)
+        return grown
 
     def learn_gpu_memory(self) -> list[str]:
         """Record what each ready engine's process holds now (NVML per process, its
@@ -90,12 +237,13 @@ class EngineCapacity:
 
     def admit(self, model: Model, *, force: bool = False) -> placement.Placement | None:
         """Admission (budget.check_admission); where the engine goes. force skips the
-        memory check, not the placement."""
+        GPU memory check (the scheduler's "try anyway"), not the placement nor RAM."""
         where = self.place(model)
+        need = self.need(model)
         budget.check_admission(model.id, self._registry.engines(),
                                max_engines=self._config.max_engines,
-                               need_mib=self.need_mib(model),
-                               placement=None if force else where)
+                               need_mib=need.vram_mib, placement=None if force else where,
+                               ram_need_mib=need.ram_mib, ram=self.ram(model))
         return where
 
     def devices_of(self, spec: str | None) -> tuple[str, ...]:

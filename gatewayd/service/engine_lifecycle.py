@@ -38,6 +38,7 @@ from gatewayd.core.engines import (
     EngineState,
     HealthReady,
     LoadTimedOut,
+    OutOfMemory,
     StartFailed,
     StartRequested,
     StopRequested,
@@ -64,6 +65,7 @@ from gatewayd.service.park_queue import ParkQueue
 from gatewayd.service.readiness import Readiness
 
 log = logging.getLogger("gatewayd.engines")
+MIB = 1024 * 1024
 READY_GRACE_S = 5.0        # a waiter's deadline beyond load_timeout_s
 
 
@@ -154,6 +156,7 @@ class EngineLifecycle:
                 raise self._registry.failed_error(model.id) from e
             self._desired.add(model.id)   # only a start that happened is wanted after a reboot
             self._readiness.watch(model.id, new_start=True)
+            self._spawn(self._track(model.id, layout.unit))
         return await self.wait_ready(model.id) if wait else self._registry[model.id]
 
     async def wait_ready(self, model_id: str, timeout: float | None = None) -> Engine:
@@ -264,6 +267,7 @@ class EngineLifecycle:
                        info.visible_devices)),
             unit_props={"ActiveState": info.active_state, "SubState": info.sub_state})
         self._registry.apply_info(info.model_id, info)
+        self._capacity.track(info.model_id, info.control_group)
         self._readiness.watch(info.model_id)
         return self._registry[info.model_id]
 
@@ -272,6 +276,8 @@ class EngineLifecycle:
         The caller makes sure nothing happened to the model since the listing began."""
         if self._registry.get(model_id) is None or self.busy(model_id):
             return
+        if info is not None:
+            self._capacity.track(model_id, info.control_group)
         self._registry.reconcile(model_id, info)
 
     async def unreachable(self, model_id: str, main_pid: int) -> bool:
@@ -320,6 +326,9 @@ class EngineLifecycle:
             self._registry.wake_waiters(new)
         elif new.state is EngineState.FAILED:
             self._logs.settle_later(new.model_id)
+        elif new.state is EngineState.RESTARTING and new.failure is not None and \
+                self._capacity.out_of_memory(new.model_id, new.failure.oom_kill_said):
+            self._spawn(self._on_out_of_memory(new.model_id))
         elif new.state is EngineState.RESTARTING:   # its waiters wait on
             self._logs.reread_later(new.model_id, EngineState.RESTARTING, now=True)
         elif new.state is EngineState.STOPPED:   # gone, and not by our stop (that forgets)
@@ -334,6 +343,43 @@ class EngineLifecycle:
         await self._hooks.ready(self._registry.get(model_id))
         self._registry.event(model_id, HealthReady(self._clock()))
         self._capacity.learn_gpu_memory()
+        self._capacity.learn_ram()
+
+    async def _track(self, model_id: str, unit: str) -> None:
+        """Where the new unit's memory is read (its cgroup), off the start's path."""
+        if (info := await self.info(unit)) is not None:
+            self._capacity.track(model_id, info.control_group)
+
+    async def _on_out_of_memory(self, model_id: str) -> None:
+        """Killed for want of memory: systemd's restart would run into the same wall. Its
+        unit is stopped (which cancels the restart), a higher need is learned, and it is
+        failed with reason out_of_memory: its waiters get engine_out_of_memory."""
+        async with self._lifecycle(model_id):
+            engine = self._registry.get(model_id)
+            model = self._catalog.get(model_id)
+            if engine is None or model is None or engine.state not in (
+                    EngineState.RESTARTING, EngineState.LOADING):
+                return
+            ledger = self._capacity.ram(model)
+            before = self._capacity.need(model).ram_mib
+            grown = self._capacity.learn_oom(model)
+            free = ledger.plan_free_mib if ledger else None
+            limit = model.config.memory_max
+            where = (f"its unit's MemoryMax= ({limit // MIB} MiB, memory_max)" if limit
+                     else "the kernel's OOM killer")
+            reason = (f"killed for want of memory by {where}; it was thought to need "
+                      f"{before} MiB of RAM, now {grown} MiB"
+                      + (f", and {free} MiB are free for it" if free is not None else "")
+                      + ("; raise memory_max" if limit and grown > limit // MIB else
+                         "; it is not restarted until asked for again"))
+            log.warning("%s: %s", model_id, reason)
+            try:
+                await self._units.stop_engine(engine.unit)   # no restart into the same wall
+            except Exception as e:
+                log.warning("%s: stopping it after its OOM kill failed: %s", model_id, e)
+            self._registry.event(model_id, OutOfMemory(self._clock(), reason, memory=(
+                ("required_mib", grown), ("free_mib", free),
+                ("memory_max_mib", limit // MIB if limit else None))))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

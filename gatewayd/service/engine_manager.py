@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gatewayd.core import placement
+from gatewayd.core.budget import Need
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine
@@ -29,12 +30,16 @@ from gatewayd.core.ports import (
     EngineUnitInfo,
     GpuProbe,
     HealthProbe,
+    HostMemoryProbe,
     JournalReader,
     KvCacheStore,
     MemoryBook,
+    MemoryMeter,
+    MemoryUse,
     UnitControl,
 )
-from gatewayd.service.engine_capacity import EngineCapacity
+from gatewayd.core.ram_budget import RamLedger
+from gatewayd.service.engine_capacity import EngineCapacity, EstimateFor
 from gatewayd.service.engine_hooks import EngineHooks, ReadyHook
 from gatewayd.service.engine_lifecycle import EngineLifecycle, configured
 from gatewayd.service.engine_registry import EngineListener, EngineRegistry
@@ -45,7 +50,9 @@ class EngineManager:
     def __init__(self, *, catalog: Catalog, config: GatewayConfig, units: UnitControl,
                  health: HealthProbe, gpu: GpuProbe, journal: JournalReader,
                  desired: DesiredList, kv_cache: KvCacheStore | None = None,
-                 learned: MemoryBook | None = None,
+                 learned: MemoryBook | None = None, host: HostMemoryProbe | None = None,
+                 meter: MemoryMeter | None = None, learned_ram: MemoryBook | None = None,
+                 estimate: EstimateFor | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog   # shared, replaced in place by a reload
         self.config = config     # the configuration in force
@@ -54,7 +61,9 @@ class EngineManager:
         self._desired = desired
         self._registry = EngineRegistry(clock)
         self._capacity = EngineCapacity(catalog=catalog, config=config, gpu=gpu,
-                                        learned=learned, registry=self._registry)
+                                        learned=learned, registry=self._registry, host=host,
+                                        meter=meter, learned_ram=learned_ram,
+                                        estimate=estimate)
         self._hooks = EngineHooks(catalog, units, kv_cache)
         self._logs = FailureLogs(journal, self._registry)
         self._lifecycle = EngineLifecycle(
@@ -154,8 +163,25 @@ class EngineManager:
     def need_mib(self, model: Model) -> int:
         return self._capacity.need_mib(model)
 
+    def need(self, model: Model) -> Need:
+        """What its engine needs, per budget (GPU, RAM), and where each figure came from."""
+        return self._capacity.need(model)
+
+    def ram(self, model: Model | None = None) -> RamLedger | None:
+        """The RAM ledger now, without model's own engine (None: RAM not checked)."""
+        return self._capacity.ram(model)
+
+    def ram_measured(self, model_id: str) -> MemoryUse | None:
+        """The engine's last RAM reading (its cgroup, or its processes' PSS)."""
+        return self._capacity.ram_measured(model_id)
+
+    def check_ram_ceiling(self, model: Model) -> None:
+        self._capacity.check_ram_ceiling(model)
+
     def learn_gpu_memory(self) -> list[str]:
-        return self._capacity.learn_gpu_memory()
+        """What ready engines hold now, GPU and RAM, for the next admission of their
+        setup: the models whose figure changed."""
+        return sorted({*self._capacity.learn_gpu_memory(), *self._capacity.learn_ram()})
 
     def place(self, model: Model) -> placement.Placement | None:
         return self._capacity.place(model)

@@ -26,7 +26,7 @@ from gatewayd.core.engines import (
     UnitChanged,
     apply,
 )
-from gatewayd.core.errors import EngineFailed, EngineNotRunning, GatewayError
+from gatewayd.core.errors import EngineFailed, EngineNotRunning, EngineOutOfMemory, GatewayError
 from gatewayd.core.ports import EngineUnitInfo
 
 log = logging.getLogger("gatewayd.engines")
@@ -77,6 +77,14 @@ class EngineRegistry:
         engine = self._engines[model_id]
         failure = engine.failure
         reason = failure.reason if failure else "failed"
+        if failure is not None and failure.out_of_memory:
+            return EngineOutOfMemory(
+                f"engine for {model_id!r} ran out of memory: {reason}. "
+                f"Logs: journalctl -u {engine.unit}", retry_after=retry_after,
+                model=model_id, unit=engine.unit, failure=failure.describe(),
+                memory="ram", required_mib=dict(failure.memory).get("required_mib"),
+                free_mib=dict(failure.memory).get("free_mib"),
+                memory_max_mib=dict(failure.memory).get("memory_max_mib"))
         return EngineFailed(f"engine for {model_id!r} failed: {reason}. "
                             f"Logs: journalctl -u {engine.unit}", retry_after=retry_after,
                             model=model_id, unit=engine.unit,

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 
 from gatewayd.core import scheduler
-from gatewayd.core.budget import insufficient_gpu, model_need_mib
+from gatewayd.core.budget import insufficient_gpu, insufficient_ram, model_need_mib
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import COMING_STATES, EngineState
@@ -90,7 +90,10 @@ class Loader:
 
     def ahead(self, model_id: str) -> int:
         """Models before model_id in the line that still need room."""
-        count = 0
+        return len(self._ahead(model_id))
+
+    def _ahead(self, model_id: str) -> list[str]:
+        ahead = []
         for other in self._line:
             if other == model_id:
                 break
@@ -98,8 +101,12 @@ class Loader:
             use = self._turns.peek(other)
             if engine is None or not engine.holds_place or engine.state is EngineState.STOPPING \
                     or (engine.state is EngineState.READY and use is not None and use.draining):
-                count += 1
-        return count
+                ahead.append(other)
+        return ahead
+
+    def _ahead_ram_mib(self, ahead: list[str]) -> int:
+        models = (self._catalog.get(m) for m in ahead)
+        return sum(self._engines.need(m).ram_mib for m in models if m is not None)
 
     def reconfigure(self, config: GatewayConfig) -> None:
         self._config = config
@@ -134,7 +141,9 @@ class Loader:
         self._turns.wake(model.id, error)
 
     async def _make_room_and_start(self, model: Model) -> None:
-        need = self._engines.need_mib(model)
+        needs = self._engines.need(model)
+        need = needs.vram_mib
+        self._engines.check_ram_ceiling(model)   # never fits: said at once
         deadline = self._clock() + self._config.eviction_wait_s
         give_up = deadline + self._config.load_timeout_s
         engines = self._engines
@@ -167,11 +176,16 @@ class Loader:
             if (left := engines.backoff_left(model.id)) > 0:
                 raise engines.failed_error(model.id, retry_after=math.ceil(left))
             where = engines.place(model)
+            ram = engines.ram(model)
             usages = self._usages()
+            ahead = self._ahead(model.id)
             decision = scheduler.plan_start(
                 model.id, usages, max_engines=self._config.max_engines, need_mib=need,
-                free_mib=None if where is None else where.free_mib, ahead=self.ahead(model.id),
-                devices=None if where is None else frozenset(where.uuids))
+                free_mib=None if where is None else where.free_mib, ahead=len(ahead),
+                devices=None if where is None else frozenset(where.uuids),
+                ram_need_mib=needs.ram_mib,
+                ram_free_mib=None if ram is None else ram.plan_free_mib,
+                ahead_ram_mib=self._ahead_ram_mib(ahead) if ahead and ram else 0)
             match decision:
                 case scheduler.TryAnyway() if self._memory_coming_back():
                     # an engine just went away: its memory may not show as free yet, so
@@ -198,6 +212,13 @@ class Loader:
                     await self._wait(deadline, model, why)
                 case scheduler.Blocked(limit, holders):
                     if self._clock() >= deadline:
+                        if limit == "ram" and ram is not None:
+                            raise insufficient_ram(
+                                model.id, needs.ram_mib, ram, retry_after=5,
+                                running=[m for m, _ in holders],
+                                held_by=", ".join(f"{m} ({why})" for m, why in holders),
+                                prefix="not enough RAM within "
+                                f"{self._config.eviction_wait_s:g}s: ")
                         raise self._no_room(model, limit, holders, need, where)
                     await self._changes.wait(deadline)
 
