@@ -25,9 +25,11 @@ from gatewayd.core.ports import (
     DesiredList,
     EngineUnitInfo,
     GpuProbe,
+    HostMemoryProbe,
     JournalReader,
     KvCacheStore,
     MemoryBook,
+    MemoryMeter,
     UnitWatcher,
 )
 from gatewayd.service.dispatcher import Dispatcher
@@ -114,7 +116,7 @@ class FakeUnits:
         self.units[unit] = EngineUnitInfo(
             unit=unit, model_id=model.id, socket=layout.socket, active_state="activating",
             sub_state="start", main_pid=0, n_restarts=0, memory_bytes=None, started_at_us=0,
-            visible_devices=visible_devices)
+            visible_devices=visible_devices, control_group=f"/system.slice/{unit}")
         self._send(unit, {"ActiveState": "inactive", "SubState": "dead"})   # being created
         self.emit(unit, ActiveState="activating", SubState="start")
         self.emit(unit, MainPID=self.next_pid)
@@ -285,6 +287,8 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
          models_config: dict[str, dict[str, Any]] | None = None,
          desired: DesiredList | None = None, journal: JournalReader | None = None,
          kv_cache: KvCacheStore | None = None, learned: MemoryBook | None = None,
+         host: HostMemoryProbe | None = None, meter: MemoryMeter | None = None,
+         learned_ram: MemoryBook | None = None,
          **config: Any) -> tuple[EngineManager, FakeUnits, FakeHealth]:
     """On virtual time (on_virtual_time) its clock is the loop's and its desired list is
     kept in memory (the real list's writer thread is an event virtual time cannot see).
@@ -307,7 +311,8 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
     mgr = EngineManager(catalog=Catalog(models, {}), config=settings, units=units,
                         health=health, gpu=gpu or NoGpu("test"),
                         journal=journal or FakeJournal(), desired=desired, kv_cache=kv_cache,
-                        learned=learned, clock=loop.time if virtual else time.monotonic)
+                        learned=learned, host=host, meter=meter, learned_ram=learned_ram,
+                        clock=loop.time if virtual else time.monotonic)
     return mgr, units, health
 
 

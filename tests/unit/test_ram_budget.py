@@ -1,0 +1,258 @@
+"""RAM as a budget beside the GPU's (issue 36): the ledger, the scheduler's decisions,
+admission and eviction on a fake systemd, and an OOM kill as its own outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatewayd.core import scheduler
+from gatewayd.core.engines import CLD_KILLED, EngineState
+from gatewayd.core.errors import EngineOutOfMemory, InsufficientMemory
+from gatewayd.core.ports import MemoryUse
+from gatewayd.core.ram_budget import EngineRam, HostMemory, ram_ledger
+from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
+from tests.fakes import FakeUnits, dispatcher_for, engine_manager_on_fakes
+
+MIB = 1024 * 1024
+
+# -- the ledger ------------------------------------------------------------------------
+
+
+def test_free_ram_is_what_is_available_less_the_reserve_and_what_loads_will_take() -> None:
+    ledger = ram_ledger(HostMemory(total_mib=16000, available_mib=9000), [
+        EngineRam("a", ready=True, need_mib=4000, measured_mib=4100),
+        EngineRam("b", ready=False, need_mib=3000, measured_mib=1000)],
+        reserve_mib=1000)
+    assert ledger.pending_mib == 2000 and ledger.claimed_mib == 7100
+    assert ledger.plan_free_mib == 9000 - 1000 - 2000
+
+
+def test_an_engines_mapped_weights_counted_as_available_are_still_its_own() -> None:
+    """llama-server's weights are page cache, which MemAvailable counts as free: the
+    engines' claims against the total keep a new model out of them."""
+    ledger = ram_ledger(HostMemory(total_mib=16000, available_mib=15000), [
+        EngineRam("a", ready=True, need_mib=8000, measured_mib=8000)], reserve_mib=1000)
+    assert ledger.plan_free_mib == 16000 - 1000 - 8000
+
+
+def test_a_budget_caps_what_the_engines_hold_together() -> None:
+    ledger = ram_ledger(HostMemory(total_mib=64000, available_mib=60000), [
+        EngineRam("a", ready=True, need_mib=3000)], reserve_mib=1000, budget_mib=8000)
+    assert ledger.plan_free_mib == 5000
+    assert ledger.ceiling_mib == 8000    # every engine stopped: the budget
+
+
+def test_nothing_free_is_zero_not_negative() -> None:
+    ledger = ram_ledger(HostMemory(total_mib=4000, available_mib=500), [], reserve_mib=1000)
+    assert ledger.plan_free_mib == 0 and ledger.ceiling_mib == 0
+
+# -- the scheduler ---------------------------------------------------------------------
+
+
+def usage(model: str, **kw: Any) -> scheduler.Usage:
+    return scheduler.Usage(model_id=model, state=kw.pop("state", EngineState.READY), **kw)
+
+
+def test_short_of_ram_the_least_recently_used_idle_engine_goes_whatever_its_device() -> None:
+    usages = [usage("a", last_used=1, devices=("GPU-1",)), usage("b", last_used=2),
+              usage("c", last_used=0, in_flight=1)]
+    decision = scheduler.plan_start("d", usages, max_engines=8, need_mib=10, free_mib=100,
+                                    devices=frozenset({"GPU-0"}), ram_need_mib=500,
+                                    ram_free_mib=200)
+    assert decision == scheduler.Evict("a", "making room for d: needs 500 MiB of RAM, "
+                                            "200 MiB free")
+
+
+def test_short_of_ram_with_nothing_that_may_go_is_blocked_never_tried_anyway() -> None:
+    decision = scheduler.plan_start("d", [], max_engines=8, need_mib=10, free_mib=None,
+                                    ram_need_mib=500, ram_free_mib=200)
+    assert decision == scheduler.Blocked("ram", ())
+
+
+def test_a_model_behind_the_line_takes_ram_only_beyond_what_those_ahead_need() -> None:
+    kw: dict[str, Any] = dict(max_engines=8, need_mib=0, free_mib=None, ahead=1,
+                              ram_need_mib=300, ram_free_mib=1000)
+    assert scheduler.plan_start("d", [], ahead_ram_mib=600, **kw) == scheduler.Fits()
+    assert isinstance(scheduler.plan_start("d", [], ahead_ram_mib=800, **kw), scheduler.Wait)
+
+# -- admission and eviction on a fake systemd ------------------------------------------
+
+
+class FakeHost:
+    def __init__(self, total_mib: int = 64000, available_mib: int = 60000) -> None:
+        self.total, self.available = total_mib, available_mib
+
+    def read(self) -> HostMemory:
+        return HostMemory(self.total, self.available)
+
+
+class FakeMeter:
+    """Each engine's cgroup holds `holds` MiB; `oom_kills` per cgroup as the kernel counts."""
+
+    def __init__(self, holds: int = 3) -> None:
+        self.holds = holds
+        self.oom_kills: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+
+    def read(self, control_group: str) -> MemoryUse:
+        return MemoryUse(self.holds * MIB, self.peak.get(control_group, self.holds) * MIB,
+                         "cgroup", self.oom_kills.get(control_group, 0))
+
+
+class Book:
+    def __init__(self) -> None:
+        self.figures: dict[str, int] = {}
+
+    def get(self, key: str) -> int | None:
+        return self.figures.get(key)
+
+    def record(self, key: str, model_id: str, mib: int) -> bool:
+        changed = self.figures.get(key) != mib
+        self.figures[key] = mib
+        return changed
+
+
+def on_ram(tmp_path: Path, budget_mib: int, **kw: Any
+           ) -> tuple[Dispatcher, EngineManager, FakeUnits, FakeMeter, Book]:
+    """Models a..d, 3 MiB files each; no GPU, so each needs its files in RAM (no margin)."""
+    meter, book = FakeMeter(), Book()
+    mgr, units, _ = engine_manager_on_fakes(
+        tmp_path, host=FakeHost(), meter=meter, learned_ram=book, ram_budget_mib=budget_mib,
+        ram_reserve_mib=0, ram_margin_mib=0, **kw)
+    return dispatcher_for(mgr), mgr, units, meter, book
+
+
+async def use(d: Dispatcher, model: str) -> None:
+    async with d.serve(model, autoload=True):
+        pass
+
+
+async def test_a_ram_budget_for_two_evicts_the_least_recently_used_for_the_third(
+        tmp_path: Path) -> None:
+    d, mgr, units, _, book = on_ram(tmp_path, budget_mib=7)
+    await use(d, "a")
+    await use(d, "b")
+    await use(d, "a")                       # b is now the least recently used
+    await use(d, "c")
+    assert units.log == ["start a", "start b", "stop llm-engine-b.service", "start c"]
+    assert set(book.figures.values()) == {3}   # learned from the cgroups
+    await d.close()
+    await mgr.close()
+
+
+async def test_a_busy_engine_is_never_evicted_for_ram(tmp_path: Path) -> None:
+    d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=7)
+    await use(d, "a")
+    await use(d, "b")
+    async with d.serve("a", autoload=True, counts_as_use=False):   # a: older, but busy
+        await use(d, "c")
+    assert "stop llm-engine-a.service" not in units.log
+    assert "stop llm-engine-b.service" in units.log
+    await d.close()
+    await mgr.close()
+
+
+async def test_more_than_the_budget_could_ever_give_is_refused_at_once_naming_ram(
+        tmp_path: Path) -> None:
+    d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=2, eviction_wait_s=30)
+    started = time.monotonic()
+    with pytest.raises(InsufficientMemory) as err:
+        await use(d, "a")
+    assert time.monotonic() - started < 5          # not after the eviction wait
+    body = err.value.body()["error"]
+    assert body["code"] == "insufficient_memory" and body["memory"] == "ram"
+    assert body["required_mib"] == 3 and body["ceiling_mib"] == 2
+    assert "needs about 3 MiB of RAM" in body["message"]
+    assert "ram_budget_mib" in body["message"]
+    assert err.value.retry_after is None and units.log == []
+    await d.close()
+    await mgr.close()
+
+
+async def test_no_ram_left_and_nothing_may_go_names_ram_after_the_wait(tmp_path: Path) -> None:
+    d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=7, eviction_wait_s=0.3,
+                                 models_config={"a": {"pin": True}, "b": {"pin": True}})
+    await use(d, "a")
+    await use(d, "b")
+    with pytest.raises(InsufficientMemory) as err:
+        await use(d, "c")
+    body = err.value.body()["error"]
+    assert body["free_mib"] == 1 and "a (pinned)" in body["message"]
+    assert err.value.retry_after == 5 and units.log == ["start a", "start b"]
+    await d.close()
+    await mgr.close()
+
+# -- an OOM kill ------------------------------------------------------------------------
+
+
+async def oom_kill(units: FakeUnits, meter: FakeMeter, model: str) -> None:
+    """The kernel kills the engine in its cgroup (v1: systemd only sees a SIGKILL)."""
+    unit = units.layout(model).unit
+    cgroup = f"/system.slice/{unit}"
+    meter.oom_kills[cgroup] = meter.oom_kills.get(cgroup, 0) + 1
+    meter.peak[cgroup] = 9
+    units.emit(unit, MainPID=0, ExecMainCode=CLD_KILLED, ExecMainStatus=signal.SIGKILL,
+               Result="signal")
+    units.emit(unit, ActiveState="activating", SubState="auto-restart")
+    await units.delivered()
+
+
+async def test_an_oom_killed_engine_is_failed_not_restarted_and_learns_a_higher_need(
+        tmp_path: Path) -> None:
+    d, mgr, units, meter, book = on_ram(tmp_path, budget_mib=100)
+    await use(d, "a")
+    await oom_kill(units, meter, "a")
+    waiting = asyncio.ensure_future(use(d, "a"))    # arrives while it is restarting
+    with pytest.raises(EngineOutOfMemory) as err:
+        await asyncio.wait_for(waiting, 5)
+    body = err.value.body()["error"]
+    assert err.value.status == 503 and body["code"] == "engine_out_of_memory"
+    assert body["required_mib"] == round(9 * 1.25) and body["free_mib"] is not None
+    engine = mgr.get("a")
+    assert engine is not None and engine.state is EngineState.FAILED
+    assert engine.failure is not None and engine.failure.kind == "oom"
+    assert units.log == ["start a", "stop llm-engine-a.service"]   # stopped, not restarted
+    assert list(book.figures.values()) == [round(9 * 1.25)]
+    await d.close()
+    await mgr.close()
+
+
+async def test_systemds_oom_kill_result_alone_is_an_oom(tmp_path: Path) -> None:
+    """cgroup v2: systemd says Result=oom-kill; no counter is needed."""
+    d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=100)
+    await use(d, "a")
+    unit = units.layout("a").unit
+    units.emit(unit, MainPID=0, ExecMainCode=CLD_KILLED, ExecMainStatus=signal.SIGKILL,
+               Result="oom-kill")
+    units.emit(unit, ActiveState="activating", SubState="auto-restart")
+    await units.delivered()
+    deadline = asyncio.get_running_loop().time() + 5
+    while (e := mgr.get("a")) is None or e.state is not EngineState.FAILED:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    assert e.failure is not None and e.failure.out_of_memory
+    await d.close()
+    await mgr.close()
+
+
+async def test_a_plain_crash_is_still_restarted(tmp_path: Path) -> None:
+    d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=100)
+    await use(d, "a")
+    unit = units.layout("a").unit
+    units.emit(unit, MainPID=0, ExecMainCode=CLD_KILLED, ExecMainStatus=signal.SIGSEGV,
+               Result="signal")
+    units.emit(unit, ActiveState="activating", SubState="auto-restart")
+    await units.delivered()
+    await asyncio.sleep(0.05)
+    engine = mgr.get("a")
+    assert engine is not None and engine.state is EngineState.RESTARTING
+    assert units.log == ["start a"]
+    await d.close()
+    await mgr.close()
