@@ -72,6 +72,7 @@ class FakeUnits:
         self.next_pid = 100
         self.visible_devices: dict[str, str | None] = {}   # model -> CUDA_VISIBLE_DEVICES
         self.parks: list[str] = []                         # models parked, in order
+        self.memory_high: dict[str, int] = {}              # unit -> MemoryHigh= set on it
         self.on_park: Callable[[str], Any] | None = None   # what a park does meanwhile
         self._parked: list[str] = []                       # parked now (a start wakes one)
         # the bus: (when due, a signal or the answer of a job waiting for its signals)
@@ -149,6 +150,10 @@ class FakeUnits:
         self.parks.append(model.id)
         self._parked.append(model.id)
         return True
+
+    async def limit_memory(self, unit: str, high_bytes: int) -> None:
+        self.memory_high[unit] = high_bytes
+        await asyncio.sleep(0)
 
     async def kill_engine(self, unit: str) -> None:
         """SIGKILL: Restart=on-failure brings the engine back as a new process."""

@@ -127,6 +127,10 @@ class EngineUnitsBase:
                 await self._sd.reset_failed_unit(unit)
             await self._sd.wait_unit_gone(unit, UNIT_GONE_S)
 
+    async def limit_memory(self, unit: str, high_bytes: int) -> None:
+        await self._sd.set_unit_properties(unit, [("MemoryHigh", "t", high_bytes)],
+                                           runtime=True)
+
     async def kill_engine(self, unit: str) -> None:
         await self._sd.kill_unit(unit, signal.SIGKILL)
 

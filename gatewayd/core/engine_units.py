@@ -201,11 +201,16 @@ def template_settings(model: Model, layout: EngineLayout, binary: str, *,
             "env": engine_env(model, layout, visible_devices)}
 
 
+ENGINE_OOM_SCORE_ADJUST = 200   # llm-engine@.service says the same
+
+
 def resource_limits(model: Model) -> list[tuple[str, str, object]]:
     """Per-model cgroup limits as (property, D-Bus signature, value)."""
     limits: list[tuple[str, str, object]] = []
     if model.config.memory_max is not None:
         limits.append(("MemoryMax", "t", model.config.memory_max))
+    if model.config.memory_high is not None:
+        limits.append(("MemoryHigh", "t", model.config.memory_high))
     if model.config.cpu_quota is not None:   # percent -> CPU time per second
         limits.append(("CPUQuotaPerSecUSec", "t", round(model.config.cpu_quota * 10_000)))
     return limits
@@ -350,6 +355,13 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
                                       False]]),
         "LogExtraFields": ("aay", [f"{MODEL_ENV}={model.id}".encode()]),
         "MemoryAccounting": ("b", True),   # memory per engine, from systemd
+        # a process of the engine killed for want of memory: the whole unit stops (with
+        # Result=oom-kill on cgroup v2), and the gateway does not let systemd restart it
+        # into the same wall (engine_lifecycle); systemd's default, said on purpose
+        "OOMPolicy": ("s", "stop"),
+        # when the machine runs out, the kernel had better kill an engine (reported,
+        # restarted on demand) than the user's other programs or the gateway
+        "OOMScoreAdjust": ("i", ENGINE_OOM_SCORE_ADJUST),
     }
     if model.backend is Backend.WHISPER and private_network:
         extra["PrivateNetwork"] = ("b", True)

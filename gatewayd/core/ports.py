@@ -61,6 +61,12 @@ class UnitControl(Protocol):
         """SIGKILL every process of the unit (a hung engine): systemd restarts it."""
         ...
 
+    async def limit_memory(self, unit: str, high_bytes: int) -> None:
+        """MemoryHigh= on the running unit, for this boot (auto_memory_high): above it the
+        kernel reclaims the engine's memory instead of letting it grow into the rest of
+        the machine."""
+        ...
+
     async def park(self, model: Model) -> bool:
         """Prepare the stopped model's unit so that its next start_engine is fast (a
         parked unit: no engine, invisible to list_engines, engine_info and watch until

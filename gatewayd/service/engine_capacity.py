@@ -93,6 +93,9 @@ class EngineCapacity:
         if control_group:
             self._control_groups[model_id] = control_group
 
+    def tracked(self, model_id: str) -> bool:
+        return model_id in self._control_groups
+
     def ram_measured(self, model_id: str) -> MemoryUse | None:
         """The engine's last RAM reading (None: none yet, or not measurable here)."""
         return self._ram_now.get(model_id)
@@ -167,6 +170,17 @@ class EngineCapacity:
                          model.id, mib, use.source)
                 changed.append(model.id)
         return changed
+
+    def memory_high(self, model: Model) -> int | None:
+        """auto_memory_high: MemoryHigh= (bytes) for its running unit, its learned RAM
+        peak plus the headroom; None: off, set by the model itself, or not learned yet."""
+        if not self._config.auto_memory_high or model.config.memory_high is not None \
+                or self._learned_ram is None:
+            return None
+        learned = self._learned_ram.get(settings_stamp(model, self._config))
+        if learned is None:
+            return None
+        return round(learned * (1 + self._config.memory_high_headroom_pct / 100)) * MIB
 
     def out_of_memory(self, model_id: str, result_says_oom: bool) -> bool:
         """Whether the engine's last process was killed for want of memory: systemd said

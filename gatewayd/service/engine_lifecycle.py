@@ -343,7 +343,17 @@ class EngineLifecycle:
         await self._hooks.ready(self._registry.get(model_id))
         self._registry.event(model_id, HealthReady(self._clock()))
         self._capacity.learn_gpu_memory()
+        model, engine = self._catalog.get(model_id), self._registry.get(model_id)
+        if engine is not None and not self._capacity.tracked(model_id):
+            await self._track(model_id, engine.unit)   # (its start's look not back yet)
         self._capacity.learn_ram()
+        if model is not None and engine is not None and \
+                (high := self._capacity.memory_high(model)) is not None:
+            try:
+                await self._units.limit_memory(engine.unit, high)
+            except GatewayError as e:   # a limit is protection, not a condition of serving
+                log.warning("%s: cannot set MemoryHigh=%d on %s: %s", model_id, high,
+                            engine.unit, e.message)
 
     async def _track(self, model_id: str, unit: str) -> None:
         """Where the new unit's memory is read (its cgroup), off the start's path."""

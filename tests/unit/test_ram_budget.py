@@ -256,3 +256,23 @@ async def test_a_plain_crash_is_still_restarted(tmp_path: Path) -> None:
     assert units.log == ["start a"]
     await d.close()
     await mgr.close()
+
+
+async def test_auto_memory_high_limits_a_running_engine_at_its_learned_peak_plus_headroom(
+        tmp_path: Path) -> None:
+    d, mgr, units, _, book = on_ram(tmp_path, budget_mib=100, auto_memory_high=True,
+                                    memory_high_headroom_pct=50,
+                                    models_config={"b": {"memory_high": 64 * MIB}})
+    await use(d, "a")
+    await use(d, "b")
+    assert units.memory_high == {"llm-engine-a.service": round(3 * 1.5) * MIB}   # b: its own
+    await d.close()
+    await mgr.close()
+
+
+async def test_memory_high_is_off_unless_asked_for(tmp_path: Path) -> None:
+    d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=100)
+    await use(d, "a")
+    assert units.memory_high == {}
+    await d.close()
+    await mgr.close()
