@@ -6,21 +6,18 @@ into the same wall."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 import tomllib
 from itertools import combinations
 from pathlib import Path
 
+import make_tiny_model  # (scripts/, on the path from tests/conftest.py)
 import openai
 import pytest
 
 from tests.integration.conftest import GatewayFactory
 from tests.integration.gateway_helpers import GatewayService, stop_all_engine_units, toml_str
 from tests.integration.test_scheduling_e2e import ask, journal_cursor, unit_starts
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
 HUNGRY = ("wide-a", "wide-b", "wide-c")
