@@ -104,6 +104,7 @@ RELOAD = "tests/unit/test_reload_plan.py::"
 PLACE = "tests/unit/test_placement.py::"
 STORAGE = "tests/unit/test_storage_faults.py::"
 RETENTION = "tests/unit/test_records_retention.py::"
+RAM = "tests/unit/test_ram_budget.py::"
 
 # -- the scheduler, the loader and the engines' lifecycle --------------------------------
 SCHEDULING = (
@@ -176,7 +177,7 @@ SCHEDULING = (
            "                    await self._wait(deadline, model, reason)"),
     Mutant("no-fifo-line", "models get room in the order they asked",
            "gatewayd/service/loader.py",
-           "ahead=self.ahead(model.id),",
+           "ahead=len(ahead),",
            "ahead=0,", tests=(FIFO,)),
     Mutant("awaited-engine-drained", "an engine its woken waiters are about to use is not "
            "drained (livelock)",
@@ -228,9 +229,35 @@ SCHEDULING = (
     Mutant("memory-victim-on-any-device", "short of memory, the victim is on the device "
            "the model goes to",
            "gatewayd/core/scheduler.py",
-           "    candidates = others if places_short else [u for u in others if u.on(devices)]",
+           "    candidates = [u for u in others if u.on(devices)] "
+           "if gpu_short and not places_short \\\n"
+           "        else others",
            "    candidates = others",
            tests=(D + "test_eviction_frees_the_device_that_needs_the_memory",)),
+    Mutant("ram-not-a-budget", "short of RAM, room is made before a start",
+           "gatewayd/core/scheduler.py",
+           "    ram_short = ram_free_mib is not None and ram_need_mib > ram_free_mib",
+           "    ram_short = False",
+           tests=(RAM + "test_a_ram_budget_for_two_evicts_the_least_recently_used_for_the_third",)),
+    Mutant("ram-tried-anyway", "RAM short with nothing that may go is never tried anyway",
+           "gatewayd/core/scheduler.py",
+           "    if not candidates and gpu_short and not ram_short:",
+           "    if not candidates and (gpu_short or ram_short):",
+           tests=(RAM + "test_short_of_ram_with_nothing_that_may_go_is_blocked_never_"
+                  "tried_anyway",)),
+    Mutant("mapped-weights-free", "an engine's mapped weights, counted as available by the "
+           "kernel, are not free for another model",
+           "gatewayd/core/ram_budget.py",
+           "                   self.total_mib - self.reserve_mib - self.claimed_mib)",
+           "                   self.available_mib)",
+           tests=(RAM + "test_an_engines_mapped_weights_counted_as_available_are_still_its_own",
+                  )),
+    Mutant("oom-restarted", "an OOM-killed engine is not restarted into the same wall",
+           "gatewayd/service/engine_capacity.py",
+           "            if use.oom_kills > seen:",
+           "            if False:",
+           tests=(RAM + "test_an_oom_killed_engine_is_failed_not_restarted_and_learns_a_"
+                  "higher_need",)),
     Mutant("idle-ttl-stops-busy", "the idle reaper never stops an engine serving a request",
            "gatewayd/core/scheduler.py",
            "u.state is EngineState.READY and not u.in_flight\n",
