@@ -63,6 +63,7 @@ class FakeSystemd:
                  job_s: float = 0.05, load_s: float = 0.2, stop_s: float = 0.05,
                  collect_s: float = 0.05, restart_s: float = 1.0,
                  gpu_total_mib: int | None = None, engine_mib: int = 0,
+                 ram_fits: int | None = None,
                  free_delay_s: float = 0.5) -> None:
         self.rng = rng
         self.max_engines = max_engines
@@ -84,6 +85,7 @@ class FakeSystemd:
         self.in_flight: Callable[[str], int] = lambda model_id: 0
         self.stop_reason: Callable[[str], str | None] = lambda model_id: None
         self.gpu_total_mib, self.engine_mib = gpu_total_mib, engine_mib
+        self.ram_fits = ram_fits   # engines the gateway's RAM budget holds (None: no budget)
         self.free_delay_s = free_delay_s
         self.freeing_mib = 0                        # of units gone, not yet shown as free
         self.held_back: dict[str, float] = {}       # model -> delay of its next stop's signals
@@ -194,6 +196,9 @@ class FakeSystemd:
         asyncio.get_running_loop().call_later(self.restart_s, self._restart, unit, u)
         return True
 
+    async def limit_memory(self, unit: str, high_bytes: int) -> None:
+        await asyncio.sleep(0)
+
     async def kill_engine(self, unit: str) -> None:
         u = self.units.get(unit)
         if u is None:
@@ -205,7 +210,8 @@ class FakeSystemd:
         """`systemctl start` of the engine unit by hand (only where there is room): the
         gateway hears signals for a unit it does not know."""
         unit = self.layout(model_id).unit
-        if unit in self.units or len(self.running()) >= self.max_engines or (
+        if unit in self.units or len(self.running()) >= min(
+                self.max_engines, self.ram_fits or self.max_engines) or (
                 self.gpu_total_mib is not None and self.engine_mib > self.uncommitted_mib()):
             return False
         self._pid += 1

@@ -135,10 +135,10 @@ def insufficient_ram(model_id: str, need_mib: int, ledger: RamLedger, *, running
                      retry_after: int | None = None, prefix: str = "",
                      held_by: str = "") -> InsufficientMemory:
     never = need_mib > ledger.ceiling_mib
-    advice = ("more than this machine's RAM budget could give it even with every engine "
+    advice = ("More than this machine's RAM budget could give it even with every engine "
               "stopped: lower its ctx_size or parallel slots, use a smaller quantisation, "
               "or raise ram_budget_mib / lower ram_reserve_mib" if never else
-              "stop an engine, or wait for one to go idle")
+              "Stop an engine, or wait for one to go idle")
     return InsufficientMemory(
         prefix + describe_shortage(model_id, need_mib, ledger)
         + (f"; held by {held_by}" if held_by else "") + f". {advice}",

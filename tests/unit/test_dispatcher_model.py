@@ -50,6 +50,7 @@ from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GatewayError
+from gatewayd.core.ram_budget import HostMemory
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.restore import Reconciler
@@ -64,6 +65,17 @@ CRASH_EXCUSE_S = 40.0     # errors this long after a crash of the model are expl
 SETTLE_S = 60.0
 ENGINE_MIB = 900          # what an engine holds on the fake GPU once loaded (its file size)
 ENGINE_NEED_MIB = 1000    # the gateway's estimate: file + vram_margin_mib
+HOST_MIB = 64_000         # the fake host's RAM (the budget is what limits)
+
+
+class FakeHost:
+    """The host's RAM: available goes down by what each running unit holds."""
+
+    def __init__(self, systemd: FakeSystemd, engine_mib: int) -> None:
+        self._systemd, self._engine_mib = systemd, engine_mib
+
+    def read(self) -> HostMemory:
+        return HostMemory(HOST_MIB, HOST_MIB - self._engine_mib * len(self._systemd.running()))
 
 
 @dataclass
@@ -88,30 +100,39 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.max_engines = 1
         self.max_seen = 0
         self.gpu_fits: int | None = None
+        self.ram_fits: int | None = None
         self.line: list[str] = []        # models waiting for room, in the order they asked
         self.overtaken: list[str] = []   # first come, first served broken: how
         self._restore: list[Any] = []
 
     @initialize(max_engines=st.integers(1, 3), signal_mode=st.sampled_from(SIGNAL_MODES),
-                seed=st.integers(0, 2**16), gpu_fits=st.none() | st.integers(1, 2))
+                seed=st.integers(0, 2**16), gpu_fits=st.none() | st.integers(1, 2),
+                ram_fits=st.none() | st.integers(1, 2))
     def build(self, max_engines: int, signal_mode: str, seed: int,
-              gpu_fits: int | None = None) -> None:
-        """gpu_fits: None, no GPU; else how many engines fit in its memory at once."""
+              gpu_fits: int | None = None, ram_fits: int | None = None) -> None:
+        """gpu_fits: None, no GPU; else how many engines fit in its memory at once.
+        ram_fits: None, RAM is plentiful; else how many its RAM budget holds."""
         self.max_engines = max_engines
         self.gpu_fits = gpu_fits
+        self.ram_fits = ram_fits
         self.systemd = FakeSystemd(
             random.Random(seed), max_engines=max_engines, signal_mode=signal_mode,
             gpu_total_mib=None if gpu_fits is None else ENGINE_NEED_MIB * gpu_fits + 100,
-            engine_mib=ENGINE_MIB)
+            engine_mib=ENGINE_MIB, ram_fits=ram_fits)
         models = []
         for name in MODELS:
             path = self.tmp / f"{name}.gguf"
             path.write_bytes(b"x")
             models.append(Model(id=name, config=ModelConfig(name=name, path=path),
                                 names=frozenset({name}), size_bytes=ENGINE_MIB * 2**20))
+        # RAM need (no header to estimate from): ram_margin with a GPU, + the file without
+        ram_need = ENGINE_NEED_MIB + (0 if gpu_fits else ENGINE_MIB)
         config = GatewayConfig(max_engines=max_engines, state_dir=self.tmp / "state",
                                load_timeout_s=LOAD_TIMEOUT_S, eviction_wait_s=EVICTION_WAIT_S,
-                               vram_margin_mib=ENGINE_NEED_MIB - ENGINE_MIB)
+                               vram_margin_mib=ENGINE_NEED_MIB - ENGINE_MIB,
+                               ram_margin_mib=ENGINE_NEED_MIB, ram_reserve_mib=0,
+                               ram_budget_mib=None if ram_fits is None
+                               else ram_need * ram_fits + 50)
         catalog = Catalog(models, {})
         gpu = NoGpu("test") if gpu_fits is None else FakeSystemdGpu(self.systemd)
 
@@ -120,7 +141,7 @@ class DispatcherMachine(RuleBasedStateMachine):
                 catalog=catalog, config=config, units=self.systemd,
                 health=FakeSystemdHealth(self.systemd), gpu=gpu,
                 journal=FakeJournal(), desired=MemoryDesired(),
-                clock=self.loop.time)
+                host=FakeHost(self.systemd, ram_need), clock=self.loop.time)
             self.dispatcher = Dispatcher(self.mgr, catalog=catalog, gpu=gpu,
                                          config=config, clock=self.loop.time)
             self.reconciler = Reconciler(self.mgr, on_over_limit=self.dispatcher.enforce_limit,
@@ -260,6 +281,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             running = self.systemd.running()
             assert len(running) <= self.max_engines, running
             assert self.max_seen <= self.max_engines
+            # the RAM budget holds ram_fits engines: never more units than that
+            assert self.ram_fits is None or len(running) <= self.ram_fits, running
 
     @invariant()
     def systemd_rules_kept(self) -> None:
@@ -395,8 +418,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             r.model == m and r.answered is None for r in self.sent)]   # (its request not ended)
         if not waiting:
             return
-        free = self.max_engines - sum(1 for e in self.mgr.engines()
-                                      if e.holds_place and e.model_id != model_id)
+        holders = sum(1 for e in self.mgr.engines() if e.holds_place and e.model_id != model_id)
+        free = min(self.max_engines, self.ram_fits or self.max_engines) - holders
         if self.gpu_fits is None and free > len(waiting):
             return   # a place beyond what the ones ahead need
         self.overtaken.append(f"{model_id} got room at {self.loop.time():.3f} before "

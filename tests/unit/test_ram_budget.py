@@ -260,7 +260,7 @@ async def test_a_plain_crash_is_still_restarted(tmp_path: Path) -> None:
 
 async def test_auto_memory_high_limits_a_running_engine_at_its_learned_peak_plus_headroom(
         tmp_path: Path) -> None:
-    d, mgr, units, _, book = on_ram(tmp_path, budget_mib=100, auto_memory_high=True,
+    d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=100, auto_memory_high=True,
                                     memory_high_headroom_pct=50,
                                     models_config={"b": {"memory_high": 64 * MIB}})
     await use(d, "a")
