@@ -306,8 +306,8 @@ def upstream_line(u: dict[str, Any]) -> str:
 
 def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
     """The engines table, within 100 columns for names of a dozen characters: the unit is
-    left out (llm-engine-<model>.service; `--json` has it), and a failure's reason, a
-    sentence, goes on its own line under its engine."""
+    left out (the model's escaped name in llm-engine-….service; `--json` has it), and a
+    failure's reason, a sentence, goes on its own line under its engine."""
     gpu = any(e.get("vram_need_mib") is not None for e in engines)
     need = "need ram/vram" if gpu else "need ram"
     rows = [{**e, "uptime": duration(e["uptime_s"]), "ram": ram_text(e),
