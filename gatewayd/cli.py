@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="validate the configuration and the models it finds, "
                                  "touching nothing (exit status 1 if it is refused)")
     sub.add_parser("reload", help="re-read the configuration in place (as systemctl reload)")
-    sub.add_parser("status", help="how the gateway runs engines, GPU, counts")
+    sub.add_parser("status", help="how the gateway runs engines, GPU, memory, counts")
     sub.add_parser("models", help="the models the gateway knows")
-    sub.add_parser("engines", help="engines: state, unit, PID, memory, restarts, uptime")
+    sub.add_parser("engines", help="engines: state, PID, uptime, restarts, RAM, need; "
+                                   "the memory budgets")
     p = sub.add_parser("top", help="engines, queues and traffic, refreshed (Ctrl-C ends)")
     p.add_argument("-d", "--delay", type=float, default=2.0, help="seconds between frames")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
@@ -187,7 +188,8 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         show(args, out, lambda: model_lines(out["models"]))
     elif args.command == "engines":
         out = call(url, "GET", "/admin/engines")
-        show(args, out, lambda: engine_lines(out["engines"]))
+        show(args, out, lambda: [*engine_lines(out["engines"]), "",
+                                 *memory_lines(call(url, "GET", "/admin/status"))])
     elif args.command == "top":
         top(url, delay=args.delay, once=args.once, as_json=args.json)
     elif args.command in ("start", "stop"):
@@ -254,8 +256,9 @@ def reload_lines(out: dict[str, Any]) -> list[str]:
     return ["configuration reloaded", *lines]
 
 
-def status_lines(out: dict[str, Any]) -> list[str]:
-    engines = ", ".join(f"{n} {state}" for state, n in out["engines"].items()) or "none"
+def memory_lines(out: dict[str, Any]) -> list[str]:
+    """Both memory budgets from /admin/status: the GPU's (each device where there are
+    several) and the host RAM's."""
     gpu = out.get("gpu_memory_mib")
     memory = "-" if gpu is None else (
         f"{size(gpu['free'] * MIB)} free of {size(gpu['total'] * MIB)} (engines "
@@ -267,11 +270,25 @@ def status_lines(out: dict[str, Any]) -> list[str]:
     per_device = [f"  GPU {d['index']} ({d['name']}): {size(d['free'] * MIB)} free of "
                   f"{size(d['total'] * MIB)}; engines: {', '.join(d['engines']) or 'none'}"
                   for d in devices] if len(devices) > 1 else []
+    ram = out.get("ram_memory_mib")
+    # free: what a new engine may count on; engines: what the ledger counts for them (the
+    # most of their need and what they hold), so free, engines and reserve add up
+    ram_line = "-" if ram is None else (
+        f"{size(ram['free_for_planning_mib'] * MIB)} free of {size(ram['total_mib'] * MIB)} "
+        f"(engines {size(ram['claimed_mib'] * MIB)}, loading {size(ram['pending_mib'] * MIB)}"
+        f", reserve {size(ram['reserve_mib'] * MIB)}"
+        + (f", budget {size(ram['budget_mib'] * MIB)}" if ram["budget_mib"] is not None
+           else "") + ")")
+    return [f"GPU memory: {memory}", *per_device, f"RAM: {ram_line}"]
+
+
+def status_lines(out: dict[str, Any]) -> list[str]:
+    engines = ", ".join(f"{n} {state}" for state, n in out["engines"].items()) or "none"
     return [f"engines: {engines} (at most {out['max_engines']})",
             f"models: {out['models']}",
             f"systemd: {out['systemd_manager']} manager, {out['unit_mode']} units",
             f"GPU: {out['gpu']}",
-            f"GPU memory: {memory}", *per_device,
+            *memory_lines(out),
             f"restored after a reboot: {', '.join(out['desired']) or 'none'}",
             f"parked (their next start is fast): {', '.join(out.get('parked') or []) or 'none'}",
             f"config: {out['config'] or '-'}",
@@ -288,11 +305,43 @@ def upstream_line(u: dict[str, Any]) -> str:
 
 
 def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
-    rows = [{**e, "uptime": duration(e["uptime_s"]),
-             "memory": size(e["memory_bytes"]),
-             "reason": (e.get("failure") or {}).get("reason")} for e in engines]
-    return table(rows, ["model", "state", "unit", "pid", "restarts", "uptime", "memory",
-                        "in_flight", "queued", "reason"])
+    """The engines table, within 100 columns for names of a dozen characters: the unit is
+    left out (the model's escaped name in llm-engine-….service; `--json` has it), and a
+    failure's reason, a sentence, goes on its own line under its engine."""
+    gpu = any(e.get("vram_need_mib") is not None for e in engines)
+    need = "need ram/vram" if gpu else "need ram"
+    rows = [{**e, "uptime": duration(e["uptime_s"]), "ram": ram_text(e),
+             need: need_text(e.get("ram_need_mib"), e.get("vram_need_mib"))}
+            for e in engines]
+    lines = table(rows, ["model", "state", "pid", "uptime", "restarts", "ram", need,
+                         "in_flight", "queued"])
+    out = lines[:1]
+    for engine, line in zip(engines, lines[1:], strict=True):
+        out.append(line)
+        if reason := (engine.get("failure") or {}).get("reason"):
+            out.append(f"  {reason}")
+    return out
+
+
+def ram_text(engine: dict[str, Any]) -> str | None:
+    """What the engine holds in RAM and who measured it: its cgroup or PSS (the gateway's
+    meter), else systemd's MemoryCurrent."""
+    if engine.get("ram_bytes") is not None:
+        return f"{short_size(engine['ram_bytes'])} ({engine['ram_source']})"
+    if engine.get("memory_bytes") is not None:
+        return f"{short_size(engine['memory_bytes'])} (systemd)"
+    return None
+
+
+def need_text(ram_mib: int | None, vram_mib: int | None) -> str | None:
+    """A need as one short cell: 4.5 GiB; with a GPU RAM/VRAM in one unit, 3.1/5.2 GiB."""
+    if ram_mib is None:
+        return None
+    if vram_mib is None:
+        return short_size(ram_mib * MIB)
+    if max(ram_mib, vram_mib) >= 1024:
+        return f"{ram_mib / 1024:.1f}/{vram_mib / 1024:.1f} GiB"
+    return f"{ram_mib}/{vram_mib} MiB"
 
 
 
@@ -308,6 +357,13 @@ def size(value: int | None) -> str | None:
         if amount < 1024:
             return f"{amount:.1f} {unit}"
     return f"{amount / 1024:.1f} TiB"
+
+
+def short_size(value: int) -> str:
+    """Memory in a table cell: whole MiB below a GiB (412 MiB), else 4.3 GiB."""
+    if value < 1024 * MIB:
+        return f"{-(-value // MIB)} MiB"
+    return f"{value / (1024 * MIB):.1f} GiB"
 
 
 def duration(seconds: float | None) -> str | None:
@@ -369,7 +425,8 @@ def traffic(metrics_text: str) -> dict[str, dict[str, float]]:
 
 def top_lines(frame: dict[str, Any]) -> list[str]:
     status, traffic_ = frame["status"], frame["traffic"]
-    lines = [f"llm-gateway  {time.strftime('%H:%M:%S')}  " + status_lines(status)[0], ""]
+    lines = [f"llm-gateway  {time.strftime('%H:%M:%S')}  " + status_lines(status)[0],
+             *memory_lines(status), ""]
     lines += engine_lines(frame["engines"])
     rows = [{"model": m, **{k: int(v) for k, v in t.items()}} for m, t in sorted(
         traffic_.items())]

@@ -6,9 +6,9 @@ same moment its record is queued): a few additions to plain dictionaries;
 prometheus_client builds the exposition from them only when scraped.
 Engine starts, loads and evictions are counted from the engine manager's state
 changes. Everything that is a current value (engine
-states, queues, in-flight requests, systemd's memory and CPU per unit, GPU
-memory, restarts) is read only when someone scrapes (`Snapshot`), so it costs
-nothing between scrapes.
+states, queues, in-flight requests, systemd's memory and CPU per unit, each engine's
+RAM and VRAM, each memory budget, restarts) is read only when someone scrapes
+(`Snapshot`), so it costs nothing between scrapes.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ KNOWN_ENDPOINTS = frozenset({
     "/metrics", "/slots", "/v1/models"})
 # why a request was turned away (429/503), by the error code it got
 REJECTIONS = frozenset({"concurrency_limit", "queue_full", "engine_limit_reached",
-                        "insufficient_gpu", "model_not_loaded", "no_engine_ready",
-                        "engine_busy"})
+                        "insufficient_gpu", "insufficient_memory", "model_not_loaded",
+                        "no_engine_ready", "engine_busy"})
 EVICTION_REASONS = frozenset({"evicted", "idle_ttl"})
 # llm_gateway_bounded's `bound` label of a call refused or cut off by a bound, by its
 # error code (the bounds counted elsewhere come with the scrape's Snapshot)
@@ -127,6 +127,13 @@ class GatewayMetrics:
                                 "Engines restarted by systemd after their process ended, by "
                                 "why (exit, signal, oom, hung: killed by the liveness check)",
                                 ["model", "reason"])
+        # an OOM kill on a cgroup-v1 host reaches systemd as a plain SIGKILL: its restart
+        # is counted as "signal", and only the failure that follows (the gateway stops
+        # the restart once the cgroup's OOM counter has moved) says "oom"
+        self.failures = _Counts("llm_gateway_engine_failures",
+                                "Engines that failed and are not restarted, by why (exit, "
+                                "signal, oom: killed for want of memory, hung, other)",
+                                ["model", "kind"])
         self.evictions = _Counts("llm_gateway_evictions",
                                  "Engines stopped by the gateway to make room or when idle",
                                  ["reason"])
@@ -166,6 +173,8 @@ class GatewayMetrics:
         if old.state is new.state:
             return
         model = new.model_id
+        if new.state is EngineState.FAILED:
+            self.failures.inc((model, new.failure.kind if new.failure else "other"))
         if new.state is EngineState.STARTING:
             self._started[model] = self._clock()
         elif new.state is EngineState.RESTARTING:
@@ -188,7 +197,8 @@ class GatewayMetrics:
 
     def families(self) -> list[Metric]:
         return [m.family() for m in (self.requests, self.duration, self.ttft, self.tokens,
-                                     self.rejected, self.starts, self.restarts, self.load,
+                                     self.rejected, self.starts, self.restarts,
+                                     self.failures, self.load,
                                      self.evictions, self.upstream_requests)]
 
     def render(self, snapshot: Snapshot, engine_metrics: Mapping[str, str] | None = None
@@ -218,6 +228,9 @@ class EngineFigures:
     waiting: int = 0                    # for a turn at the engine (part of in_flight)
     memory_bytes: int | None = None     # systemd's MemoryCurrent
     cpu_seconds: float | None = None    # systemd's CPUUsageNSec
+    # llm_gateway_memory_engine_bytes: (memory "ram"/"vram", figure "need"/"measured"/
+    # "peak") -> bytes; a figure not known is absent
+    memory: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -226,6 +239,8 @@ class Snapshot:
 
     engines: list[EngineFigures] = field(default_factory=list)
     gpus: list[tuple[str, int, int]] = field(default_factory=list)  # (device, used, total) B
+    # llm_gateway_memory_budget_bytes: (memory "ram"/"gpu", figure) -> bytes
+    budgets: dict[tuple[str, str], int] = field(default_factory=dict)
     records_dropped: int = 0
     max_engines: int = 0
     parked: int = 0                     # engine units parked (no engine, no place)
@@ -256,7 +271,15 @@ class Snapshot:
         cpu = CounterMetricFamily("llm_gateway_engine_cpu_seconds",
                                   "CPU time of the engine's cgroup (systemd's CPUUsageNSec)",
                                   labels=["model"])
+        engine_memory = GaugeMetricFamily(
+            "llm_gateway_memory_engine_bytes",
+            "An engine's memory per budget (memory: ram, vram): need (what admission counts "
+            "for its model: learned, else estimated), measured (what it holds now: its "
+            "cgroup or PSS; NVML per process), peak (the most its cgroup held)",
+            labels=["model", "memory", "figure"])
         for e in self.engines:
+            for (kind, figure), value in sorted(e.memory.items()):
+                engine_memory.add_metric([e.model, kind, figure], value)
             for s in EngineState:
                 state.add_metric([e.model, s.value], 1.0 if s.value == e.state else 0.0)
             restarts.add_metric([e.model], e.restarts)
@@ -267,7 +290,16 @@ class Snapshot:
                 memory.add_metric([e.model], e.memory_bytes)
             if e.cpu_seconds is not None:
                 cpu.add_metric([e.model], e.cpu_seconds)
-        yield from (state, restarts, in_flight, queued, waiting, memory, cpu)
+        yield from (state, restarts, in_flight, queued, waiting, memory, cpu, engine_memory)
+        budget = GaugeMetricFamily(
+            "llm_gateway_memory_budget_bytes",
+            "Each memory budget (memory: ram, gpu): total, available (MemAvailable; the "
+            "GPU's free), reserve (kept back for the host), budget (ram_budget_mib), claimed "
+            "(by the engines holding a place), pending (loads still to take), free (what a "
+            "new engine may count on)", labels=["memory", "figure"])
+        for (kind, figure), value in sorted(self.budgets.items()):
+            budget.add_metric([kind, figure], value)
+        yield budget
         used = GaugeMetricFamily("llm_gateway_gpu_memory_used_bytes", "GPU memory in use (NVML)",
                                  labels=["device"])
         total = GaugeMetricFamily("llm_gateway_gpu_memory_total_bytes", "GPU memory (NVML)",

@@ -7,7 +7,6 @@ path, so no name (with slashes, dots or anything else) can change the route.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -74,9 +73,11 @@ async def status_page(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
+    ram = mgr.ram()
     return web.json_response({
         **mgr.describe(),
         **_gpu_memory(request),
+        "ram_memory_mib": ram.describe() if ram is not None else None,
         "config": str(mgr.config.source) if mgr.config.source else None,
         "records_dropped": front.records.dropped
         if (front := request.app.get(openai_api.FRONT)) and front.records else 0,
@@ -100,8 +101,9 @@ async def list_engines(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
     uses = _uses(request)
     rows = []
+    mgr.read_ram()
     for engine in mgr.engines():
-        row = engine_json(engine, await mgr.info(engine))
+        row = engine_json(mgr, engine, await mgr.info(engine))
         use = uses.get(engine.model_id)
         row["in_flight"], row["queued"] = (use.in_flight, use.queued) if use else (0, 0)
         rows.append(row)
@@ -112,7 +114,8 @@ async def start_engine(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
     model = mgr.catalog.resolve(await _model_field(request))
     engine = await mgr.start(model.id)
-    return web.json_response({"engine": engine_json(engine, await mgr.info(engine))})
+    mgr.read_ram()
+    return web.json_response({"engine": engine_json(mgr, engine, await mgr.info(engine))})
 
 
 async def stop_engine(request: web.Request) -> web.Response:
@@ -120,7 +123,7 @@ async def stop_engine(request: web.Request) -> web.Response:
     name = await _model_field(request)
     model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
     engine = await mgr.stop(model_id)
-    return web.json_response({"engine": engine_json(engine, None)})
+    return web.json_response({"engine": engine_json(mgr, engine, None)})
 
 
 async def engine_logs(request: web.Request) -> web.Response:
@@ -180,8 +183,10 @@ async def metrics(request: web.Request) -> web.Response:
                         "records_max_age_days": pruned.get("age", 0),
                         "records_max_mb": pruned.get("size", 0),
                         "kv_cache_unconfigured": kv_counts.get(("prune", "removed"), 0)}
+    ram = mgr.ram()   # read first: each engine's RAM below is this reading's
     engines = mgr.engines()
     infos = await asyncio.gather(*(mgr.info(e) for e in engines))
+    vram_held = mgr.vram_held()
     for engine, info in zip(engines, infos, strict=True):
         use = uses.get(engine.model_id)
         snapshot.engines.append(EngineFigures(
@@ -189,11 +194,21 @@ async def metrics(request: web.Request) -> web.Response:
             in_flight=use.in_flight if use else 0, queued=use.queued if use else 0,
             waiting=front.engine_client.waiting(engine.socket),
             memory_bytes=info.memory_bytes if info else None,
-            cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None))
-    with contextlib.suppress(GpuUnavailable):   # a lost GPU: no figures (status says why)
-        for device in mgr.gpu_devices() or ():
-            snapshot.gpus.append((device.uuid, (device.total_mib - device.free_mib) * MIB,
-                                  device.total_mib * MIB))
+            cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None,
+            memory=_engine_memory(mgr, engine, vram_held.get(engine.model_id))))
+    gpu = _gpu_memory(request)   # a lost GPU: no figures (status says why)
+    for d in gpu["gpu_devices"] or ():
+        snapshot.gpus.append((d["uuid"], (d["total"] - d["free"]) * MIB, d["total"] * MIB))
+    if (ledger := gpu["gpu_memory_mib"]) is not None:
+        snapshot.budgets.update({("gpu", figure): ledger[key] * MIB for figure, key in (
+            ("total", "total"), ("available", "free"), ("claimed", "held_by_engines"),
+            ("pending", "pending_loads"), ("free", "free_for_planning"))})
+    if ram is not None:
+        snapshot.budgets.update({("ram", figure): mib * MIB for figure, mib in (
+            ("total", ram.total_mib), ("available", ram.available_mib),
+            ("reserve", ram.reserve_mib), ("budget", ram.budget_mib),
+            ("claimed", ram.claimed_mib), ("pending", ram.pending_mib),
+            ("free", ram.plan_free_mib)) if mib is not None})
     own = None
     if request.query.get("engines") in ("1", "true"):
         own = await _engine_metrics([
@@ -202,6 +217,25 @@ async def metrics(request: web.Request) -> web.Response:
             and model.backend is Backend.LLAMA])
     return web.Response(body=front.metrics.render(snapshot, own),
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def _engine_memory(mgr: EngineManager, engine: Engine, vram_mib: int | None
+                   ) -> dict[tuple[str, str], int]:
+    """llm_gateway_memory_engine_bytes of one engine: (memory, figure) -> bytes, the figures
+    known only (its RAM from the caller's reading)."""
+    out: dict[tuple[str, str], int] = {}
+    if (model := mgr.catalog.get(engine.model_id)) is not None:
+        need = mgr.need(model)
+        out["ram", "need"] = need.ram_mib * MIB
+        if mgr.has_gpu():
+            out["vram", "need"] = need.vram_mib * MIB
+    if (use := mgr.ram_measured(engine.model_id)) is not None:
+        out["ram", "measured"] = use.current_bytes
+        if use.peak_bytes is not None:
+            out["ram", "peak"] = use.peak_bytes
+    if vram_mib is not None:
+        out["vram", "measured"] = vram_mib * MIB
+    return out
 
 
 async def _engine_metrics(engines: list[Engine]) -> dict[str, str]:
@@ -292,10 +326,20 @@ async def follow_events(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def engine_json(engine: Engine, info: EngineUnitInfo | None) -> dict[str, Any]:
+def engine_json(mgr: EngineManager, engine: Engine, info: EngineUnitInfo | None
+                ) -> dict[str, Any]:
+    """An engine as the admin API shows it; its RAM from the caller's mgr.read_ram()."""
     uptime = None
     if info is not None and info.started_at_us and engine.state.value in ("loading", "ready"):
         uptime = round(time.time() - info.started_at_us / 1e6, 1)
+    ram = mgr.ram_measured(engine.model_id)
+    model = mgr.catalog.get(engine.model_id)
+    need = mgr.need(model) if model is not None else None
+    memory = info.memory_bytes if info else None
+    if memory is None and ram is not None:
+        # on a cgroup-v1 host systemd shows no MemoryCurrent: the meter's reading (the
+        # v1 cgroup's, or the processes' PSS) is the figure there is
+        memory = ram.current_bytes
     return {
         "model": engine.model_id,
         "state": engine.state.value,
@@ -304,10 +348,18 @@ def engine_json(engine: Engine, info: EngineUnitInfo | None) -> dict[str, Any]:
         "socket": engine.socket,
         "restarts": engine.restarts,
         "uptime_s": uptime,
-        "memory_bytes": info.memory_bytes if info else None,
+        "memory_bytes": memory,
         "adopted": engine.adopted,
         "gpus": list(engine.devices),
         "failure": engine.failure.describe() if engine.failure else None,
+        "ram_bytes": ram.current_bytes if ram else None,
+        "ram_peak_bytes": ram.peak_bytes if ram else None,
+        "ram_source": ram.source if ram else None,
+        "ram_need_mib": need.ram_mib if need else None,
+        "ram_need_source": need.ram_source if need else None,
+        # without a GPU there is no VRAM to need (Need's figure is then unused)
+        "vram_need_mib": need.vram_mib if need and mgr.has_gpu() else None,
+        "vram_need_source": need.vram_source if need and mgr.has_gpu() else None,
     }
 
 

@@ -29,7 +29,7 @@ from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.adapters.remote_client import never_connected, to_remote
 from gatewayd.adapters.remote_upstreams import Remote, Remotes
 from gatewayd.core.auth import ApiKey, check_model
-from gatewayd.core.budget import model_need_mib
+from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
@@ -121,6 +121,7 @@ async def list_models(request: web.Request) -> web.Response:
     engines = {e.model_id: e for e in front.engines.engines()}
     key = request_key(request)
     catalog = front.engines.catalog
+    front.engines.read_ram()   # once for every row: what each engine holds now
     rows = [_model_object(front, model, engines.get(model.id))
             for model in catalog
             if key is None or key.may_use(model.id, model.names)]
@@ -153,6 +154,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
         upstream = next(r for r in front.remotes.remotes() if r.name == remote[0].upstream)
         return web.json_response(_remote_object(upstream, remote[0].id))
     check_model(request_key(request), model.id, model.names)
+    front.engines.read_ram()
     return web.json_response(_model_object(front, model, front.engines.get(model.id)))
 
 
@@ -163,7 +165,12 @@ def _remote_object(remote: Remote, model_id: str) -> dict[str, Any]:
 
 
 def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict[str, Any]:
+    """The OpenAI model object, with the gateway's own fields: its engine, and its memory
+    per budget (the need admission counts and where that figure came from; what its
+    engine holds now, read by the caller's read_ram)."""
     info = model.describe()
+    need = front.engines.need(model)
+    ram = front.engines.ram_measured(model.id) if engine is not None else None
     return {
         "id": model.id, "object": "model", "created": int(model.path.stat().st_mtime)
         if model.path.exists() else 0, "owned_by": "llm-gateway",
@@ -171,8 +178,13 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
         "state": engine.state.value if engine else EngineState.STOPPED.value,
         "loaded": engine is not None and engine.state is EngineState.READY,
         "engine": engine.unit if engine else None,
-        "vram_estimate_mib": model_need_mib(model, front.config.vram_margin_mib),
+        "vram_estimate_mib": need.vram_mib, "vram_estimate_source": need.vram_source,
         "vram_measured_mib": front.engines.measured_mib(model),
+        "ram_estimate_mib": need.ram_mib, "ram_estimate_source": need.ram_source,
+        "ram_measured_mib": -(-ram.current_bytes // MIB) if ram else None,
+        "ram_measured_source": ram.source if ram else None,
+        "ram_peak_mib": -(-ram.peak_bytes // MIB) if ram and ram.peak_bytes is not None
+        else None,
         "context_length": info["context_length"], "quantization": info["quantization"],
         "parameter_count": info["parameter_count"], "architecture": info["architecture"],
         "aliases": info["aliases"],

@@ -227,6 +227,13 @@ class EngineCapacity:
                 changed.append(model.id)
         return changed
 
+    def vram_held(self) -> dict[str, int]:
+        """What each engine's process holds on the GPU now (NVML per process, MiB; summed
+        over devices): the engines NVML does not show are absent."""
+        per_process = self._gpu.process_mib() or {}
+        return {e.model_id: held for e in self._registry.engines()
+                if e.main_pid and (held := per_process.get(e.main_pid))}
+
     def place(self, model: Model) -> placement.Placement | None:
         """Where the model's engine would go now (core/placement.py), from a fresh
         reading of every device; None: no GPU. Raises GpuUnavailable."""

@@ -175,6 +175,18 @@ class EngineManager:
         """The engine's last RAM reading (its cgroup, or its processes' PSS)."""
         return self._capacity.ram_measured(model_id)
 
+    def read_ram(self) -> None:
+        """Read every engine's RAM now, for ram_measured (a few small files each)."""
+        self._capacity.read_ram()
+
+    def vram_held(self) -> dict[str, int]:
+        """What each engine's process holds on the GPU now (NVML, MiB), per model."""
+        return self._capacity.vram_held()
+
+    def has_gpu(self) -> bool:
+        """Whether the GPU budget is checked (NVML found a device)."""
+        return self._capacity.has_gpu()
+
     def check_ram_ceiling(self, model: Model) -> None:
         self._capacity.check_ram_ceiling(model)
 

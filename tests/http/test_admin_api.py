@@ -15,6 +15,7 @@ from gatewayd.http import admin_api
 from gatewayd.http.middleware import error_middleware
 from tests.fakes import engine_manager_on_fakes
 from tests.http.test_front_door import _gateway, chat
+from tests.unit.test_ram_budget import FakeHost, FakeMeter
 
 Client = TestClient[web.Request, web.Application]
 
@@ -86,10 +87,11 @@ async def test_already_running_and_engine_limit(client: Client) -> None:
 async def test_top_shows_engines_traffic_and_calls(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`llm-gateway top --once` against a real gateway: the engines with human figures, the
-    traffic per model from /admin/metrics, the last calls."""
+    """`llm-gateway top --once` against a real gateway: the memory budgets, the engines with
+    human figures (RAM as their cgroup holds it), the traffic per model from
+    /admin/metrics, the last calls."""
     monkeypatch.setenv("LLM_GATEWAY_CONFIG", str(tmp_path / "absent.toml"))
-    async for gw in _gateway(tmp_path, ("a", "b")):
+    async for gw in _gateway(tmp_path, ("a", "b"), host=FakeHost(), meter=FakeMeter()):
         for model in ("a", "a", "b"):
             assert (await gw.client.post("/v1/chat/completions", json=chat(model))).status \
                 == 200
@@ -101,8 +103,11 @@ async def test_top_shows_engines_traffic_and_calls(
         assert "\x1b[" not in out                      # one frame: no screen control
         lines = out.splitlines()
         assert "engines: 2 ready (at most 4)" in lines[0]
+        assert lines[1:3] == ["GPU memory: -", "RAM: 57.6 GiB free of 62.5 GiB (engines "
+                              "518.0 MiB, loading 0 B, reserve 1.0 GiB)"]
         engines = lines[lines.index(next(x for x in lines if x.startswith("MODEL  STATE"))):]
-        assert engines[1].split()[:3] == ["a", "ready", "llm-engine-a.service"]
+        assert engines[1].split()[:2] == ["a", "ready"]
+        assert "3 MiB (cgroup)  259 MiB" in engines[1]
         traffic = {x.split()[0]: x.split()[1:] for x in lines
                    if x.split()[:1] in (["a"], ["b"]) and len(x.split()) == 5}
         assert traffic == {"a": ["2", "0", "22", "8"], "b": ["1", "0", "11", "4"]}

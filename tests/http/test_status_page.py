@@ -1,8 +1,9 @@
 """The status page at /admin/, in a real headless Chromium (Debian's package), against
 the gateway's real HTTP stack with fake engines: the page loads, its script runs
-without errors, the engines appear with their states, a start from the page's own
-button and a stop from outside both arrive live (no reload), the journal shows on
-demand, it fits a phone's width, and its screenshot is a real image."""
+without errors, the engines appear with their states and memory (RAM and its budget), a
+start from the page's own button and a stop from outside both arrive live (no reload),
+the journal shows on demand, it fits a phone's width, and its screenshot is a real
+image."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gatewayd.core.upstreams import UpstreamConfig
 from tests.browser import browser_page, png_size
 from tests.fake_upstream import FakeUpstream
 from tests.http.test_front_door import _gateway, chat
+from tests.unit.test_ram_budget import FakeHost, FakeMeter
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,7 @@ def state_of(model: str) -> str:
 
 
 async def test_status_page_shows_engines_and_follows_them_live(tmp_path: Path) -> None:
-    async for gw in _gateway(tmp_path, ("a", "b")):
+    async for gw in _gateway(tmp_path, ("a", "b"), host=FakeHost(), meter=FakeMeter()):
         assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
         await gw.records(1)
         url = str(gw.client.make_url("/admin/"))
@@ -43,6 +45,14 @@ async def test_status_page_shows_engines_and_follows_them_live(tmp_path: Path) -
             await page.wait_for("document.querySelectorAll('#calls tbody tr').length === 1 && "
                                 "document.querySelector('#calls tbody tr').textContent"
                                 ".includes('/v1/chat/completions')", what="the last call")
+            # memory: the RAM budget among the facts; each engine's RAM, who measured it,
+            # and its need (no GPU here: RAM only)
+            facts = await page.evaluate("document.getElementById('facts').textContent")
+            assert "RAM: 57.6 GiB free of 62.5 GiB (engines 518.0 MiB, loading 0 B, " \
+                "reserve 1.0 GiB)" in facts
+            memory = await page.evaluate("document.querySelector('#engines "
+                                         "tr[data-model=\"a\"] td.memory').textContent")
+            assert memory == "3.0 MiB (cgroup)need 259.0 MiB RAM"
             await page.evaluate("window.sameDocument = true")
             # the page's own start button, through the admin API
             await page.evaluate("document.querySelector('#engines tr[data-model=\"c\"] "

@@ -1,5 +1,6 @@
 """The metrics adapter's own rules: systemd's figures reach the exposition only where
-systemd has them, and engines' own metrics are merged by family with a model label."""
+systemd has them, engines' own metrics are merged by family with a model label, memory
+is labelled by budget and figure, and an OOM kill is counted as one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.adapters.metrics import EngineFigures, GatewayMetrics, Snapshot
 from gatewayd.adapters.unit_control import info_from_properties
+from gatewayd.core.engines import Engine, EngineState, Failure
 
 UNSET = 2**64 - 1
 
@@ -80,3 +82,64 @@ def test_histograms_are_cumulative_with_le_bounds() -> None:
     assert [bucket(le) for le in ("0.005", "0.01", "0.025", "300.0", "+Inf")] == [2, 2, 3, 3, 4]
     assert m[("llm_gateway_request_duration_seconds_count", key)] == 4
     assert m[("llm_gateway_request_duration_seconds_sum", key)] == pytest.approx(500.028)
+
+
+def test_each_engines_memory_and_each_budget_are_labelled_by_memory_and_figure() -> None:
+    mib = 1 << 20
+    snapshot = Snapshot(engines=[
+        EngineFigures("a", "ready", restarts=0, memory={
+            ("ram", "need"): 900 * mib, ("ram", "measured"): 700 * mib,
+            ("ram", "peak"): 800 * mib, ("vram", "need"): 5000 * mib}),
+        EngineFigures("b", "loading", restarts=0)],
+        budgets={("ram", "total"): 16000 * mib, ("ram", "free"): 9000 * mib,
+                 ("gpu", "claimed"): 4000 * mib})
+    m = _samples(GatewayMetrics().render(snapshot))
+
+    def engine(model: str, memory: str, figure: str) -> float | None:
+        return m.get(("llm_gateway_memory_engine_bytes", (
+            ("figure", figure), ("memory", memory), ("model", model))))
+    assert engine("a", "ram", "measured") == 700 * mib
+    assert engine("a", "ram", "peak") == 800 * mib
+    assert engine("a", "vram", "need") == 5000 * mib
+    assert engine("a", "vram", "measured") is None and engine("b", "ram", "need") is None
+    assert m[("llm_gateway_memory_budget_bytes", (("figure", "free"), ("memory", "ram")))] \
+        == 9000 * mib
+    assert m[("llm_gateway_memory_budget_bytes", (("figure", "claimed"), ("memory", "gpu")))] \
+        == 4000 * mib
+
+
+def _engine(state: EngineState, failure: Failure | None = None) -> Engine:
+    return Engine("a", "llm-engine-a.service", "/run/a.sock", state=state, failure=failure)
+
+
+def test_an_oom_kill_is_a_failure_of_kind_oom_on_either_cgroup_version() -> None:
+    """cgroup v2: systemd says Result=oom-kill, the restart itself is "oom". cgroup v1:
+    systemd sees a SIGKILL (a "signal" restart); the gateway's verdict, from the cgroup's
+    OOM counter, is the failure that follows, counted "oom"."""
+    metrics = GatewayMetrics()
+    ready = _engine(EngineState.READY)
+    sigkill = Failure("killed by SIGKILL", signal=9)
+    v1 = _engine(EngineState.RESTARTING, sigkill)
+    metrics.on_engine_change(ready, v1, None)
+    metrics.on_engine_change(v1, _engine(EngineState.FAILED, Failure(
+        "killed for want of memory", signal=9, out_of_memory=True)), None)
+    v2 = _engine(EngineState.RESTARTING, Failure("killed by SIGKILL (oom-kill)", signal=9))
+    metrics.on_engine_change(ready, v2, None)
+    metrics.on_engine_change(ready, _engine(EngineState.FAILED, sigkill), None)
+    m = _samples(metrics.render(Snapshot()))
+    assert m[("llm_gateway_engine_restarts_total", (("model", "a"), ("reason", "signal")))] == 1
+    assert m[("llm_gateway_engine_restarts_total", (("model", "a"), ("reason", "oom")))] == 1
+    assert m[("llm_gateway_engine_failures_total", (("kind", "oom"), ("model", "a")))] == 1
+    assert m[("llm_gateway_engine_failures_total", (("kind", "signal"), ("model", "a")))] == 1
+
+
+def test_short_of_ram_is_a_rejection_like_short_of_gpu_memory() -> None:
+    from gatewayd.adapters.records import CallRecord
+    metrics = GatewayMetrics()
+    for code in ("insufficient_memory", "insufficient_gpu"):
+        record = CallRecord(ts=0, method="POST", endpoint="/v1/completions", model="a",
+                            status=503, error_code=code)
+        metrics.observe_call(record)
+    m = _samples(metrics.render(Snapshot()))
+    for code in ("insufficient_memory", "insufficient_gpu"):
+        assert m[("llm_gateway_rejected_total", (("model", "a"), ("reason", code)))] == 1
