@@ -21,7 +21,9 @@
 # the code under test, files changed on the host in the overlay's lower layer
 # can show stale inside), LAB_BIND_RO (the same, read-only), LAB_LOWER (lower layer, default /; e.g. a
 # debootstrapped rootfs), LAB_MASK (units to mask), LAB_PRIVATE_NETWORK=0
-# (share the host network namespace), LAB_NSPAWN_ARGS, LAB_BOOT_TIMEOUT.
+# (share the host network namespace), LAB_NSPAWN_ARGS, LAB_BOOT_TIMEOUT,
+# LAB_MEMORY_CGROUP=0 (on a hybrid cgroup host, leave the container's v1 memory
+# hierarchy read-only as nspawn mounts it: units then get no MemoryCurrent).
 # Needs: root, systemd-container (same version as installed systemd), util-linux.
 set -euo pipefail
 
@@ -55,15 +57,31 @@ child_named() {  # child_named PARENT COMM
 nspawn_pid() { local s; s=$(sup_pid "$1") && child_named "$s" systemd-nspawn; }
 leader() { local n; n=$(nspawn_pid "$1") && child_named "$n" systemd; }  # container PID 1
 
+unified_host() { [[ $(stat -fc %T /sys/fs/cgroup) == cgroup2fs ]]; }
+
 cg_dirs() {  # cgroup dirs this container lives in (hybrid v1+v2 or pure v2)
   local n=lab-$1
-  if [[ $(stat -fc %T /sys/fs/cgroup) == cgroup2fs ]]; then
+  if unified_host; then
     echo "/sys/fs/cgroup/$n"
   else
     echo "/sys/fs/cgroup/systemd/$n"
     [[ -d /sys/fs/cgroup/unified ]] && echo "/sys/fs/cgroup/unified/$n"
+    memory_cg_dir "$1"
   fi
   return 0
+}
+
+# The container's own v1 memory cgroup, below the one we were started in (which
+# need not be the root: we may ourselves be confined): nspawn makes the cgroup
+# it starts in the container's memory root, so without one per container, two
+# containers' system.slice would be one and the same directory. Written down at
+# start, so that stop and cleanup find it from any cgroup.
+memory_cg_dir() {
+  local f own; f="$(sdir "$1")/memory-cgroup"
+  [[ -d /sys/fs/cgroup/memory ]] || return 0
+  if [[ -s $f ]]; then cat "$f"; return 0; fi
+  own=$(sed -n 's/^[0-9]*:memory://p' /proc/self/cgroup)
+  echo "/sys/fs/cgroup/memory${own%/}/lab-$1"
 }
 
 prepare_upper() {  # pre-seed config into the (fresh) upper layer
@@ -126,6 +144,7 @@ cmd_start() {
     rm -rf "$d"; mkdir -p "$d/upper"; prepare_upper "$name"
   fi
   mkdir -p "$d/work" "$d/merged"
+  memory_cg_dir "$name" > "$d/memory-cgroup.new" && mv "$d/memory-cgroup.new" "$d/memory-cgroup"
   for cg in $(cg_dirs "$name"); do mkdir -p "$cg"; done
   # Detach (own session, no stdin) a supervisor that moves itself into our
   # cgroups, records its PID, enters a private mount namespace and runs nspawn.
@@ -136,12 +155,52 @@ cmd_start() {
       </dev/null >"$d/console.log" 2>&1 &
   for _ in $(seq 50); do [[ -s $d/supervisor.pid ]] && break; sleep 0.02; done
   st=$(wait_running "$name" "$t0") || { cmd_stop "$name"; exit 1; }
+  delegate_memory "$name"
   # engines run as their own user (llm-engine): let it pass /root to the engine builds
   # and models bound under it (~/.cache/llm-gateway), as it would reach an installed
   # binary; the container's / is an overlay, so the host's /root is untouched
   cmd_exec "$name" chmod o+x /root
   echo "systemd-container: $name is $st after $(elapsed "$t0")s (supervisor $(sup_pid "$name"), leader $(leader "$name"))"
   if [[ $st == degraded ]]; then cmd_exec "$name" systemctl --failed --no-legend >&2 || true; fi
+  return 0
+}
+
+# On a hybrid cgroup host nspawn mounts the v1 memory hierarchy read-only inside, so
+# the container's systemd cannot make memory cgroups: no MemoryCurrent, and MemoryMax=
+# not enforced. That hierarchy's root is the container's own cgroup (cgroup namespace,
+# see memory_cg_dir), so making it writable hands the container nothing of the host's;
+# systemd looks for usable controllers when it starts, hence the re-exec (transient
+# units and the bus survive it). A unified (v2) host needs none of this: nspawn
+# delegates the container's subtree there.
+delegate_memory() {
+  local name=$1 line
+  unified_host && return 0
+  if [[ ${LAB_MEMORY_CGROUP:-1} == 0 ]]; then
+    echo "systemd-container: $name: memory controller not delegated (LAB_MEMORY_CGROUP=0): units get no MemoryCurrent"
+    return 0
+  fi
+  # "bind": a plain remount would change the cgroup superblock shared with the host,
+  # which the container may not do; the /sys/fs/cgroup tmpfs above it can stay read-only
+  line=$(cmd_exec "$name" bash -c '
+    set -e
+    if [[ $(findmnt -n -o VFS-OPTIONS --mountpoint /sys/fs/cgroup/memory) == ro,* ]]; then
+      mount -o remount,bind,rw /sys/fs/cgroup/memory
+      systemctl daemon-reexec
+      # back on the bus (clients such as the gateway come through it), and running
+      for ((i = 0; i < 300; i++)); do
+        busctl --system get-property org.freedesktop.systemd1 /org/freedesktop/systemd1 \
+          org.freedesktop.systemd1.Manager SystemState 2>/dev/null | grep -Eq "running|degraded" && break
+        sleep 0.02
+      done
+    fi
+    systemd-run --quiet --wait --pipe --collect --unit=lab-memory-probe -p MemoryAccounting=yes \
+      systemctl show -P MemoryCurrent lab-memory-probe.service') || line="(probe failed)"
+  if [[ $line =~ ^[0-9]+$ ]]; then
+    echo "systemd-container: $name: memory controller delegated (cgroup v1): units get MemoryCurrent"
+  else
+    # not fatal: the tests that need the memory controller say so themselves
+    echo "systemd-container: $name: memory controller NOT delegated, units get no MemoryCurrent: ${line:-the remount failed}"
+  fi
   return 0
 }
 
@@ -166,6 +225,7 @@ cmd_reboot() {
   nsenter -t "$old" -a systemctl reboot --no-block 2>/dev/null || true
   while [[ $(leader "$name" || true) == "$old" ]]; do sleep 0.05; done
   st=$(wait_running "$name" "$t0")
+  delegate_memory "$name"
   echo "systemd-container: $name rebooted, $st after $(elapsed "$t0")s (leader $(leader "$name"))"
 }
 
