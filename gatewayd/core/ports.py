@@ -30,6 +30,7 @@ class EngineUnitInfo:
     started_at_us: int          # ExecMainStartTimestamp (µs since the epoch), 0 if never
     cpu_ns: int | None = None   # systemd's CPUUsageNSec (cgroup accounting)
     visible_devices: str | None = None   # its CUDA_VISIBLE_DEVICES (placement), if any
+    control_group: str | None = None     # systemd's ControlGroup, e.g. /system.slice/x.service
 
 
 UnitWatcher = Callable[[str, Mapping[str, Any]], None]
@@ -142,3 +143,28 @@ class DesiredList(Protocol):
     def add(self, model_id: str) -> None: ...
     def remove(self, model_id: str) -> None: ...
     async def flush(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """What one engine unit holds in RAM now, and where the figure came from."""
+
+    current_bytes: int
+    # "cgroup": highest the kernel saw since the cgroup was made; "pss": highest this
+    # meter sampled while the unit's processes lived (a lower bound); None: unknown
+    peak_bytes: int | None
+    # "cgroup": the unit's memory cgroup (v2 memory.current, v1 memory.usage_in_bytes:
+    # anonymous memory, page cache charged to it such as read model files, kernel memory);
+    # "pss": the sum of its processes' proportional set sizes (mapped pages only)
+    source: str
+    oom_kills: int | None   # kernel OOM kills inside the unit's cgroup so far; None: unknown
+
+
+class MemoryMeter(Protocol):
+    def read(self, control_group: str) -> MemoryUse | None:
+        """The unit's memory now (control_group: systemd's ControlGroup property of the
+        unit); None where neither its cgroup nor its processes can be read. Blocking: a
+        cgroup read is a few small files, but PSS makes the kernel walk the processes'
+        page tables, which takes time in proportion to what they map, so call it from a
+        thread (asyncio.to_thread), not the event loop."""
+        ...
