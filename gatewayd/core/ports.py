@@ -153,9 +153,11 @@ class MemoryUse:
     # "cgroup": highest the kernel saw since the cgroup was made; "pss": highest this
     # meter sampled while the unit's processes lived (a lower bound); None: unknown
     peak_bytes: int | None
-    # "cgroup": the unit's memory cgroup (v2 memory.current, v1 memory.usage_in_bytes:
-    # anonymous memory, page cache charged to it such as read model files, kernel memory);
-    # "pss": the sum of its processes' proportional set sizes (mapped pages only)
+    # "cgroup": what the kernel charges to the unit's memory cgroup (v2 memory.current,
+    # v1 memory.usage_in_bytes): its anonymous and kernel memory, and page cache only where
+    # the unit read it first: a model file it mmaps that was already cached (read by an
+    # earlier engine, a download) is not in it. "pss": the sum of its processes'
+    # proportional set sizes: all they map, cached files included, shared ones divided
     source: str
     oom_kills: int | None   # kernel OOM kills inside the unit's cgroup so far; None: unknown
 
