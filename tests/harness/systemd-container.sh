@@ -104,13 +104,26 @@ inner() {
   for b in ${LAB_BIND:-}; do binds+=("--bind=$(readlink -f "$b")"); done
   for b in ${LAB_BIND_RO:-}; do binds+=("--bind-ro=$(readlink -f "$b")"); done
   [[ ${LAB_PRIVATE_NETWORK:-1} == 0 ]] || binds+=(--private-network)  # own netns: only lo
+  local boot=(--boot)
+  if [[ ${LAB_MEMORY_CGROUP:-1} != 0 ]] && ! unified_host; then
+    # On a hybrid host nspawn mounts the v1 memory hierarchy read-only, so systemd could
+    # make no memory cgroups: no MemoryCurrent, MemoryMax= not enforced. Its root is the
+    # container's own cgroup (cgroup namespace, see memory_cg_dir): making it writable
+    # hands the container nothing of the host's. PID 1 does that, then becomes systemd,
+    # which finds the controller usable from the start ("bind": a plain remount would
+    # change the cgroup superblock, shared with the host; the tmpfs above stays read-only).
+    # Not a re-exec of a booted systemd: the services it started (a gateway enabled at
+    # boot) would have it leave the bus under their calls.
+    boot=(--kill-signal=SIGRTMIN+3 /bin/sh -c 'mountpoint -q /sys/fs/cgroup/memory &&
+            mount -o remount,bind,rw /sys/fs/cgroup/memory; exec /lib/systemd/systemd')
+  fi
   while :; do
     rc=0
     # shellcheck disable=SC2086
-    systemd-nspawn --boot --directory="$d/merged" --machine="$name" \
+    systemd-nspawn --directory="$d/merged" --machine="$name" \
        --register=no --keep-unit --tmpfs=/tmp \
        --link-journal=no --resolv-conf=off --timezone=off --console=read-only \
-       "${binds[@]}" ${LAB_NSPAWN_ARGS:-} || rc=$?
+       "${binds[@]}" ${LAB_NSPAWN_ARGS:-} "${boot[@]}" || rc=$?
     [[ $rc -eq 133 && ! -e $d/stopping ]] || exit "$rc"
     echo "systemd-container: container asked for reboot, re-running nspawn"
   done
@@ -165,13 +178,8 @@ cmd_start() {
   return 0
 }
 
-# On a hybrid cgroup host nspawn mounts the v1 memory hierarchy read-only inside, so
-# the container's systemd cannot make memory cgroups: no MemoryCurrent, and MemoryMax=
-# not enforced. That hierarchy's root is the container's own cgroup (cgroup namespace,
-# see memory_cg_dir), so making it writable hands the container nothing of the host's;
-# systemd looks for usable controllers when it starts, hence the re-exec (transient
-# units and the bus survive it). A unified (v2) host needs none of this: nspawn
-# delegates the container's subtree there.
+# Says whether the container's systemd has the memory controller (see inner): a probe
+# unit asks systemd for its own MemoryCurrent.
 delegate_memory() {
   local name=$1 line
   unified_host && return 0
@@ -179,27 +187,14 @@ delegate_memory() {
     echo "systemd-container: $name: memory controller not delegated (LAB_MEMORY_CGROUP=0): units get no MemoryCurrent"
     return 0
   fi
-  # "bind": a plain remount would change the cgroup superblock shared with the host,
-  # which the container may not do; the /sys/fs/cgroup tmpfs above it can stay read-only
-  line=$(cmd_exec "$name" bash -c '
-    set -e
-    if [[ $(findmnt -n -o VFS-OPTIONS --mountpoint /sys/fs/cgroup/memory) == ro,* ]]; then
-      mount -o remount,bind,rw /sys/fs/cgroup/memory
-      systemctl daemon-reexec
-      # back on the bus (clients such as the gateway come through it), and running
-      for ((i = 0; i < 300; i++)); do
-        busctl --system get-property org.freedesktop.systemd1 /org/freedesktop/systemd1 \
-          org.freedesktop.systemd1.Manager SystemState 2>/dev/null | grep -Eq "running|degraded" && break
-        sleep 0.02
-      done
-    fi
-    systemd-run --quiet --wait --pipe --collect --unit=lab-memory-probe -p MemoryAccounting=yes \
-      systemctl show -P MemoryCurrent lab-memory-probe.service') || line="(probe failed)"
+  line=$(cmd_exec "$name" systemd-run --quiet --wait --pipe --collect --unit=lab-memory-probe \
+           -p MemoryAccounting=yes systemctl show -P MemoryCurrent lab-memory-probe.service) ||
+    line="(the probe unit failed)"
   if [[ $line =~ ^[0-9]+$ ]]; then
     echo "systemd-container: $name: memory controller delegated (cgroup v1): units get MemoryCurrent"
   else
     # not fatal: the tests that need the memory controller say so themselves
-    echo "systemd-container: $name: memory controller NOT delegated, units get no MemoryCurrent: ${line:-the remount failed}"
+    echo "systemd-container: $name: memory controller NOT delegated, units get no MemoryCurrent: $line"
   fi
   return 0
 }
