@@ -27,6 +27,7 @@ from gatewayd.adapters.event_loop import event_loop_factory
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
+from gatewayd.adapters.engine_memory import CgroupMemoryMeter
 from gatewayd.adapters.host_memory import MemInfo
 from gatewayd.adapters.host_names import own_host_names
 from gatewayd.adapters.journal import Journalctl
@@ -143,6 +144,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
                             health=health, gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir), kv_cache=kv_cache,
                             learned=LearnedMemory(config.state_dir), host=MemInfo(),
+                            meter=CgroupMemoryMeter(),
                             learned_ram=LearnedMemory(config.state_dir, RAM_FILE_NAME))
     app[admin_api.ENGINES] = engines
     app[UNITS] = units

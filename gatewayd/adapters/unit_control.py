@@ -527,6 +527,7 @@ def info_from_properties(unit: str, unit_props: dict[str, Any],
     env = unit_environment(service)
     memory = service.get("MemoryCurrent")
     cpu = service.get("CPUUsageNSec")
+    control_group = service.get("ControlGroup")   # "" while the unit has no cgroup
     return EngineUnitInfo(
         unit=unit,
         model_id=env.get(MODEL_ENV),
@@ -539,6 +540,7 @@ def info_from_properties(unit: str, unit_props: dict[str, Any],
         cpu_ns=None if cpu in (None, _UNSET) else int(cpu),
         started_at_us=int(service.get("ExecMainStartTimestamp", 0)),
         visible_devices=env.get(DEVICES_ENV),
+        control_group=str(control_group) if control_group else None,
     )
 
 

@@ -31,7 +31,7 @@ class EngineUnitInfo:
     started_at_us: int          # ExecMainStartTimestamp (µs since the epoch), 0 if never
     cpu_ns: int | None = None   # systemd's CPUUsageNSec (cgroup accounting)
     visible_devices: str | None = None   # its CUDA_VISIBLE_DEVICES (placement), if any
-    control_group: str | None = None     # systemd's ControlGroup (where its memory is read)
+    control_group: str | None = None     # systemd's ControlGroup, e.g. /system.slice/x.service
 
 
 UnitWatcher = Callable[[str, Mapping[str, Any]], None]
@@ -157,16 +157,25 @@ class MemoryUse:
     """What one engine unit holds in RAM now, and where the figure came from."""
 
     current_bytes: int
-    peak_bytes: int | None   # highest the kernel saw since the cgroup was made (None: unknown)
-    source: str              # "cgroup" (the unit's memory cgroup) or "pss" (its processes)
-    oom_kills: int | None    # kernel OOM kills inside the unit's cgroup so far (None: unknown)
+    # "cgroup": highest the kernel saw since the cgroup was made; "pss": highest this
+    # meter sampled while the unit's processes lived (a lower bound); None: unknown
+    peak_bytes: int | None
+    # "cgroup": what the kernel charges to the unit's memory cgroup (v2 memory.current,
+    # v1 memory.usage_in_bytes): its anonymous and kernel memory, and page cache only where
+    # the unit read it first: a model file it mmaps that was already cached (read by an
+    # earlier engine, a download) is not in it. "pss": the sum of its processes'
+    # proportional set sizes: all they map, cached files included, shared ones divided
+    source: str
+    oom_kills: int | None   # kernel OOM kills inside the unit's cgroup so far; None: unknown
 
 
 class MemoryMeter(Protocol):
-    """Reads an engine unit's memory (adapters/engine_memory)."""
-
     def read(self, control_group: str) -> MemoryUse | None:
-        """control_group: systemd's ControlGroup of the unit; None: nothing to read."""
+        """The unit's memory now (control_group: systemd's ControlGroup property of the
+        unit); None where neither its cgroup nor its processes can be read. Blocking: a
+        cgroup read is a few small files, but PSS makes the kernel walk the processes'
+        page tables, which takes time in proportion to what they map, so call it from a
+        thread (asyncio.to_thread), not the event loop."""
         ...
 
 

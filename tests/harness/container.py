@@ -73,8 +73,11 @@ class SystemdContainer:
         binds: Iterable[str | Path] = (),
         binds_ro: Iterable[str | Path] = (),
         private_network: bool = True,
+        memory_cgroup: bool = True,
         state_root: Path = DEFAULT_STATE_ROOT,
     ) -> None:
+        """memory_cgroup=False: on a hybrid cgroup host, leave the container's memory
+        hierarchy read-only (no MemoryCurrent, MemoryMax= not enforced)."""
         if not re.fullmatch(r"[a-z][a-z0-9-]{0,30}", name):
             raise ValueError(f"bad container name {name!r}")
         self.name = name
@@ -86,6 +89,7 @@ class SystemdContainer:
             "LAB_BIND": " ".join(str(b) for b in binds),
             "LAB_BIND_RO": " ".join(str(b) for b in binds_ro),
             "LAB_PRIVATE_NETWORK": "1" if private_network else "0",
+            "LAB_MEMORY_CGROUP": "1" if memory_cgroup else "0",
         }
 
     # -- lifecycle -----------------------------------------------------------------

@@ -21,7 +21,9 @@
 # the code under test, files changed on the host in the overlay's lower layer
 # can show stale inside), LAB_BIND_RO (the same, read-only), LAB_LOWER (lower layer, default /; e.g. a
 # debootstrapped rootfs), LAB_MASK (units to mask), LAB_PRIVATE_NETWORK=0
-# (share the host network namespace), LAB_NSPAWN_ARGS, LAB_BOOT_TIMEOUT.
+# (share the host network namespace), LAB_NSPAWN_ARGS, LAB_BOOT_TIMEOUT,
+# LAB_MEMORY_CGROUP=0 (on a hybrid cgroup host, leave the container's v1 memory
+# hierarchy read-only as nspawn mounts it: units then get no MemoryCurrent).
 # Needs: root, systemd-container (same version as installed systemd), util-linux.
 set -euo pipefail
 
@@ -55,15 +57,31 @@ child_named() {  # child_named PARENT COMM
 nspawn_pid() { local s; s=$(sup_pid "$1") && child_named "$s" systemd-nspawn; }
 leader() { local n; n=$(nspawn_pid "$1") && child_named "$n" systemd; }  # container PID 1
 
+unified_host() { [[ $(stat -fc %T /sys/fs/cgroup) == cgroup2fs ]]; }
+
 cg_dirs() {  # cgroup dirs this container lives in (hybrid v1+v2 or pure v2)
   local n=lab-$1
-  if [[ $(stat -fc %T /sys/fs/cgroup) == cgroup2fs ]]; then
+  if unified_host; then
     echo "/sys/fs/cgroup/$n"
   else
     echo "/sys/fs/cgroup/systemd/$n"
     [[ -d /sys/fs/cgroup/unified ]] && echo "/sys/fs/cgroup/unified/$n"
+    memory_cg_dir "$1"
   fi
   return 0
+}
+
+# The container's own v1 memory cgroup, below the one we were started in (which
+# need not be the root: we may ourselves be confined): nspawn makes the cgroup
+# it starts in the container's memory root, so without one per container, two
+# containers' system.slice would be one and the same directory. Written down at
+# start, so that stop and cleanup find it from any cgroup.
+memory_cg_dir() {
+  local f own; f="$(sdir "$1")/memory-cgroup"
+  [[ -d /sys/fs/cgroup/memory ]] || return 0
+  if [[ -s $f ]]; then cat "$f"; return 0; fi
+  own=$(sed -n 's/^[0-9]*:memory://p' /proc/self/cgroup)
+  echo "/sys/fs/cgroup/memory${own%/}/lab-$1"
 }
 
 prepare_upper() {  # pre-seed config into the (fresh) upper layer
@@ -86,13 +104,26 @@ inner() {
   for b in ${LAB_BIND:-}; do binds+=("--bind=$(readlink -f "$b")"); done
   for b in ${LAB_BIND_RO:-}; do binds+=("--bind-ro=$(readlink -f "$b")"); done
   [[ ${LAB_PRIVATE_NETWORK:-1} == 0 ]] || binds+=(--private-network)  # own netns: only lo
+  local boot=(--boot)
+  if [[ ${LAB_MEMORY_CGROUP:-1} != 0 ]] && ! unified_host; then
+    # On a hybrid host nspawn mounts the v1 memory hierarchy read-only, so systemd could
+    # make no memory cgroups: no MemoryCurrent, MemoryMax= not enforced. Its root is the
+    # container's own cgroup (cgroup namespace, see memory_cg_dir): making it writable
+    # hands the container nothing of the host's. PID 1 does that, then becomes systemd,
+    # which finds the controller usable from the start ("bind": a plain remount would
+    # change the cgroup superblock, shared with the host; the tmpfs above stays read-only).
+    # Not a re-exec of a booted systemd: the services it started (a gateway enabled at
+    # boot) would have it leave the bus under their calls.
+    boot=(--kill-signal=SIGRTMIN+3 /bin/sh -c 'mountpoint -q /sys/fs/cgroup/memory &&
+            mount -o remount,bind,rw /sys/fs/cgroup/memory; exec /lib/systemd/systemd')
+  fi
   while :; do
     rc=0
     # shellcheck disable=SC2086
-    systemd-nspawn --boot --directory="$d/merged" --machine="$name" \
+    systemd-nspawn --directory="$d/merged" --machine="$name" \
        --register=no --keep-unit --tmpfs=/tmp \
        --link-journal=no --resolv-conf=off --timezone=off --console=read-only \
-       "${binds[@]}" ${LAB_NSPAWN_ARGS:-} || rc=$?
+       "${binds[@]}" ${LAB_NSPAWN_ARGS:-} "${boot[@]}" || rc=$?
     [[ $rc -eq 133 && ! -e $d/stopping ]] || exit "$rc"
     echo "systemd-container: container asked for reboot, re-running nspawn"
   done
@@ -126,6 +157,7 @@ cmd_start() {
     rm -rf "$d"; mkdir -p "$d/upper"; prepare_upper "$name"
   fi
   mkdir -p "$d/work" "$d/merged"
+  memory_cg_dir "$name" > "$d/memory-cgroup.new" && mv "$d/memory-cgroup.new" "$d/memory-cgroup"
   for cg in $(cg_dirs "$name"); do mkdir -p "$cg"; done
   # Detach (own session, no stdin) a supervisor that moves itself into our
   # cgroups, records its PID, enters a private mount namespace and runs nspawn.
@@ -136,12 +168,34 @@ cmd_start() {
       </dev/null >"$d/console.log" 2>&1 &
   for _ in $(seq 50); do [[ -s $d/supervisor.pid ]] && break; sleep 0.02; done
   st=$(wait_running "$name" "$t0") || { cmd_stop "$name"; exit 1; }
+  delegate_memory "$name"
   # engines run as their own user (llm-engine): let it pass /root to the engine builds
   # and models bound under it (~/.cache/llm-gateway), as it would reach an installed
   # binary; the container's / is an overlay, so the host's /root is untouched
   cmd_exec "$name" chmod o+x /root
   echo "systemd-container: $name is $st after $(elapsed "$t0")s (supervisor $(sup_pid "$name"), leader $(leader "$name"))"
   if [[ $st == degraded ]]; then cmd_exec "$name" systemctl --failed --no-legend >&2 || true; fi
+  return 0
+}
+
+# Says whether the container's systemd has the memory controller (see inner): a probe
+# unit asks systemd for its own MemoryCurrent.
+delegate_memory() {
+  local name=$1 line
+  unified_host && return 0
+  if [[ ${LAB_MEMORY_CGROUP:-1} == 0 ]]; then
+    echo "systemd-container: $name: memory controller not delegated (LAB_MEMORY_CGROUP=0): units get no MemoryCurrent"
+    return 0
+  fi
+  line=$(cmd_exec "$name" systemd-run --quiet --wait --pipe --collect --unit=lab-memory-probe \
+           -p MemoryAccounting=yes systemctl show -P MemoryCurrent lab-memory-probe.service) ||
+    line="(the probe unit failed)"
+  if [[ $line =~ ^[0-9]+$ ]]; then
+    echo "systemd-container: $name: memory controller delegated (cgroup v1): units get MemoryCurrent"
+  else
+    # not fatal: the tests that need the memory controller say so themselves
+    echo "systemd-container: $name: memory controller NOT delegated, units get no MemoryCurrent: $line"
+  fi
   return 0
 }
 
@@ -166,6 +220,7 @@ cmd_reboot() {
   nsenter -t "$old" -a systemctl reboot --no-block 2>/dev/null || true
   while [[ $(leader "$name" || true) == "$old" ]]; do sleep 0.05; done
   st=$(wait_running "$name" "$t0")
+  delegate_memory "$name"
   echo "systemd-container: $name rebooted, $st after $(elapsed "$t0")s (leader $(leader "$name"))"
 }
 
