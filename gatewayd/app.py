@@ -21,13 +21,13 @@ from aiohttp import web
 from gatewayd.adapters import admin_socket, client_tls
 from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
+from gatewayd.adapters.engine_memory import CgroupMemoryMeter
 from gatewayd.adapters.engine_wire.client import EngineClient, learn_parallel_slots
 from gatewayd.adapters.engine_wire.native_relay import NativeRelay
 from gatewayd.adapters.event_loop import event_loop_factory
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
-from gatewayd.adapters.engine_memory import CgroupMemoryMeter
 from gatewayd.adapters.host_memory import MemInfo
 from gatewayd.adapters.host_names import own_host_names
 from gatewayd.adapters.journal import Journalctl

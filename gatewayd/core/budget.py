@@ -67,8 +67,9 @@ def model_need(model: Model, *, gpu: bool, vram_margin_mib: int, ram_margin_mib:
                estimate: Estimate | None) -> Need:
     """The one definition of what a model's engine needs. GPU: learned (NVML) + margin,
     else the estimate's VRAM part + margin, else the files + margin (model_need_mib).
-    RAM: its learned peak, else the estimate's RAM part, else (no header to estimate
-    from: whisper) the files + ram_margin without a GPU and ram_margin with one."""
+    RAM: the estimate's RAM part, else (no header to estimate from: whisper) the files +
+    ram_margin without a GPU and ram_margin with one; or its learned peak where that is
+    more."""
     margin = model.config.vram_margin_mib
     margin = vram_margin_mib if margin is None else margin
     if learned_vram_mib is not None:
@@ -77,13 +78,16 @@ def model_need(model: Model, *, gpu: bool, vram_margin_mib: int, ram_margin_mib:
         vram, vram_source = estimate.vram_mib + margin, "estimate"
     else:
         vram, vram_source = required_mib(model.size_bytes, margin), "files"
-    if learned_ram_mib is not None:
-        ram, ram_source = learned_ram_mib, "learned"
-    elif estimate is not None:
+    if estimate is not None:
         ram, ram_source = estimate.ram_mib, "estimate"
     else:
         ram = ram_margin_mib + (0 if gpu else required_mib(model.size_bytes, 0))
         ram_source = "files"
+    if learned_ram_mib is not None and learned_ram_mib >= ram:
+        # a learned figure raises the need, never lowers it below the estimate: a unit's
+        # cgroup is not charged for weights it maps from a file already in the page cache
+        # (an earlier engine read it), yet they are in RAM all the same
+        ram, ram_source = learned_ram_mib, "learned"
     return Need(vram_mib=vram, ram_mib=ram, vram_source=vram_source, ram_source=ram_source)
 
 

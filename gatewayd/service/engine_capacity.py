@@ -14,6 +14,7 @@ between, so two starts cannot both take the last place.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from gatewayd.core import budget, placement, ram_budget
@@ -31,6 +32,9 @@ log = logging.getLogger("gatewayd.engines")
 EstimateFor = Callable[[Model, bool], budget.Estimate | None]
 MIB = 1024 * 1024
 OOM_GROWTH = 1.25   # an engine killed for want of memory needs at least this much more
+# PSS (where the cgroup cannot be read) walks the processes' page tables: ~16 ms per GiB
+# mapped on 2 CPUs (adapters/engine_memory): read at most this often, cgroups every time
+PSS_REREAD_S = 1.0
 
 
 class EngineCapacity:
@@ -52,6 +56,7 @@ class EngineCapacity:
         self._control_groups: dict[str, str] = {}    # model -> its unit's ControlGroup
         self._ram_now: dict[str, MemoryUse] = {}     # model -> its last reading
         self._oom_seen: dict[str, int] = {}          # model -> OOM kills counted so far
+        self._read_at: dict[str, float] = {}         # model -> when _ram_now was read
 
     def reconfigure(self, config: GatewayConfig) -> None:
         self._config = config
@@ -113,9 +118,15 @@ class EngineCapacity:
             if model_id not in engines:
                 self._control_groups.pop(model_id)
                 self._oom_seen.pop(model_id, None)
+        now = time.monotonic()
         for model_id, cgroup in self._control_groups.items():
+            last = self._ram_now.get(model_id)
+            if last is not None and last.source == "pss" and \
+                    now - self._read_at.get(model_id, 0.0) < PSS_REREAD_S:
+                continue   # the page-table walk costs ms per GiB mapped: not every decision
             if (use := self._meter.read(cgroup)) is not None:
                 self._ram_now[model_id] = use
+                self._read_at[model_id] = now
             else:
                 self._ram_now.pop(model_id, None)
 

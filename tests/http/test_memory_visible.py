@@ -37,15 +37,16 @@ async def json_of(gw: Gateway, path: str) -> Any:
 
 async def test_a_model_object_has_each_memorys_estimate_measure_and_their_sources(
         tmp_path: Path) -> None:
-    meter = FakeMeter()
+    meter = FakeMeter(holds=400)   # more than its files and the margin
     async for gw in on_ram(tmp_path, meter, learned_ram=Book()):
-        meter.peak[f"/system.slice/{gw.units.layout('a').unit}"] = 5
+        meter.peak[f"/system.slice/{gw.units.layout('a').unit}"] = 500
         rows = {m["id"]: m for m in (await json_of(gw, "/v1/models"))["data"]}
         a, b = rows["a"], rows["b"]
-        # a ran: its RAM need is what its cgroup was seen holding at its peak (learned)
-        assert (a["ram_estimate_mib"], a["ram_estimate_source"]) == (3, "learned")
+        # a ran: its RAM need is what its cgroup was seen holding at its peak (learned),
+        # being more than the files-based figure (a learned figure only ever raises it)
+        assert (a["ram_estimate_mib"], a["ram_estimate_source"]) == (400, "learned")
         assert (a["ram_measured_mib"], a["ram_measured_source"], a["ram_peak_mib"]) == (
-            3, "cgroup", 5)
+            400, "cgroup", 500)
         # b never ran: no GPU, so its files in RAM and the margin; nothing measured
         assert (b["ram_estimate_mib"], b["ram_estimate_source"]) == (
             FILES_MIB + RAM_MARGIN_MIB, "files")
