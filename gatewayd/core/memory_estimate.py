@@ -37,7 +37,7 @@ its source and checked against its own log (tests/integration/test_memory_estima
 
 Not covered (the figure is then low or high, never refused): MLA caches (deepseek2's
 kv_lora_rank), recurrent/SSM state (mamba, hybrid models), KV shared across layers
-(gemma3n), per-slot --kv-unified-per-slot sizing beyond the pool, tensor overrides (-ot)
+(gemma3n), --kv-unified-per-slot (not read), tensor overrides (-ot)
 other than --cpu-moe/--n-cpu-moe, several GPUs (-ts), embeddings models' larger output
 buffer, and split GGUF files (estimate_for gives None: the table covers part one only).
 The GPU side (VRAM compute buffer, the host's pinned compute buffer) is by the same
@@ -100,7 +100,9 @@ class EngineSettings:
     @classmethod
     def parse(cls, args: Sequence[str], *, ctx_size: int | None = None) -> EngineSettings:
         """From ModelConfig.args (and ctx_size, which the unit passes as -c before the
-        args: a -c in args wins, as it does on llama-server's command line)."""
+        args: a -c in args wins, as it does on llama-server's command line). Reads
+        `--flag value` and `--flag=value`, although llama-server itself refuses the
+        second form (the engine would then not start at all)."""
         values: dict[str, Any] = {}
         warnings: list[str] = []
         if ctx_size:
