@@ -18,7 +18,13 @@ from gatewayd.core.model_facts import GgufFacts
 FactsReader = Callable[[Path], GgufFacts]
 
 
-def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_gguf_facts) -> Catalog:
+def read_header(path: Path) -> GgufFacts:
+    """The header with its tensor table: the memory estimate (gatewayd.core.memory_estimate)
+    places each block's weights on a device."""
+    return read_gguf_facts(path, tensors=True)
+
+
+def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_header) -> Catalog:
     """The catalog of config: its [models.NAME] entries plus what models_dir holds."""
     explicit_paths = {m.path.resolve() for m in config.models}
     discovered = [] if config.models_dir is None else [
@@ -27,7 +33,7 @@ def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_gguf_fact
     return build_catalog(config, discovered, files)
 
 
-def inspect(model: ModelConfig, read_facts: FactsReader = read_gguf_facts) -> ModelFile:
+def inspect(model: ModelConfig, read_facts: FactsReader = read_header) -> ModelFile:
     """Sizes of everything the engine loads, and a llama model's GGUF header facts (its
     projector's too)."""
     size = sum(_size(p) for p in (model.path, model.mmproj) if p)

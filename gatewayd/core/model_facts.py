@@ -19,6 +19,45 @@ FILE_TYPES = {
     39: "MOSTLY_NVFP4", 40: "MOSTLY_Q1_0",
 }
 
+# gguf.GGMLQuantizationType value -> (name, elements per block, bytes per block)
+# (gguf.GGML_QUANT_SIZES): what a tensor of that type holds per element
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
+
+
+def tensor_bytes(ggml_type: int, n_elements: int) -> int:
+    """Bytes a tensor of n_elements of ggml_type takes (ggml_row_size); KeyError for a type
+    this table does not know."""
+    _, block, size = GGML_TYPES[ggml_type]
+    return -(-n_elements // block) * size
+
+
+@dataclass(frozen=True)
+class TensorSizes:
+    """Where a model's weight bytes are, from the GGUF tensor table, grouped the way
+    llama.cpp places them on devices: per repeating block (blk.N.*), the token embeddings
+    (always kept in RAM) and the output layer (offloaded first)."""
+    blocks: tuple[int, ...]            # bytes of blk.N.* by N
+    experts: tuple[int, ...]           # of which MoE expert tensors (ffn_*_exps), by N
+    token_embd: int                    # token_embd.*
+    output: int                        # output.weight, output_norm.* and other non-block tensors
+    has_output: bool                   # False: tied to token_embd, which llama.cpp copies
+    n_vocab: int | None = None         # from token_embd's shape
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.token_embd + self.output
+
 
 @dataclass
 class GgufFacts:
@@ -32,6 +71,7 @@ class GgufFacts:
     bytes_read: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    tensors: TensorSizes | None = None   # read only when asked for (read_gguf_facts(tensors=))
 
     @property
     def architecture(self) -> str | None:
