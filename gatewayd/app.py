@@ -54,6 +54,7 @@ from gatewayd.core.config import Backend, GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
+from gatewayd.core.memory_estimate import estimate_for
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, openai_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
@@ -144,7 +145,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
                             health=health, gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir), kv_cache=kv_cache,
                             learned=LearnedMemory(config.state_dir), host=MemInfo(),
-                            meter=CgroupMemoryMeter(),
+                            meter=CgroupMemoryMeter(), estimate=estimate_for,
                             learned_ram=LearnedMemory(config.state_dir, RAM_FILE_NAME))
     app[admin_api.ENGINES] = engines
     app[UNITS] = units

@@ -258,6 +258,14 @@ SCHEDULING = (
            "            if False:",
            tests=(RAM + "test_an_oom_killed_engine_is_failed_not_restarted_and_learns_a_"
                   "higher_need",)),
+    Mutant("oom-sigkill-restarted", "an engine SIGKILLed as the machine counts an OOM kill "
+           "is not restarted into the same wall (cgroup v1: its cgroup is gone by then)",
+           "gatewayd/service/engine_capacity.py",
+           "        if signal == SIGKILL and before is not None and now is not None and "
+           "now > before:",
+           "        if False:",
+           tests=(RAM + "test_with_its_cgroup_gone_a_sigkill_is_an_oom_when_the_machine_"
+                  "counted_one",)),
     Mutant("idle-ttl-stops-busy", "the idle reaper never stops an engine serving a request",
            "gatewayd/core/scheduler.py",
            "u.state is EngineState.READY and not u.in_flight\n",

@@ -67,9 +67,9 @@ def model_need(model: Model, *, gpu: bool, vram_margin_mib: int, ram_margin_mib:
                estimate: Estimate | None) -> Need:
     """The one definition of what a model's engine needs. GPU: learned (NVML) + margin,
     else the estimate's VRAM part + margin, else the files + margin (model_need_mib).
-    RAM: the estimate's RAM part, else (no header to estimate from: whisper) the files +
-    ram_margin without a GPU and ram_margin with one; or its learned peak where that is
-    more."""
+    RAM: the estimate's RAM part + ram_margin, else (no header to estimate from: whisper)
+    the files + ram_margin without a GPU and ram_margin with one; or its learned peak where
+    that is more."""
     margin = model.config.vram_margin_mib
     margin = vram_margin_mib if margin is None else margin
     if learned_vram_mib is not None:
@@ -79,7 +79,9 @@ def model_need(model: Model, *, gpu: bool, vram_margin_mib: int, ram_margin_mib:
     else:
         vram, vram_source = required_mib(model.size_bytes, margin), "files"
     if estimate is not None:
-        ram, ram_source = estimate.ram_mib, "estimate"
+        # (the margin: the process itself, its libraries, a CUDA runtime's host memory,
+        # which the estimate of llama-server's buffers leaves out)
+        ram, ram_source = estimate.ram_mib + ram_margin_mib, "estimate"
     else:
         ram = ram_margin_mib + (0 if gpu else required_mib(model.size_bytes, 0))
         ram_source = "files"

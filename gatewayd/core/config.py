@@ -88,7 +88,8 @@ class GatewayConfig:
     vram_margin_mib: int = 1024
     # [memory]: RAM as a budget (core/ram_budget.py). The reserve stays for the rest of
     # the machine; the budget (None: none) caps what all engines together may hold;
-    # ram_margin_mib is added to a RAM need that has no GGUF estimate (whisper models).
+    # ram_margin_mib is added to every estimated RAM need (the process, its libraries, the
+    # CUDA runtime; a whisper model without a header: its files + the margin).
     # auto_memory_high: each engine's unit gets MemoryHigh= at its learned need plus
     # memory_high_headroom_pct (off: see README, "Memory")
     ram_reserve_mib: int = 1024

@@ -180,6 +180,11 @@ class MemoryMeter(Protocol):
 
 
 class HostMemoryProbe(Protocol):
-    """The machine's memory, read fresh (/proc/meminfo)."""
+    """The machine's memory, read fresh (/proc/meminfo), and its OOM kills."""
 
     def read(self) -> HostMemory: ...
+
+    def oom_kills(self) -> int | None:
+        """The kernel's count of OOM kills since boot (/proc/vmstat oom_kill; None:
+        unknown)."""
+        ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from signal import SIGKILL
 
 from gatewayd.core import budget, placement, ram_budget
 from gatewayd.core.catalog import Catalog, Model
@@ -29,7 +30,8 @@ from gatewayd.service.engine_registry import EngineRegistry
 log = logging.getLogger("gatewayd.engines")
 
 
-EstimateFor = Callable[[Model, bool], budget.Estimate | None]
+# core.memory_estimate.estimate_for: (model, gpu present) -> its estimate, or None
+EstimateFor = Callable[..., budget.Estimate | None]
 MIB = 1024 * 1024
 OOM_GROWTH = 1.25   # an engine killed for want of memory needs at least this much more
 # PSS (where the cgroup cannot be read) walks the processes' page tables: ~16 ms per GiB
@@ -57,6 +59,7 @@ class EngineCapacity:
         self._ram_now: dict[str, MemoryUse] = {}     # model -> its last reading
         self._oom_seen: dict[str, int] = {}          # model -> OOM kills counted so far
         self._read_at: dict[str, float] = {}         # model -> when _ram_now was read
+        self._host_ooms: dict[str, int] = {}         # model -> the kernel's OOM kills then
 
     def reconfigure(self, config: GatewayConfig) -> None:
         self._config = config
@@ -85,7 +88,7 @@ class EngineCapacity:
             ram_margin_mib=self._config.ram_margin_mib,
             learned_vram_mib=self._learned.get(stamp) if self._learned else None,
             learned_ram_mib=self._learned_ram.get(stamp) if self._learned_ram else None,
-            estimate=self._estimate(model, gpu) if self._estimate else None)
+            estimate=self._estimate(model, gpu=gpu) if self._estimate else None)
 
     def need_mib(self, model: Model) -> int:
         """Its engine's expected GPU memory: learned once measured, estimated before."""
@@ -97,6 +100,14 @@ class EngineCapacity:
         """The unit's cgroup, where its memory is read (from what systemd said of it)."""
         if control_group:
             self._control_groups[model_id] = control_group
+        if model_id not in self._host_ooms:
+            self.note_start(model_id)
+
+    def note_start(self, model_id: str) -> None:
+        """Its engine starts: the kernel's OOM kills so far, to tell an OOM kill of it
+        from any other SIGKILL later."""
+        if self._host is not None and (kills := self._host.oom_kills()) is not None:
+            self._host_ooms[model_id] = kills
 
     def tracked(self, model_id: str) -> bool:
         return model_id in self._control_groups
@@ -118,6 +129,7 @@ class EngineCapacity:
             if model_id not in engines:
                 self._control_groups.pop(model_id)
                 self._oom_seen.pop(model_id, None)
+                self._host_ooms.pop(model_id, None)
         now = time.monotonic()
         for model_id, cgroup in self._control_groups.items():
             last = self._ram_now.get(model_id)
@@ -193,10 +205,18 @@ class EngineCapacity:
             return None
         return round(learned * (1 + self._config.memory_high_headroom_pct / 100)) * MIB
 
-    def out_of_memory(self, model_id: str, result_says_oom: bool) -> bool:
-        """Whether the engine's last process was killed for want of memory: systemd said
-        so (Result=oom-kill, cgroup v2), or the kernel counted an OOM kill in its cgroup
-        since we last looked (cgroup v1, where systemd does not tell)."""
+    def out_of_memory(self, model_id: str, result_says_oom: bool,
+                      signal: int | None = None) -> bool:
+        """Whether the engine's last process was killed for want of memory:
+        - systemd said so (Result=oom-kill: cgroup v2);
+        - the kernel counted an OOM kill in its cgroup since we last looked (v1, where
+          systemd does not tell), if the cgroup is still there to read: systemd removes
+          an empty one even while the restart is pending;
+        - it died of a SIGKILL the gateway did not send (a hung engine's kill is not asked
+          about) while the kernel's count of OOM kills on the machine rose since it
+          started. (Another process OOM-killed in the same moment as someone's kill -9 of
+          the engine would read as its OOM: rare, and it errs on the side of not
+          restarting into what may be the same wall.)"""
         cgroup = self._control_groups.get(model_id)
         use = self._meter.read(cgroup) if self._meter is not None and cgroup else None
         seen = self._oom_seen.get(model_id, 0)
@@ -204,6 +224,12 @@ class EngineCapacity:
             self._oom_seen[model_id] = use.oom_kills
             if use.oom_kills > seen:
                 return True
+        before = self._host_ooms.get(model_id)
+        now = self._host.oom_kills() if self._host is not None else None
+        if now is not None:
+            self._host_ooms[model_id] = now
+        if signal == SIGKILL and before is not None and now is not None and now > before:
+            return True
         return result_says_oom
 
     def learn_oom(self, model: Model) -> int:

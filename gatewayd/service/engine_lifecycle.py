@@ -124,6 +124,7 @@ class EngineLifecycle:
             where = self._capacity.admit(model, force=force)
             self.stop_reasons.pop(model.id, None)
             layout = self._units.layout(model.id)
+            self._capacity.note_start(model.id)
             self._registry.register(Engine(model.id, layout.unit, layout.socket,
                                            devices=where.uuids if where else ()))
             self._registry.event(model.id, StartRequested(self._clock()))
@@ -327,7 +328,8 @@ class EngineLifecycle:
         elif new.state is EngineState.FAILED:
             self._logs.settle_later(new.model_id)
         elif new.state is EngineState.RESTARTING and new.failure is not None and \
-                self._capacity.out_of_memory(new.model_id, new.failure.oom_kill_said):
+                self._capacity.out_of_memory(new.model_id, new.failure.oom_kill_said,
+                                             new.failure.signal):
             self._spawn(self._on_out_of_memory(new.model_id))
         elif new.state is EngineState.RESTARTING:   # its waiters wait on
             self._logs.reread_later(new.model_id, EngineState.RESTARTING, now=True)

@@ -88,9 +88,13 @@ def test_a_model_behind_the_line_takes_ram_only_beyond_what_those_ahead_need() -
 class FakeHost:
     def __init__(self, total_mib: int = 64000, available_mib: int = 60000) -> None:
         self.total, self.available = total_mib, available_mib
+        self.ooms: int | None = 0     # the kernel's OOM kills on the machine
 
     def read(self) -> HostMemory:
         return HostMemory(self.total, self.available)
+
+    def oom_kills(self) -> int | None:
+        return self.ooms
 
 
 class FakeMeter:
@@ -100,8 +104,11 @@ class FakeMeter:
         self.holds = holds
         self.oom_kills: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.gone = False
 
-    def read(self, control_group: str) -> MemoryUse:
+    def read(self, control_group: str) -> MemoryUse | None:
+        if self.gone:
+            return None   # systemd removed the empty cgroup (it does, restart pending)
         return MemoryUse(self.holds * MIB, self.peak.get(control_group, self.holds) * MIB,
                          "cgroup", self.oom_kills.get(control_group, 0))
 
@@ -119,12 +126,12 @@ class Book:
         return changed
 
 
-def on_ram(tmp_path: Path, budget_mib: int, **kw: Any
+def on_ram(tmp_path: Path, budget_mib: int, host: FakeHost | None = None, **kw: Any
            ) -> tuple[Dispatcher, EngineManager, FakeUnits, FakeMeter, Book]:
     """Models a..d, 3 MiB files each; no GPU, so each needs its files in RAM (no margin)."""
     meter, book = FakeMeter(), Book()
     mgr, units, _ = engine_manager_on_fakes(
-        tmp_path, host=FakeHost(), meter=meter, learned_ram=book, ram_budget_mib=budget_mib,
+        tmp_path, host=host or FakeHost(), meter=meter, learned_ram=book, ram_budget_mib=budget_mib,
         ram_reserve_mib=0, ram_margin_mib=0, **kw)
     return dispatcher_for(mgr), mgr, units, meter, book
 
@@ -274,5 +281,42 @@ async def test_memory_high_is_off_unless_asked_for(tmp_path: Path) -> None:
     d, mgr, units, _, _ = on_ram(tmp_path, budget_mib=100)
     await use(d, "a")
     assert units.memory_high == {}
+    await d.close()
+    await mgr.close()
+
+
+async def killed(units: FakeUnits, model: str, sig: int) -> None:
+    unit = units.layout(model).unit
+    units.emit(unit, MainPID=0, ExecMainCode=CLD_KILLED, ExecMainStatus=sig, Result="signal")
+    units.emit(unit, ActiveState="activating", SubState="auto-restart")
+    await units.delivered()
+
+
+async def settled_state(mgr: EngineManager, model: str) -> EngineState:
+    for _ in range(20):   # what follows the signal (an OOM's stop) runs in a task
+        await asyncio.sleep(0.01)
+    engine = mgr.get(model)
+    assert engine is not None
+    return engine.state
+
+
+@pytest.mark.parametrize(("sig", "machine_oom", "state"), [
+    (signal.SIGKILL, True, EngineState.FAILED),       # the kernel's OOM killer's signal
+    (signal.SIGKILL, False, EngineState.RESTARTING),  # someone's kill -9: restarted
+    (signal.SIGSEGV, True, EngineState.RESTARTING),   # a crash while another process OOMs
+])
+async def test_with_its_cgroup_gone_a_sigkill_is_an_oom_when_the_machine_counted_one(
+        tmp_path: Path, sig: int, machine_oom: bool, state: EngineState) -> None:
+    """cgroup v1: systemd removes the unit's empty cgroup before the restart (its OOM count
+    with it) and reports a plain SIGKILL; the kernel's /proc/vmstat count remains."""
+    host = FakeHost()
+    d, mgr, units, meter, _ = on_ram(tmp_path, budget_mib=100, host=host)
+    await use(d, "a")
+    meter.gone = True
+    if machine_oom:
+        host.ooms = (host.ooms or 0) + 1
+    await killed(units, "a", sig)
+    assert await settled_state(mgr, "a") is state
+    assert ("stop llm-engine-a.service" in units.log) is (state is EngineState.FAILED)
     await d.close()
     await mgr.close()
