@@ -293,7 +293,7 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
          desired: DesiredList | None = None, journal: JournalReader | None = None,
          kv_cache: KvCacheStore | None = None, learned: MemoryBook | None = None,
          host: HostMemoryProbe | None = None, meter: MemoryMeter | None = None,
-         learned_ram: MemoryBook | None = None,
+         learned_ram: MemoryBook | None = None, estimate: Any = None,
          **config: Any) -> tuple[EngineManager, FakeUnits, FakeHealth]:
     """On virtual time (on_virtual_time) its clock is the loop's and its desired list is
     kept in memory (the real list's writer thread is an event virtual time cannot see).
@@ -317,6 +317,7 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
                         health=health, gpu=gpu or NoGpu("test"),
                         journal=journal or FakeJournal(), desired=desired, kv_cache=kv_cache,
                         learned=learned, host=host, meter=meter, learned_ram=learned_ram,
+                        estimate=estimate,
                         clock=loop.time if virtual else time.monotonic)
     return mgr, units, health
 

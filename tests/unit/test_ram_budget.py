@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gatewayd.core import scheduler
+from gatewayd.core.catalog import Model
 from gatewayd.core.engines import CLD_KILLED, EngineState
 from gatewayd.core.errors import EngineOutOfMemory, InsufficientMemory
+from gatewayd.core.memory_estimate import EngineSettings, MemoryEstimate, estimate
+from gatewayd.core.placement import DeviceMemory
 from gatewayd.core.ports import MemoryUse
 from gatewayd.core.ram_budget import EngineRam, HostMemory, ram_ledger
 from gatewayd.service.dispatcher import Dispatcher
@@ -318,5 +322,67 @@ async def test_with_its_cgroup_gone_a_sigkill_is_an_oom_when_the_machine_counted
     await killed(units, "a", sig)
     assert await settled_state(mgr, "a") is state
     assert ("stop llm-engine-a.service" in units.log) is (state is EngineState.FAILED)
+    await d.close()
+    await mgr.close()
+
+# -- partial offload: both budgets -----------------------------------------------------
+
+
+class NeedsGpu:
+    """One device whose free memory goes down by each placed engine's VRAM need."""
+
+    description = "fake device"
+
+    def __init__(self, total_mib: int) -> None:
+        self.total = total_mib
+        self.mgr: EngineManager | None = None
+
+    def devices(self) -> list[DeviceMemory]:
+        assert self.mgr is not None
+        used = sum(self.mgr.need(m).vram_mib - 100 for e in self.mgr.engines()
+                   if e.holds_place and (m := self.mgr.catalog.get(e.model_id)))
+        return [DeviceMemory(0, "GPU-0", "fake", self.total, self.total - used)]
+
+    def process_mib(self) -> dict[int, int] | None:
+        return None
+
+
+def estimated(model: Model, *, gpu: bool) -> MemoryEstimate:
+    """core.memory_estimate on a 4-block model of 100 MiB blocks, with the model's args."""
+    from tests.unit.test_memory_estimate import facts
+    return estimate(facts(), EngineSettings.parse(model.config.args), gpu=gpu, mmproj_bytes=0)
+
+
+async def test_a_partly_offloaded_model_needs_both_budgets_and_each_shortage_evicts(
+        tmp_path: Path) -> None:
+    gpu = NeedsGpu(total_mib=100_000)
+    host = FakeHost()
+    args = {"a": ["-c", "4096", "-ngl", "0"], "b": ["-c", "4096", "-ngl", "99"],
+            "c": ["-c", "4096", "-ngl", "3"]}
+    mgr, units, _ = engine_manager_on_fakes(
+        tmp_path, gpu=gpu, host=host, meter=FakeMeter(), estimate=estimated, ram_margin_mib=0,
+        ram_reserve_mib=0, models_config={m: {"args": a} for m, a in args.items()})
+    gpu.mgr = mgr
+    models = {m: mgr.catalog.get(m) for m in args}
+    need = {m: mgr.need(model) for m, model in models.items() if model is not None}
+    assert all(n.ram_source == n.vram_source == "estimate" for n in need.values())
+    # all in RAM, all on the GPU, and split: c needs some of each
+    assert need["a"].vram_mib == 100 and need["b"].ram_mib < need["c"].ram_mib < need["a"].ram_mib
+    assert need["a"].vram_mib < need["c"].vram_mib < need["b"].vram_mib
+    d = dispatcher_for(mgr, gpu)
+    await use(d, "a")
+    await use(d, "b")
+    ledger = mgr.ram()
+    assert ledger is not None and ledger.claimed_mib == need["a"].ram_mib + need["b"].ram_mib
+    # RAM short (the GPU has room): the least recently used goes, a
+    mgr.reconfigure(replace(mgr.config, ram_budget_mib=ledger.claimed_mib + need["c"].ram_mib - 1))
+    await use(d, "c")
+    assert units.log[-2:] == ["stop llm-engine-a.service", "start c"]
+    # GPU short (RAM has room): a needs only its margin of VRAM, and b, the least recently
+    # used of the two on the device, goes for it
+    gpu.total = need["b"].vram_mib + need["c"].vram_mib - 200 + 50
+    mgr.reconfigure(replace(mgr.config, ram_budget_mib=None))
+    await use(d, "a")
+    assert units.log[-2:] == ["stop llm-engine-b.service", "start a"]
     await d.close()
     await mgr.close()
