@@ -35,7 +35,7 @@ from gatewayd.adapters.kv_cache import KvCache
 from gatewayd.adapters.learned_memory import RAM_FILE_NAME, LearnedMemory
 from gatewayd.adapters.listener import Listener, bind_tcp
 from gatewayd.adapters.metrics import GatewayMetrics
-from gatewayd.adapters.model_files import load_catalog
+from gatewayd.adapters.model_files import TensorTables, load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_sockets
 from gatewayd.adapters.records import RecordWriter
 from gatewayd.adapters.remote_upstreams import Remotes
@@ -54,7 +54,6 @@ from gatewayd.core.config import Backend, GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
-from gatewayd.core.memory_estimate import estimate_for
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, openai_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
@@ -130,6 +129,7 @@ def check_binaries(catalog: Catalog, config: GatewayConfig) -> None:
 async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     catalog = load_catalog(config)
+    tables = TensorTables()
     mode, bus, manager = unit_mode(config)
     systemd = await Systemd.connect(bus)
     kv_cache = KvCache(config.state_dir / "kv-cache", config.kv_cache_max_mb * MIB)
@@ -145,7 +145,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
                             health=health, gpu=gpu, journal=Journalctl(manager),
                             desired=DesiredEngines(config.state_dir), kv_cache=kv_cache,
                             learned=LearnedMemory(config.state_dir), host=MemInfo(),
-                            meter=CgroupMemoryMeter(), estimate=estimate_for,
+                            meter=CgroupMemoryMeter(), estimate=tables.estimate,
                             learned_ram=LearnedMemory(config.state_dir, RAM_FILE_NAME))
     app[admin_api.ENGINES] = engines
     app[UNITS] = units
@@ -164,6 +164,8 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     await engines.drop_unconfigured_kv_caches()
     # Restore (and preload) runs in the background, one engine at a time, while we serve.
     app[RESTORE] = asyncio.get_running_loop().create_task(restore(engines))
+    # the memory estimates' tensor tables, off the loop, now that the gateway serves
+    warm = asyncio.get_running_loop().create_task(asyncio.to_thread(tables.warm, list(catalog)))
     dispatcher.start_timers()
     reconciler.start()
     liveness.start()
@@ -171,6 +173,9 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await liveness.close()
+        warm.cancel()   # (its thread finishes the file it reads)
+        with contextlib.suppress(asyncio.CancelledError):
+            await warm
         app[RESTORE].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[RESTORE]

@@ -274,11 +274,13 @@ class MemoryEstimate:
         }
 
 
-def estimate_for(model: Model, *, gpu: bool) -> MemoryEstimate | None:
+def estimate_for(model: Model, *, gpu: bool,
+                 facts: GgufFacts | None = None) -> MemoryEstimate | None:
     """The estimate for a catalog model's engine as configured; None where its header
     or tensor table could not be read (whisper models, unreadable or split files): then
-    the files-plus-margin figure stands."""
-    facts = model.facts
+    the files-plus-margin figure stands. facts: its header with the tensor table, where
+    the catalog's (model.facts) has none (adapters/model_files.TensorTables)."""
+    facts = facts or model.facts
     if facts is None or facts.tensors is None or _layout(facts) is None:
         return None
     split = facts.metadata.get("split.count")

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import make_tiny_model
 import pytest
@@ -140,3 +141,29 @@ def test_explicit_models_in_one_directory_coexist(tmp_path: Path) -> None:
     config = GatewayConfig(models_dir=tmp_path / "library")
     _touch(tmp_path / "library" / "qwen" / "model.gguf")
     assert "qwen" in load_catalog(config, _facts({})).get("qwen").names  # type: ignore[union-attr]
+
+
+def test_the_catalog_reads_headers_only_and_tensor_tables_wait_until_an_estimate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket-activated gateway's first answer waits for the catalog: the tensor table
+    (behind the tokenizer arrays) is read for the memory estimate, once per file."""
+    from gatewayd.adapters import model_files
+    make_tiny_model.write_model(str(tmp_path / "tiny.gguf"), "tiny", seed=3)
+    reads: list[bool] = []
+    real = model_files.read_gguf_facts  # type: ignore[attr-defined]
+
+    def counted(path: Any, **kw: Any) -> GgufFacts:
+        reads.append(bool(kw.get("tensors")))
+        return real(path, **kw)
+    monkeypatch.setattr(model_files, "read_gguf_facts", counted)
+    model = load_catalog(GatewayConfig(models_dir=tmp_path)).resolve("tiny")
+    assert reads == [False] and model.facts is not None and model.facts.tensors is None
+    tables = model_files.TensorTables()
+    first = tables.estimate(model, gpu=False)
+    again = tables.estimate(model, gpu=True)
+    assert reads == [False, True]                       # read once, then kept
+    assert first is not None and again is not None
+    assert first.ram_mib > 0 and first.vram_mib == 0 and again.vram_mib > 0
+    (tmp_path / "tiny.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes() + b"\0" * 64)
+    tables.estimate(model, gpu=False)                   # the file changed: read again
+    assert reads == [False, True, True]
