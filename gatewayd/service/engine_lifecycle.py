@@ -38,7 +38,6 @@ from gatewayd.core.engines import (
     EngineState,
     HealthReady,
     LoadTimedOut,
-    OutOfMemory,
     StartFailed,
     StartRequested,
     StopRequested,
@@ -61,11 +60,11 @@ from gatewayd.service.engine_capacity import EngineCapacity
 from gatewayd.service.engine_hooks import EngineHooks
 from gatewayd.service.engine_registry import EngineRegistry
 from gatewayd.service.failure_logs import FailureLogs
+from gatewayd.service.memory_watch import MemoryWatch
 from gatewayd.service.park_queue import ParkQueue
 from gatewayd.service.readiness import Readiness
 
 log = logging.getLogger("gatewayd.engines")
-MIB = 1024 * 1024
 READY_GRACE_S = 5.0        # a waiter's deadline beyond load_timeout_s
 
 
@@ -101,6 +100,9 @@ class EngineLifecycle:
                                     on_timeout=self._on_load_timeout)
         self._parking = ParkQueue(units, catalog, registry, quiet=self._quiet,
                                   lock=self._lock)
+        self._memory = MemoryWatch(catalog=catalog, units=units, registry=registry,
+                                   capacity=capacity, clock=clock, info=self.info,
+                                   lifecycle=self._lifecycle)
         registry.react_with(self._react)
 
     def reconfigure(self, config: GatewayConfig) -> None:
@@ -157,7 +159,7 @@ class EngineLifecycle:
                 raise self._registry.failed_error(model.id) from e
             self._desired.add(model.id)   # only a start that happened is wanted after a reboot
             self._readiness.watch(model.id, new_start=True)
-            self._spawn(self._track(model.id, layout.unit))
+            self._spawn(self._memory.track(model.id, layout.unit))   # off the start's path
         return await self.wait_ready(model.id) if wait else self._registry[model.id]
 
     async def wait_ready(self, model_id: str, timeout: float | None = None) -> Engine:
@@ -327,10 +329,8 @@ class EngineLifecycle:
             self._registry.wake_waiters(new)
         elif new.state is EngineState.FAILED:
             self._logs.settle_later(new.model_id)
-        elif new.state is EngineState.RESTARTING and new.failure is not None and \
-                self._capacity.out_of_memory(new.model_id, new.failure.oom_kill_said,
-                                             new.failure.signal):
-            self._spawn(self._on_out_of_memory(new.model_id))
+        elif new.state is EngineState.RESTARTING and self._memory.killed_for_memory(new):
+            self._spawn(self._memory.out_of_memory(new.model_id))
         elif new.state is EngineState.RESTARTING:   # its waiters wait on
             self._logs.reread_later(new.model_id, EngineState.RESTARTING, now=True)
         elif new.state is EngineState.STOPPED:   # gone, and not by our stop (that forgets)
@@ -345,53 +345,8 @@ class EngineLifecycle:
         await self._hooks.ready(self._registry.get(model_id))
         self._registry.event(model_id, HealthReady(self._clock()))
         self._capacity.learn_gpu_memory()
-        model, engine = self._catalog.get(model_id), self._registry.get(model_id)
-        if engine is not None and not self._capacity.tracked(model_id):
-            await self._track(model_id, engine.unit)   # (its start's look not back yet)
-        self._capacity.learn_ram()
-        if model is not None and engine is not None and \
-                (high := self._capacity.memory_high(model)) is not None:
-            try:
-                await self._units.limit_memory(engine.unit, high)
-            except GatewayError as e:   # a limit is protection, not a condition of serving
-                log.warning("%s: cannot set MemoryHigh=%d on %s: %s", model_id, high,
-                            engine.unit, e.message)
-
-    async def _track(self, model_id: str, unit: str) -> None:
-        """Where the new unit's memory is read (its cgroup), off the start's path."""
-        if (info := await self.info(unit)) is not None:
-            self._capacity.track(model_id, info.control_group)
-
-    async def _on_out_of_memory(self, model_id: str) -> None:
-        """Killed for want of memory: systemd's restart would run into the same wall. Its
-        unit is stopped (which cancels the restart), a higher need is learned, and it is
-        failed with reason out_of_memory: its waiters get engine_out_of_memory."""
-        async with self._lifecycle(model_id):
-            engine = self._registry.get(model_id)
-            model = self._catalog.get(model_id)
-            if engine is None or model is None or engine.state not in (
-                    EngineState.RESTARTING, EngineState.LOADING):
-                return
-            ledger = self._capacity.ram(model)
-            before = self._capacity.need(model).ram_mib
-            grown = self._capacity.learn_oom(model)
-            free = ledger.plan_free_mib if ledger else None
-            limit = model.config.memory_max
-            where = (f"its unit's MemoryMax= ({limit // MIB} MiB, memory_max)" if limit
-                     else "the kernel's OOM killer")
-            reason = (f"killed for want of memory by {where}; it was thought to need "
-                      f"{before} MiB of RAM, now {grown} MiB"
-                      + (f", and {free} MiB are free for it" if free is not None else "")
-                      + ("; raise memory_max" if limit and grown > limit // MIB else
-                         "; it is not restarted until asked for again"))
-            log.warning("%s: %s", model_id, reason)
-            try:
-                await self._units.stop_engine(engine.unit)   # no restart into the same wall
-            except Exception as e:
-                log.warning("%s: stopping it after its OOM kill failed: %s", model_id, e)
-            self._registry.event(model_id, OutOfMemory(self._clock(), reason, memory=(
-                ("required_mib", grown), ("free_mib", free),
-                ("memory_max_mib", limit // MIB if limit else None))))
+        if (engine := self._registry.get(model_id)) is not None:
+            await self._memory.ready(engine)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
