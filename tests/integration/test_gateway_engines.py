@@ -211,7 +211,11 @@ def test_vram_budget_with_a_fake_device(gateway_factory: GatewayFactory) -> None
         env={"LLM_GATEWAY_FAKE_GPU": "24576:1000"})
     status, body = gw.api("POST", "/admin/engines/start", {"model": "tiny-alpha"})
     assert status == 503 and body["error"]["code"] == "insufficient_gpu"
-    assert body["error"]["required_mib"] == 1025 and body["error"]["free_mib"] == 1000
+    # the need: the GGUF estimate's VRAM part (weights, KV cache, compute, mmproj) + margin
+    listed = gw.api("GET", "/v1/models/tiny-alpha")[1]
+    assert listed["vram_estimate_source"] == "estimate", listed
+    assert body["error"]["required_mib"] == listed["vram_estimate_mib"] > 1024
+    assert body["error"]["free_mib"] == 1000
     status_body = gw.api("GET", "/admin/status")[1]
     assert "fake device" in status_body["gpu"]
     assert status_body["gpu_memory_mib"] == {
