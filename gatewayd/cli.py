@@ -307,7 +307,8 @@ def upstream_line(u: dict[str, Any]) -> str:
 def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
     """The engines table, within 100 columns for names of a dozen characters: the unit is
     left out (the model's escaped name in llm-engine-….service; `--json` has it), and a
-    failure's reason, a sentence, goes on its own line under its engine."""
+    failure's reason, a sentence, goes on its own line under its engine, with the unit
+    whose journal says more."""
     gpu = any(e.get("vram_need_mib") is not None for e in engines)
     need = "need ram/vram" if gpu else "need ram"
     rows = [{**e, "uptime": duration(e["uptime_s"]), "ram": ram_text(e),
@@ -319,7 +320,8 @@ def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
     for engine, line in zip(engines, lines[1:], strict=True):
         out.append(line)
         if reason := (engine.get("failure") or {}).get("reason"):
-            out.append(f"  {reason}")
+            # where its log is: the unit's name is escaped, not to be guessed
+            out.append(f"  {reason} (journalctl -u '{engine['unit']}')")
     return out
 
 

@@ -108,7 +108,8 @@ def test_engines_show_ram_with_its_source_and_the_need_within_100_columns(
     assert cells[1][5:7] == ["412 MiB (cgroup)", "4.5/5.2 GiB"]
     assert cells[2][5:7] == ["300 MiB (systemd)", "300/700 MiB"]   # systemd's figure, said so
     assert lines[3].split()[:3] == ["llama-3b", "failed", "-"]
-    assert lines[4] == "  killed for want of memory by the kernel's OOM killer"
+    assert lines[4] == ("  killed for want of memory by the kernel's OOM killer "
+                        "(journalctl -u 'llm-engine-llama-3b.service')")
     assert lines[5:] == ["", "GPU memory: -", "RAM: -"]
     assert max(len(line) for line in lines[:3]) <= 100
     # no GPU: the need is RAM's alone
