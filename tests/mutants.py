@@ -266,6 +266,13 @@ SCHEDULING = (
            "        if False:",
            tests=(RAM + "test_with_its_cgroup_gone_a_sigkill_is_an_oom_when_the_machine_"
                   "counted_one",)),
+    Mutant("epipe-counted-as-sent", "a request written into the end of an engine that just "
+           "died reached no process: it waits for the restarted engine",
+           "gatewayd/adapters/engine_wire/client.py",
+           "                        unsent = e.connect\n",
+           "                        unsent = False\n",
+           tests=(CLIENT + "test_a_request_written_into_the_end_of_an_engine_that_just_died_"
+                  "reached_none",)),
     Mutant("idle-ttl-stops-busy", "the idle reaper never stops an engine serving a request",
            "gatewayd/core/scheduler.py",
            "u.state is EngineState.READY and not u.in_flight\n",

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -262,6 +264,42 @@ async def test_a_request_sent_on_a_connection_the_dying_engine_reset_is_no_conne
     with pytest.raises(EngineConnectionError) as err:
         await get(client, engine)
     assert err.value.fresh and not err.value.connect
+    await client.close()
+
+
+async def test_a_request_written_into_the_end_of_an_engine_that_just_died_reached_none(
+        tmp_path: Path) -> None:
+    """The engine's process died a moment ago: its end of an idle connection is closed,
+    but the gateway has not read that yet and writes the request into it (EPIPE), then
+    finds the socket gone. Nothing of the request was read by any process: it may go to
+    the restarted engine (`connect`)."""
+    path = str(tmp_path / "e.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    die = threading.Event()
+
+    def serve() -> None:   # in a thread: its death is not an event of the client's loop
+        conn, _ = listener.accept()
+        data = b""
+        while b"\r\n\r\n" not in data or not data.endswith(b"{}"):
+            data += conn.recv(65536)
+        conn.sendall(ok(b"hi"))
+        die.wait(10)
+        conn.close()
+        listener.close()
+        Path(path).unlink()
+    thread = threading.Thread(target=serve)
+    thread.start()
+    client = EngineClient(read_timeout_s=5)
+    resp = await client.request(path, "POST", "/x", [], b"{}")
+    assert (resp.status, await resp.read()) == (200, b"hi")
+    resp.release()
+    die.set()
+    thread.join(10)        # (no turn of the loop: the client has not seen the close)
+    with pytest.raises(EngineConnectionError) as err:
+        await client.request(path, "POST", "/x", [], b"{}")
+    assert err.value.connect and err.value.fresh, err.value
     await client.close()
 
 

@@ -191,6 +191,7 @@ class EngineClient:
         queue_limit = self.queue_limit if pool.queue_limit is None else pool.queue_limit
         await pool.acquire(self.queue_timeout_s, queue_limit)
         try:
+            unsent = True   # no try went out to a process so far
             for attempt in (1, 2):
                 conn = pool.idle_connection() if reuse and attempt == 1 else None
                 reused = conn is not None
@@ -198,7 +199,9 @@ class EngineClient:
                     try:
                         conn = await self._connect(socket, pool)
                     except EngineConnectionError as e:
-                        e.connect = attempt == 1   # else: sent once, on the reused one
+                        # reached no process if the reused connection's try did not either
+                        # (it was written into an end already closed); else sent once
+                        e.connect = unsent
                         raise
                 conn.reusable = reuse
                 try:
@@ -207,6 +210,7 @@ class EngineClient:
                 except EngineConnectionError as e:
                     conn.abort()
                     if reused and e.fresh:
+                        unsent = e.connect
                         continue   # the engine had closed it: once more, on a new one
                     raise
                 except BaseException:

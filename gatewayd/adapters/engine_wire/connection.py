@@ -65,7 +65,14 @@ class Connection(asyncio.Protocol):
         self._cancel_timer()
         if not self._parser.closed():
             why = f": {exc}" if exc else ""
-            if self._got_bytes:
+            if isinstance(exc, BrokenPipeError) and not self._got_bytes:
+                # EPIPE: the engine's end was closed when the request was written, so
+                # nothing of it was read (a process that died a moment ago, its end not
+                # seen closed yet): it reached no engine process
+                self._fail(EngineConnectionError(
+                    f"the engine was gone when the request was written{why}", fresh=True,
+                    connect=True))
+            elif self._got_bytes:
                 self._fail(EngineConnectionError(
                     f"the engine closed the connection in the middle of its answer{why}"))
             else:
@@ -102,7 +109,7 @@ class Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes, method: str) -> None:
         if not self.open or self.transport is None or self.transport.is_closing():
-            raise EngineConnectionError("the connection was closed", fresh=True)
+            raise EngineConnectionError("the connection was closed", fresh=True, connect=True)
         self._in_use = True
         self._parser.begin(method)
         self._got_bytes = False

@@ -7,9 +7,10 @@ class EngineConnectionError(Exception):
     """The engine could not be reached, or the connection broke or spoke nonsense.
 
     fresh: nothing of an answer arrived (the request may be sent again when the
-    connection was a reused one); connect: the connection itself could not be made, and
-    the request was sent on no other (it reached no engine process: safe to send again
-    to the engine that replaces this one)."""
+    connection was a reused one); connect: the request reached no engine process — the
+    connection could not be made, or it was written into an end already closed (EPIPE),
+    and no other try of it went out — so it is safe to send to the engine that replaces
+    this one."""
 
     def __init__(self, message: str, *, fresh: bool = False, connect: bool = False) -> None:
         super().__init__(message)
