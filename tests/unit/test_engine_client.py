@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import tempfile
 import threading
@@ -299,6 +300,38 @@ async def test_a_request_written_into_the_end_of_an_engine_that_just_died_reache
     thread.join(10)        # (no turn of the loop: the client has not seen the close)
     with pytest.raises(EngineConnectionError) as err:
         await client.request(path, "POST", "/x", [], b"{}")
+    assert err.value.connect and err.value.fresh, err.value
+    await client.close()
+
+
+async def test_a_request_the_dying_engine_never_read_reached_none(tmp_path: Path) -> None:
+    """The engine's process dies with the request in its socket, unread: Linux tells the
+    writer ECONNRESET (one that read it and then died closes with an end of file: the
+    test above). It reached no process, so it may go to the restarted engine."""
+    path = str(tmp_path / "e.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        data = b""
+        while not data.endswith(b"{}"):
+            data += conn.recv(65536)
+        conn.sendall(ok(b"hi"))
+        select.select([conn], [], [], 10)    # the next request is there: die, unread
+        conn.close()
+        listener.close()
+        Path(path).unlink()
+    thread = threading.Thread(target=serve)
+    thread.start()
+    client = EngineClient(read_timeout_s=5)
+    resp = await client.request(path, "POST", "/x", [], b"{}")
+    assert (resp.status, await resp.read()) == (200, b"hi")
+    resp.release()
+    with pytest.raises(EngineConnectionError) as err:
+        await client.request(path, "POST", "/x", [], b"{}")
+    thread.join(10)
     assert err.value.connect and err.value.fresh, err.value
     await client.close()
 

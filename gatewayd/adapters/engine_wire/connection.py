@@ -65,12 +65,15 @@ class Connection(asyncio.Protocol):
         self._cancel_timer()
         if not self._parser.closed():
             why = f": {exc}" if exc else ""
-            if isinstance(exc, BrokenPipeError) and not self._got_bytes:
-                # EPIPE: the engine's end was closed when the request was written, so
-                # nothing of it was read (a process that died a moment ago, its end not
-                # seen closed yet): it reached no engine process
+            if isinstance(exc, BrokenPipeError | ConnectionResetError) \
+                    and not self._got_bytes:
+                # the request was not read whole by any process: EPIPE, the engine's end
+                # was closed when it was written (a process that died a moment ago, its
+                # end not seen closed yet); ECONNRESET, the end closed with bytes of ours
+                # in it unread (Linux's unix sockets say so; one that read the request
+                # and then died closes with nothing unread: an end of file)
                 self._fail(EngineConnectionError(
-                    f"the engine was gone when the request was written{why}", fresh=True,
+                    f"the engine was gone before it read the request{why}", fresh=True,
                     connect=True))
             elif self._got_bytes:
                 self._fail(EngineConnectionError(
