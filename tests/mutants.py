@@ -477,8 +477,8 @@ WIRE = (
            tests=("tests/http/test_keepalive_retry.py",)),
     Mutant("retry-after-bytes", "a request whose answer had begun is never sent again",
            "gatewayd/adapters/engine_wire/connection.py",
-           "            if self._got_bytes:\n",
-           "            if False:\n",
+           "            elif self._got_bytes:\n",
+           "            elif False:\n",
            tests=(CLIENT + "test_a_reused_connection_closed_before_answering_is_retried_once",)),
     Mutant("chunk-size-0x", "a chunk size is plain hex digits (int(x, 16) also takes "
            "a 0x, a sign, underscores)",
@@ -745,7 +745,7 @@ RESTARTS = (
     Mutant("reset-request-replayed", "a request the dying engine's connection took is "
            "never sent to the restarted one",
            "gatewayd/adapters/engine_wire/client.py",
-           "                        e.connect = attempt == 1",
+           "                        e.connect = unsent",
            "                        e.connect = True",
            tests=(CLIENT + "test_a_request_sent_on_a_connection_the_dying_engine_reset_is_no_"
                   "connect_error",)),
