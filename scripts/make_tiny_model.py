@@ -70,6 +70,20 @@ def finish(w: gguf.GGUFWriter) -> None:
 Array = npt.NDArray[Any]
 
 
+def add_tokenizer(w: gguf.GGUFWriter, toks: list[str], scores: list[float],
+                  types: list[gguf.TokenType]) -> None:
+    """The tiny vocabulary (vocab()), as llama.cpp reads it."""
+    w.add_vocab_size(len(toks))
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(4)
+    w.add_unk_token_id(0)
+
+
 def write_model(
     path: str,
     name: str,
@@ -110,15 +124,7 @@ def write_model(
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(nv)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(4)
-    w.add_unk_token_id(0)
+    add_tokenizer(w, toks, scores, types)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_chat_template(TEMPLATE)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.placement import DeviceMemory
@@ -167,6 +168,14 @@ class MemoryUse:
     # proportional set sizes: all they map, cached files included, shared ones divided
     source: str
     oom_kills: int | None   # kernel OOM kills inside the unit's cgroup so far; None: unknown
+
+    @property
+    def current_mib(self) -> int:
+        return -(-self.current_bytes // MIB)
+
+    @property
+    def peak_mib(self) -> int | None:
+        return None if self.peak_bytes is None else -(-self.peak_bytes // MIB)
 
 
 class MemoryMeter(Protocol):

@@ -48,8 +48,6 @@ class Usage:
     draining: bool = False    # picked to make room: finishing its requests, then evicted
     exit_unconfirmed: bool = False   # a signal said it ended; systemd has not confirmed
     devices: tuple[str, ...] = ()    # the GPUs it was placed on; (): all (or no GPU)
-    ram_need_mib: int = 0     # RAM it is expected to hold (learned peak, else estimate)
-    ram_measured_mib: int | None = None   # RAM it holds now (cgroup or PSS), where known
 
     def on(self, devices: frozenset[str] | None) -> bool:
         """Whether stopping it frees memory on any of these devices (None: any)."""

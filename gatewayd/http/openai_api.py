@@ -29,7 +29,6 @@ from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.adapters.remote_client import never_connected, to_remote
 from gatewayd.adapters.remote_upstreams import Remote, Remotes
 from gatewayd.core.auth import ApiKey, check_model
-from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
@@ -181,10 +180,9 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
         "vram_estimate_mib": need.vram_mib, "vram_estimate_source": need.vram_source,
         "vram_measured_mib": front.engines.measured_mib(model),
         "ram_estimate_mib": need.ram_mib, "ram_estimate_source": need.ram_source,
-        "ram_measured_mib": -(-ram.current_bytes // MIB) if ram else None,
+        "ram_measured_mib": ram.current_mib if ram else None,
         "ram_measured_source": ram.source if ram else None,
-        "ram_peak_mib": -(-ram.peak_bytes // MIB) if ram and ram.peak_bytes is not None
-        else None,
+        "ram_peak_mib": ram.peak_mib if ram else None,
         "context_length": info["context_length"], "quantization": info["quantization"],
         "parameter_count": info["parameter_count"], "architecture": info["architecture"],
         "aliases": info["aliases"],

@@ -30,8 +30,6 @@ from gatewayd.service.loader import Changes, Loader
 from gatewayd.service.reaper import IdleReaper
 from gatewayd.service.turns import QueueListener, Turns
 
-MIB = 1024 * 1024
-
 
 class Dispatcher:
     def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
@@ -118,10 +116,7 @@ class Dispatcher:
                 idle_ttl_s=model.config.idle_ttl_s if model else None,
                 draining=bool(use and use.draining),
                 exit_unconfirmed=engine.exit_unconfirmed,
-                devices=engine.devices,
-                ram_need_mib=self._engines.need(model).ram_mib if model else 0,
-                ram_measured_mib=-(-ram.current_bytes // MIB)
-                if (ram := self._engines.ram_measured(engine.model_id)) else None))
+                devices=engine.devices))
         return rows
 
     def serves(self, model_id: str) -> bool:

@@ -157,7 +157,7 @@ class EngineCapacity:
             rows.append(ram_budget.EngineRam(
                 engine.model_id, ready=engine.state is EngineState.READY,
                 need_mib=self.need(other).ram_mib,
-                measured_mib=-(-use.current_bytes // MIB) if use else None))
+                measured_mib=use.current_mib if use else None))
         return ram_budget.ram_ledger(self._host.read(), rows,
                                      reserve_mib=self._config.ram_reserve_mib,
                                      budget_mib=self._config.ram_budget_mib)
@@ -184,7 +184,7 @@ class EngineCapacity:
             use = self._ram_now.get(engine.model_id)
             if engine.state is not EngineState.READY or model is None or use is None:
                 continue
-            mib = -(-(use.peak_bytes or use.current_bytes) // MIB)
+            mib = use.peak_mib or use.current_mib
             stamp = settings_stamp(model, self._config)
             known = self._learned_ram.get(stamp)
             # a peak only grows (a figure learned at an OOM is not lowered by a calm run)
@@ -237,7 +237,7 @@ class EngineCapacity:
         its limit, or what was thought); the next admission counts that. The new need."""
         need = self.need(model).ram_mib
         use = self._ram_now.get(model.id)
-        peak = -(-(use.peak_bytes or use.current_bytes) // MIB) if use else 0
+        peak = (use.peak_mib or use.current_mib) if use else 0
         limit = -(-model.config.memory_max // MIB) if model.config.memory_max else 0
         grown = round(max(need, peak, limit) * OOM_GROWTH)
         if self._learned_ram is not None:

@@ -190,7 +190,7 @@ class EngineManager:
     def check_ram_ceiling(self, model: Model) -> None:
         self._capacity.check_ram_ceiling(model)
 
-    def learn_gpu_memory(self) -> list[str]:
+    def learn_memory(self) -> list[str]:
         """What ready engines hold now, GPU and RAM, for the next admission of their
         setup: the models whose figure changed."""
         return sorted({*self._capacity.learn_gpu_memory(), *self._capacity.learn_ram()})

@@ -88,11 +88,8 @@ class Loader:
             self._line.append(model.id)
             self._tasks[model.id] = asyncio.get_running_loop().create_task(self._load(model))
 
-    def ahead(self, model_id: str) -> int:
-        """Models before model_id in the line that still need room."""
-        return len(self._ahead(model_id))
-
     def _ahead(self, model_id: str) -> list[str]:
+        """Models before model_id in the line that still need room."""
         ahead = []
         for other in self._line:
             if other == model_id:

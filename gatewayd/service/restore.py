@@ -136,5 +136,5 @@ class Reconciler:
             self._on_over_limit()
         for change in changes:
             log.warning("reconcile: %s", change)
-        mgr.learn_gpu_memory()   # what ready engines really hold, for the next admission
+        mgr.learn_memory()   # what ready engines really hold, for the next admission
         return changes

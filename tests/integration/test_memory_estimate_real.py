@@ -73,15 +73,7 @@ def write_model(path: Path, *, arch: str = "llama", n_embd: int, n_layer: int, n
     w.add_layer_norm_rms_eps(1e-5)
     if window:
         w.add_sliding_window(window)
-    w.add_vocab_size(len(toks))
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(4)
-    w.add_unk_token_id(0)
+    make_tiny_model.add_tokenizer(w, toks, scores, types)
     w.add_chat_template(make_tiny_model.TEMPLATE)
 
     def matrix(name: str, rows: int, cols: int) -> None:

@@ -273,7 +273,7 @@ async def test_gpu_memory_is_learned_from_the_engine_and_replaces_the_estimate(
     assert mgr.need_mib(model) == 103 and mgr.measured_mib(model) is None   # 3 + 100 margin
     engine = await mgr.start("a")
     gpu.per_process = {engine.main_pid: 1500}      # what its process really holds
-    assert mgr.learn_gpu_memory() == ["a"] and mgr.learn_gpu_memory() == []
+    assert mgr.learn_memory() == ["a"] and mgr.learn_memory() == []
     assert mgr.measured_mib(model) == 1500 and mgr.need_mib(model) == 1600
     # kept in the state directory for the next gateway, per engine setup
     assert LearnedMemory(tmp_path / "state").get(settings_stamp(model, mgr.config)) == 1500
