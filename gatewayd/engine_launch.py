@@ -1,9 +1,10 @@
-"""Runs a TCP-only engine (whisper-server) so that only a unix socket reaches it.
+"""Runs a TCP-only engine (whisper-server, an openai server told {port}) so that only a
+unix socket reaches it.
 
     python -m gatewayd.engine_launch --socket /run/llm-engine-x/engine.sock \
         --port 8080 -- whisper-server ... --port {port} ...
 
-This is the main process of a whisper engine unit. The unit has
+This is the main process of a TCP engine's unit. The unit has
 PrivateNetwork=yes, so whisper-server listens on 127.0.0.1:8080 in a network
 namespace of its own (every whisper engine can use 8080, and nothing outside
 the unit can reach it), and systemd-socket-proxyd, handed the unix socket by
@@ -32,9 +33,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 PROXYD_CANDIDATES = ("/lib/systemd/systemd-socket-proxyd", "/usr/lib/systemd/systemd-socket-proxyd")
@@ -78,14 +80,47 @@ def loopback_works() -> bool:
 
 def listening_tcp(port: int) -> set[str]:
     """Inodes of sockets listening on a loopback/any TCP port in this namespace."""
-    inodes = set()
+    return {inode for listened, inode in listeners() if listened == port}
+
+
+def listeners() -> list[tuple[int, str]]:
+    """(port, socket inode) of every listening TCP socket in this namespace."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(FileNotFoundError):
             for line in Path(table).read_text().splitlines()[1:]:
                 fields = line.split()
-                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    return inodes
+                if fields[3] == "0A":
+                    found.append((int(fields[1].rsplit(":", 1)[1], 16), fields[9]))
+    return found
+
+
+WRONG_PORT_GRACE_S = 5.0
+
+
+def watch_wrong_port(server: subprocess.Popen[bytes], port: int,
+                     on_wrong: Callable[[str], None], *,
+                     grace_s: float = WRONG_PORT_GRACE_S, every_s: float = 0.2) -> None:
+    """In a private network namespace every listener is the server's: one that listens
+    on other ports and, grace_s later, still not on ours was not told {port} (or ignores
+    it). on_wrong gets the reason; without this the gateway would wait out its load
+    timeout on an engine that can never answer."""
+    since: float | None = None
+    while server.poll() is None:
+        ports = {listened for listened, _ in listeners()}
+        if port in ports:
+            return
+        if ports and since is None:
+            since = time.monotonic()
+        if since is not None and time.monotonic() - since >= grace_s:
+            others = ", ".join(str(p) for p in sorted(ports))
+            name = os.path.basename(str(server.args[0]))   # type: ignore[index]
+            on_wrong(f"engine_launch: {name} listens on TCP port "
+                     f"{others}, not on {port}, the port its command's {{port}} says; it "
+                     "cannot be reached. Pass {port} where the server takes its port (and "
+                     "127.0.0.1 or 0.0.0.0 as its host)")
+            return
+        time.sleep(every_s)
 
 
 def socket_inodes(pid: int) -> set[str]:
@@ -180,13 +215,24 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
             print(f"engine_launch: no private network namespace; using 127.0.0.1:{port}",
                   flush=True)
         argv = [a.replace("{port}", str(port)) for a in server_argv]
+        # an openai model's env values may say {port} too
+        env = {k: v.replace("{port}", str(port)) for k, v in os.environ.items()}
         # restore_signals=False: SIGPIPE stays ignored, as systemd starts services; with
         # Python's default the children got it back, and systemd-socket-proxyd died of it
         # when a client closed early, taking the engine down (seen in CI)
-        server = subprocess.Popen(argv, restore_signals=False)
+        server = subprocess.Popen(argv, env=env, restore_signals=False)
         children.append(server)
         if not private:
             wait_exclusive_listener(server, port)
+    wrong: list[str] = []
+
+    def on_wrong(reason: str) -> None:
+        print(reason, flush=True)
+        wrong.append(reason)
+        stop_children()
+    if private:
+        threading.Thread(target=watch_wrong_port, args=(server, port, on_wrong),
+                         daemon=True).start()
     # Bound here, under the unit's UMask=, and handed to systemd-socket-proxyd
     # as fd 3 by the socket-activation protocol (LISTEN_FDS/LISTEN_PID).
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -203,7 +249,9 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
     for child in children:
         with contextlib.suppress(ChildProcessError):
             child.wait(timeout=10)
-    name = "whisper-server" if pid == server.pid else "systemd-socket-proxyd"
+    name = os.path.basename(argv[0]) if pid == server.pid else "systemd-socket-proxyd"
+    if wrong:
+        return EX_CONFIG
     code = os.waitstatus_to_exitcode(status)
     print(f"engine_launch: {name} exited ({code}); stopping the engine", flush=True)
     return code if code > 0 else 1
@@ -214,9 +262,11 @@ def run_settings(path: str) -> int:
     (a copy systemd hands over as a credential: the engine's user cannot read the gateway's
     state directory).
 
-    {"backend": "llama"|"whisper", "argv": [...], "socket": "...", "env": {...}}
-    A llama engine is exec'd (its process becomes the unit's main process); a whisper
-    engine gets the unix-socket arrangement above.
+    {"backend": "llama"|"whisper"|"openai", "tcp": bool, "argv": [...], "socket": "...",
+     "env": {...}}
+    A unix-socket engine is exec'd (its process becomes the unit's main process); a TCP
+    one ("tcp", or whisper in settings written before "tcp" was) gets the unix-socket
+    arrangement above.
     """
     try:
         settings = json.loads(Path(path).read_text())
@@ -225,10 +275,10 @@ def run_settings(path: str) -> int:
         return 2
     os.environ.update(settings.get("env", {}))
     argv = [str(a) for a in settings["argv"]]
-    if settings.get("backend") == "whisper":
+    if settings.get("tcp", settings.get("backend") == "whisper"):
         return run(settings["socket"], int(settings.get("port", 8080)), argv)
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(settings["socket"])   # llama-server refuses to start on a stale socket
+        os.unlink(settings["socket"])   # a server refuses to start on a stale socket
     os.execv(argv[0], argv)
 
 

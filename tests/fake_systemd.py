@@ -330,7 +330,8 @@ class FakeSystemdHealth:
     def __init__(self, systemd: FakeSystemd) -> None:
         self._systemd = systemd
 
-    async def status(self, socket: str, timeout: float = 2.0) -> int | None:
+    async def status(self, socket: str, timeout: float = 2.0,
+                     path: str = "/health") -> int | None:
         await asyncio.sleep(0)
         return self._systemd.health(socket)
 

@@ -253,7 +253,8 @@ class FakeHealth:
         self.all_ready = True
         self.hung: set[str] = set()    # sockets whose engine answers nothing (frozen)
 
-    async def status(self, socket: str, timeout: float = 2.0) -> int | None:
+    async def status(self, socket: str, timeout: float = 2.0,
+                     path: str = "/health") -> int | None:
         if socket in self.hung:
             return None
         return 200 if self.all_ready or socket in self.ready else 503

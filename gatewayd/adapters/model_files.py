@@ -39,7 +39,7 @@ class TensorTables:
         self._tables: dict[tuple[str, int, int], GgufFacts] = {}
 
     def facts(self, model: Model) -> GgufFacts | None:
-        if model.backend is not Backend.LLAMA:
+        if model.backend is not Backend.LLAMA or model.path is None:
             return None
         try:
             stat = model.path.stat()
@@ -61,10 +61,12 @@ class TensorTables:
 
 def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_header) -> Catalog:
     """The catalog of config: its [models.NAME] entries plus what models_dir holds."""
-    explicit_paths = {m.path.resolve() for m in config.models}
+    explicit_paths = {m.path.resolve() for m in config.models if m.path is not None}
     discovered = [] if config.models_dir is None else [
-        m for m in discover(config.models_dir) if m.path.resolve() not in explicit_paths]
-    files = {m.path: inspect(m, read_facts) for m in (*config.models, *discovered)}
+        m for m in discover(config.models_dir)
+        if m.path is not None and m.path.resolve() not in explicit_paths]
+    files = {m.path: inspect(m, read_facts) for m in (*config.models, *discovered)
+             if m.path is not None}
     return build_catalog(config, discovered, files)
 
 
@@ -72,7 +74,7 @@ def inspect(model: ModelConfig, read_facts: FactsReader = read_header) -> ModelF
     """Sizes of everything the engine loads, and a llama model's GGUF header facts (its
     projector's too)."""
     size = sum(_size(p) for p in (model.path, model.mmproj) if p)
-    if model.backend is not Backend.LLAMA:
+    if model.backend is not Backend.LLAMA or model.path is None:
         return ModelFile(size_bytes=size)
     return ModelFile(size_bytes=size, facts=_facts(model.path, read_facts),
                      mmproj_facts=_facts(model.mmproj, read_facts) if model.mmproj else None)

@@ -52,6 +52,7 @@ from gatewayd.core.engine_units import (
     gateway_secrets,
     in_private_tmp,
     keeps_kv_cache,
+    listens_on_tcp,
     parked_spec,
     resource_limits,
     server_binary,
@@ -215,8 +216,9 @@ class TransientEngineUnits(EngineUnitsBase):
         if not self.private_network:
             log.warning("systemd (PID 1) lacks CAP_NET_ADMIN (a container sharing the "
                         "host's network?): it cannot bring up loopback in a private network "
-                        "namespace, so whisper engines listen on a free loopback port of "
-                        "this namespace, still reached only through their unix socket")
+                        "namespace, so TCP engines (whisper, openai servers told {port}) "
+                        "listen on a free loopback port of this namespace, still reached "
+                        "only through their unix socket")
 
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id, run_root=self._run_root)
@@ -489,10 +491,8 @@ def check_engine_can_read(model: Model, binary: str) -> None:
     """ConfigError naming the file and the reason where the engine's user could not
     read the model (its mmproj) or run the engine server (for whisper, the gateway's
     launcher, which runs it: this Python and the gatewayd package)."""
-    files = [str(model.config.path), binary]
-    if model.config.mmproj:
-        files.append(str(model.config.mmproj))
-    if model.backend is Backend.WHISPER:
+    files = [binary, *(str(p) for p in (model.config.path, model.config.mmproj) if p)]
+    if listens_on_tcp(model):
         files += [sys.executable, str(Path(__file__).resolve().parents[1] / "engine_launch.py")]
     for name in files:
         if why := engine_cannot_reach(name):

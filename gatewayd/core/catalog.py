@@ -27,7 +27,9 @@ from gatewayd.core.model_facts import GgufFacts
 RANK_POOLING = 4   # LLAMA_POOLING_TYPE_RANK
 CAPABILITIES: Mapping[ModelKind, tuple[str, ...]] = {
     ModelKind.CHAT: ("completion",), ModelKind.EMBEDDING: ("embeddings",),
-    ModelKind.RERANK: ("rerank",), ModelKind.AUDIO: ("transcription", "translation")}
+    ModelKind.RERANK: ("rerank",), ModelKind.AUDIO: ("transcription", "translation"),
+    ModelKind.IMAGE: ("image",), ModelKind.SPEECH: ("speech",)}
+HEALTH_PATH = "/health"   # llama-server's and whisper-server's readiness
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Model:
     mmproj_facts: GgufFacts | None = None   # the projector's header: which media it encodes
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | None:
         return self.config.path
 
     @property
@@ -63,12 +65,25 @@ class Model:
             return ModelKind.EMBEDDING
         return ModelKind.CHAT
 
+    @property
+    def kinds(self) -> tuple[ModelKind, ...]:
+        """Its kind, and an openai server's further ones."""
+        return (self.kind, *self.config.also)
+
+    @property
+    def health(self) -> tuple[str, int]:
+        """How to tell its engine is ready: the status GET path answers when it is (and
+        any answer at all while it runs means it is alive)."""
+        if self.backend is Backend.OPENAI:
+            return self.config.ready_path, self.config.ready_status
+        return HEALTH_PATH, 200
+
     @cached_property
     def capabilities(self) -> tuple[str, ...]:
         """What its engine answers (as /v1/models lists it). A chat model's projector adds
         what it encodes: images ("vision"), sound ("transcription": llama-server answers
         /v1/audio/transcriptions with such a model)."""
-        own = CAPABILITIES[self.kind]
+        own = tuple(dict.fromkeys(c for kind in self.kinds for c in CAPABILITIES[kind]))
         projector = self.mmproj_facts
         if self.kind is not ModelKind.CHAT or projector is None:
             return own
@@ -82,7 +97,7 @@ class Model:
             "backend": self.backend.value,
             "kind": self.kind.value,
             "capabilities": list(self.capabilities),
-            "path": str(self.path),
+            "path": None if self.path is None else str(self.path),
             "mmproj": str(self.config.mmproj) if self.config.mmproj else None,
             "size_bytes": self.size_bytes,
             "architecture": facts.architecture if facts else None,
@@ -93,6 +108,13 @@ class Model:
             "header_error": facts.error if facts else None,
             "aliases": sorted(self.names),
         }
+
+
+def health_of(catalog: Catalog, model_id: str) -> tuple[str, int]:
+    """How to tell model_id's engine is ready (an engine adopted for a model no longer
+    configured: llama-server's way)."""
+    model = catalog.get(model_id)
+    return model.health if model is not None else (HEALTH_PATH, 200)
 
 
 class Catalog:
@@ -173,8 +195,10 @@ def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
     facts: dict[str, GgufFacts | None] = {}
     strong: dict[str, set[str]] = {}
     for model_id, m in ids.items():
-        names = {model_id, m.path.name, _strip_ext(m.path.name), *m.aliases}
-        if config.models_dir and m.path.parent.parent == config.models_dir:
+        names = {model_id, *m.aliases}
+        if m.path is not None:
+            names |= {m.path.name, _strip_ext(m.path.name)}
+        if m.path is not None and config.models_dir and m.path.parent.parent == config.models_dir:
             names.add(m.path.parent.name)   # a model that is a subdirectory of models_dir
         strong[model_id] = {n.casefold() for n in names if n.strip()}
         for name in strong[model_id]:
@@ -183,7 +207,7 @@ def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
                 raise ConfigError(
                     f"models {other!r} ({ids[other].path}) and {model_id!r} ({m.path}) both "
                     f"claim the name {name!r}; change an alias or a file name")
-        found = files.get(m.path)
+        found = files.get(m.path) if m.path is not None else None
         facts[model_id] = found.facts if found and m.backend is Backend.LLAMA else None
 
     weak_claims: dict[str, list[str]] = {}
@@ -195,7 +219,7 @@ def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
     for model_id, m in ids.items():
         names = set(strong[model_id])
         names |= {n for n, owners in weak_claims.items() if owners == [model_id]}
-        found = files.get(m.path)
+        found = files.get(m.path) if m.path is not None else None
         models.append(Model(id=model_id, config=m, names=frozenset(names),
                             facts=facts[model_id], size_bytes=found.size_bytes if found else 0,
                             mmproj_facts=found.mmproj_facts if found else None))

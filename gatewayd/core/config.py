@@ -8,6 +8,7 @@ keys are errors, so a typo never silently does nothing.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -25,8 +26,9 @@ PARKED_ENGINES_RANGE = range(0, 33)
 
 
 class Backend(StrEnum):
-    LLAMA = "llama"
-    WHISPER = "whisper"
+    LLAMA = "llama"        # llama-server
+    WHISPER = "whisper"    # whisper-server
+    OPENAI = "openai"      # any server of OpenAI's API, run from the model's `command`
 
 
 class ModelKind(StrEnum):
@@ -36,6 +38,31 @@ class ModelKind(StrEnum):
     EMBEDDING = "embedding"    # llama-server --embeddings: /v1/embeddings only
     RERANK = "rerank"          # llama-server --rerank: /v1/rerank only
     AUDIO = "audio"            # whisper-server: transcriptions and translations
+    IMAGE = "image"            # /v1/images/generations, edits, variations (openai backend)
+    SPEECH = "speech"          # /v1/audio/speech (openai backend)
+
+
+# which kinds each backend's engines can be
+BACKEND_KINDS: Mapping[Backend, tuple[ModelKind, ...]] = {
+    Backend.LLAMA: (ModelKind.CHAT, ModelKind.EMBEDDING, ModelKind.RERANK),
+    Backend.WHISPER: (ModelKind.AUDIO,),
+    Backend.OPENAI: tuple(ModelKind),
+}
+# the placeholders of an openai model's `command` (and `env` values), filled when its
+# engine starts (core/engine_units.expand): what each stands for
+PLACEHOLDERS: Mapping[str, str] = {
+    "socket": "the unix socket the server listens on (under the unit's runtime directory)",
+    "port": "the TCP port the server listens on, on 127.0.0.1 inside the unit's own "
+            "network namespace",
+    "model": "the model's id (what clients send as \"model\")",
+    "model_path": "the model's `path`",
+    "ctx_size": "the model's `ctx_size`",
+    "threads": "the model's `threads`",
+}
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+# llama-server flags that decide what its engine answers
+EMBEDDING_FLAGS = frozenset({"--embedding", "--embeddings"})
+RERANK_FLAGS = frozenset({"--rerank", "--reranking"})
 
 
 class UnitMode(StrEnum):
@@ -51,7 +78,7 @@ class ModelConfig:
     """One `[models.NAME]` table (or a model found in `models_dir`)."""
 
     name: str
-    path: Path
+    path: Path | None             # None: an openai model whose command names what it serves
     backend: Backend = Backend.LLAMA
     args: tuple[str, ...] = ()
     mmproj: Path | None = None
@@ -68,12 +95,27 @@ class ModelConfig:
     preload: bool = False                # started when the gateway starts
     idle_ttl_s: float | None = None      # stopped after this long without requests
     kind: ModelKind | None = None        # None: from the GGUF header (whisper: audio)
+    also: tuple[ModelKind, ...] = ()     # an openai server's further kinds (kind = [...])
     max_concurrency: int | None = None   # requests served at once; above: 429
     queue_limit: int | None = None       # requests waiting for it; above: 503
     kv_cache_save: bool = True           # llama chat engines: KV cache saved at a stop,
                                          # restored at the next start (adapters/kv_cache)
     spill_over: bool = False             # when it cannot take a request within its wait,
                                          # an upstream serving one of its names does
+    # backend = "openai": the server's command line with placeholders (PLACEHOLDERS), how
+    # to tell it is ready (the first `ready_status` answer to GET `ready_path` over its
+    # socket) and the memory it declares it takes (learned after its first run)
+    command: tuple[str, ...] = ()
+    ready_path: str = "/v1/models"
+    ready_status: int = 200
+    vram_mib: int | None = None
+    ram_mib: int | None = None
+
+    @property
+    def listens_on_port(self) -> bool:
+        """An openai server told a TCP port ({port}), not a unix socket ({socket})."""
+        return any(match.group(1) == "port" for arg in self.command
+                   for match in _PLACEHOLDER.finditer(arg))
 
 
 @dataclass(frozen=True)
@@ -158,7 +200,9 @@ _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env"
                "memory_max", "memory_high", "cpu_quota", "cuda_visible_devices",
                "vram_margin_mib", "threads",
                "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind",
-               "kv_cache_save", "spill_over"}
+               "kv_cache_save", "spill_over", "command", "ready_path", "ready_status",
+               "vram_mib", "ram_mib"}
+_OPENAI_ONLY = ("command", "ready_path", "ready_status")
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
@@ -324,19 +368,113 @@ def _origins(value: Any, where: str) -> tuple[str, ...]:
     return tuple(origins)
 
 
-def _kind(value: Any, backend: Backend, where: str, key: str) -> ModelKind | None:
-    if value is None:
-        return None
-    try:
-        kind = ModelKind(value)
-    except ValueError:
-        raise ConfigError(f"{where}: {key} must be one of "
-                          f"{', '.join(repr(k.value) for k in ModelKind)}, not {value!r}") from None
-    if (kind is ModelKind.AUDIO) != (backend is Backend.WHISPER):
-        raise ConfigError(f"{where}: {key} = {kind.value!r} does not fit backend "
-                          f"{backend.value!r} (whisper models are 'audio'; llama models are "
-                          "'chat', 'embedding' or 'rerank')")
-    return kind
+def _kinds(value: Any, backend: Backend, args: list[str], where: str,
+           key: str) -> tuple[ModelKind, ...]:
+    """The configured kinds (an openai server may have several: kind = ["chat",
+    "embedding"]), checked against the backend and, for llama, against the flags in `args`
+    that decide what llama-server answers: `--embeddings` or `--rerank` without a kind
+    make the model that kind; with a kind they contradict, the configuration is refused
+    (its every request would be refused or answered by the wrong engine)."""
+    names = value if isinstance(value, list) and backend is Backend.OPENAI else \
+        ([] if value is None else [value])
+    kinds: list[ModelKind] = []
+    for name in names:
+        try:
+            kinds.append(ModelKind(name))
+        except ValueError:
+            raise ConfigError(f"{where}: {key} must be one of "
+                              f"{', '.join(repr(k.value) for k in ModelKind)}"
+                              f"{' (or a list of them)' if backend is Backend.OPENAI else ''}"
+                              f", not {name!r}") from None
+    if isinstance(value, list) and not kinds:
+        raise ConfigError(f"{where}: {key} is an empty list")
+    allowed = BACKEND_KINDS[backend]
+    for kind in kinds:
+        if kind not in allowed:
+            raise ConfigError(f"{where}: {key} = {kind.value!r} does not fit backend "
+                              f"{backend.value!r} (whisper models are 'audio'; llama models "
+                              "are 'chat', 'embedding' or 'rerank'; an openai server may be "
+                              "any kind)")
+    if backend is not Backend.LLAMA:
+        return tuple(dict.fromkeys(kinds))
+    flagged = (ModelKind.RERANK if RERANK_FLAGS & set(args) else
+               ModelKind.EMBEDDING if EMBEDDING_FLAGS & set(args) else None)
+    if flagged is None:
+        return tuple(kinds)
+    if not kinds:
+        return (flagged,)
+    if kinds[0] is ModelKind.CHAT or (kinds[0] is ModelKind.EMBEDDING
+                                      and flagged is ModelKind.RERANK):
+        flag = sorted((RERANK_FLAGS if flagged is ModelKind.RERANK else EMBEDDING_FLAGS)
+                      & set(args))[0]
+        engine = "an embedding" if flagged is ModelKind.EMBEDDING else "a rerank"
+        raise ConfigError(f"{where}: {key} = {kinds[0].value!r} contradicts {flag} in its "
+                          f"args, which makes llama-server {engine} engine that "
+                          f"answers no {kinds[0].value} request; drop the flag, or say "
+                          f"kind = {flagged.value!r}")
+    return tuple(kinds)
+
+
+def _command(table: Mapping[str, Any], backend: Backend, base: Path, where: str,
+             key: str) -> tuple[str, ...]:
+    """An openai model's command line: a list of strings, the server first, with the
+    placeholders of PLACEHOLDERS; it must listen on {socket} or {port}, one of them."""
+    if backend is not Backend.OPENAI:
+        given = [k for k in _OPENAI_ONLY if k in table]
+        if given:
+            raise ConfigError(f"{where}: {key}.{given[0]} is only for backend = \"openai\" "
+                              f"(a {backend.value} model's engine is "
+                              f"{backend.value}-server, run by the gateway)")
+        return ()
+    command = _expect(table.get("command"), list, where, f"{key}.command")
+    if not command or not all(isinstance(a, str) for a in command) or not command[0].strip():
+        raise ConfigError(f"{where}: {key}.command must be a non-empty list of strings, the "
+                          "server's program first")
+    used = {name for arg in command for name in placeholders(arg, where, f"{key}.command")}
+    for value in table.get("env", {}).values():
+        if isinstance(value, str):
+            used |= set(placeholders(value, where, f"{key}.env"))
+    listens = used & {"socket", "port"}
+    if len(listens) != 1:
+        raise ConfigError(
+            f"{where}: {key}.command must tell the server where to listen with exactly one "
+            "of {socket} (a unix socket: e.g. uvicorn's --uds {socket}, vLLM's --uds "
+            "{socket}) or {port} (TCP on 127.0.0.1, inside the engine's own network "
+            f"namespace: e.g. --port {{port}}); it has {' and '.join(sorted(listens)) or 'neither'}"
+            ". The gateway never gives an engine a port of the host's")
+    for name, needs in (("model_path", "path"), ("ctx_size", "ctx_size"),
+                        ("threads", "threads")):
+        if name in used and table.get(needs) is None:
+            raise ConfigError(f"{where}: {key}.command uses {{{name}}} but [{key}] has no "
+                              f"{needs}")
+    return (_binary(command[0], base, where, f"{key}.command"), *command[1:])
+
+
+def placeholders(text: str, where: str, key: str) -> list[str]:
+    """The placeholders in one argument ({name}; {{ and }} are literal braces); an unknown
+    name or a stray brace is a ConfigError that lists the known ones."""
+    found = []
+    for match in _PLACEHOLDER.finditer(text):
+        token, name = match.group(0), match.group(1)
+        if token in ("{{", "}}"):
+            continue
+        if name is None or name not in PLACEHOLDERS:
+            known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
+            raise ConfigError(f"{where}: {key}: {token!r} in {text!r} is not a placeholder "
+                              f"(known: {known}; write {{{{ and }}}} for literal braces)")
+        found.append(name)
+    return found
+
+
+def fill(text: str, values: Mapping[str, str]) -> str:
+    """text with its placeholders replaced by values (a name not in values is kept as
+    {name}: the whisper launcher's {port}, chosen where the engine runs)."""
+    def one(match: re.Match[str]) -> str:
+        token, name = match.group(0), match.group(1)
+        if token in ("{{", "}}"):
+            return token[0]
+        return values.get(name, token) if name is not None else token
+    return _PLACEHOLDER.sub(one, text)
 
 
 def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
@@ -345,20 +483,33 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     _no_unknown(table, _MODEL_KEYS, f"{where} [{key}]")
     if not name.strip():
         raise ConfigError(f"{where}: a model name cannot be empty")
-    path = _path(table.get("path"), base, where, f"{key}.path")
-    if path is None:
-        raise ConfigError(f"{where}: [{key}] needs a path (the model file)")
     try:
         backend = Backend(table.get("backend", "llama"))
     except ValueError:
-        raise ConfigError(f"{where}: {key}.backend must be 'llama' or 'whisper'") from None
+        raise ConfigError(f"{where}: {key}.backend must be one of "
+                          f"{', '.join(repr(b.value) for b in Backend)}") from None
+    path = _path(table.get("path"), base, where, f"{key}.path")
+    if path is None and backend is not Backend.OPENAI:
+        raise ConfigError(f"{where}: [{key}] needs a path (the model file)")
     args = _expect(table.get("args", []), list, where, f"{key}.args")
+    if args and backend is Backend.OPENAI:
+        raise ConfigError(f"{where}: {key}.args is for llama and whisper models; an openai "
+                          "model's whole command line is its `command`")
     aliases = _expect(table.get("aliases", []), list, where, f"{key}.aliases")
     env = _expect(table.get("env", {}), dict, where, f"{key}.env")
     for item in (*args, *aliases, *env.values()):
         _expect(item, str, where, f"{key} (args, aliases and env values)")
     ctx = _optional(table.get("ctx_size"), int, where, f"{key}.ctx_size")
-    kind = _kind(table.get("kind"), backend, where, f"{key}.kind")
+    kinds = _kinds(table.get("kind"), backend, args, where, f"{key}.kind")
+    command = _command(table, backend, base, where, key)
+    ready_path = _expect(table.get("ready_path", "/v1/models"), str, where, f"{key}.ready_path")
+    if not ready_path.startswith("/") or any(c in ready_path for c in " \r\n#"):
+        raise ConfigError(f"{where}: {key}.ready_path = {ready_path!r} is not a path (it "
+                          "starts with /, e.g. \"/health\" or \"/v1/models\")")
+    ready_status = _expect(table.get("ready_status", 200), int, where, f"{key}.ready_status")
+    if not 200 <= ready_status < 400:
+        raise ConfigError(f"{where}: {key}.ready_status = {ready_status} is not a success "
+                          "status (200-399)")
     margin = table.get("vram_margin_mib")
     return ModelConfig(
         name=name, path=path, backend=backend, args=tuple(args),
@@ -373,7 +524,8 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
                                                                   f"{key}.vram_margin_mib"),
         threads=_optional(table.get("threads"), int, where, f"{key}.threads"),
         pin=_expect(table.get("pin", False), bool, where, f"{key}.pin"),
-        kind=kind,
+        kind=kinds[0] if kinds else None,
+        also=kinds[1:],
         preload=_expect(table.get("preload", False), bool, where, f"{key}.preload"),
         idle_ttl_s=None if table.get("idle_ttl_s") is None else float(
             _positive(table["idle_ttl_s"], where, f"{key}.idle_ttl_s")),
@@ -385,7 +537,20 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
         kv_cache_save=_expect(table.get("kv_cache_save", True), bool, where,
                               f"{key}.kv_cache_save"),
         spill_over=_expect(table.get("spill_over", False), bool, where, f"{key}.spill_over"),
+        command=command, ready_path=ready_path, ready_status=ready_status,
+        vram_mib=_mib(table.get("vram_mib"), where, f"{key}.vram_mib"),
+        ram_mib=_mib(table.get("ram_mib"), where, f"{key}.ram_mib"),
     )
+
+
+def _mib(value: Any, where: str, key: str) -> int | None:
+    """A declared memory need in MiB (a positive integer)."""
+    if value is None:
+        return None
+    number: int = _expect(value, int, where, key)
+    if number < 1:
+        raise ConfigError(f"{where}: {key} must be a positive number of MiB")
+    return number
 
 
 def _no_unknown(table: Mapping[str, Any], known: set[str], where: str) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 from gatewayd.core.catalog import Model
-from gatewayd.core.config import Backend, GatewayConfig, ModelKind
+from gatewayd.core.config import Backend, GatewayConfig, ModelKind, fill
 from gatewayd.core.unit_spec import UnitSpec, exec_args
 
 UNIT_PREFIX = "llm-engine"
@@ -31,7 +31,7 @@ MODEL_ENV = "LLM_GATEWAY_MODEL"
 SOCKET_ENV = "LLM_GATEWAY_SOCKET"
 DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 MAX_INSTANCE = 64          # /run/llm-engine-<instance>/engine.sock stays < 108 bytes
-WHISPER_PORT = 8080        # inside the engine's private network namespace
+WHISPER_PORT = 8080        # a TCP engine's, inside its private network namespace
 # The engines' identity, never the gateway's: a static system user where the package
 # made one (sysusers.d), else DynamicUser= allocates one of that name per start
 ENGINE_USER = "llm-engine"
@@ -107,7 +107,29 @@ def server_binary(model: Model, config: GatewayConfig) -> tuple[str, str]:
     is resolved against PATH by the adapter."""
     if model.backend is Backend.LLAMA:
         return config.llama_server, "llama_server"
+    if model.backend is Backend.OPENAI:
+        return model.config.command[0], f"models.{model.id}.command"
     return config.whisper_server, "whisper_server"
+
+
+def listens_on_tcp(model: Model) -> bool:
+    """Its server listens on a TCP port, not a unix socket: whisper-server, an openai
+    server told {port}. The unit then runs it behind the launcher's socket proxy
+    (gatewayd.engine_launch), in a network namespace of its own where it can."""
+    return model.backend is Backend.WHISPER or (
+        model.backend is Backend.OPENAI and model.config.listens_on_port)
+
+
+def placeholder_values(model: Model, layout: EngineLayout) -> dict[str, str]:
+    """What an openai model's placeholders stand for ({port}: chosen by the launcher
+    where the engine runs, so left as it is)."""
+    mc = model.config
+    values = {"socket": layout.socket, "model": model.id}
+    for name, value in (("model_path", mc.path), ("ctx_size", mc.ctx_size),
+                        ("threads", mc.threads)):
+        if value is not None:
+            values[name] = str(value)
+    return values
 
 
 def engine_fingerprint(model: Model, config: GatewayConfig) -> tuple[object, ...]:
@@ -139,10 +161,14 @@ def server_argv(model: Model, layout: EngineLayout, binary: str, *,
     """The engine server's own command line; binary: its absolute path; slot_save_path:
     where llama-server may write slot files (keeps_kv_cache models).
 
-    For whisper, "{port}" stands for the loopback port the launcher chooses.
+    For a TCP server (whisper, an openai server told {port}), "{port}" stands for the
+    loopback port the launcher chooses.
     """
     mc = model.config
     threads = ["-t", str(mc.threads)] if mc.threads else []
+    if model.backend is Backend.OPENAI:
+        values = placeholder_values(model, layout)
+        return [binary, *(fill(arg, values) for arg in mc.command[1:])]
     if model.backend is Backend.LLAMA:
         argv = [binary, "--host", layout.socket,
                 "-m", str(mc.path), "--alias", model.id, *threads,
@@ -171,10 +197,10 @@ def engine_argv(model: Model, layout: EngineLayout, binary: str, *,
                 slot_save_path: str | None = None) -> list[str]:
     """ExecStart of a transient engine unit."""
     argv = server_argv(model, layout, binary, slot_save_path=slot_save_path)
-    if model.backend is Backend.LLAMA:
+    if not listens_on_tcp(model):
         return argv
-    # whisper-server is TCP-only: the launcher runs it on a loopback port inside
-    # the unit's private network namespace and exposes it on the unix socket.
+    # a TCP server: the launcher runs it on a loopback port inside the unit's private
+    # network namespace and exposes it on the unix socket.
     return [sys.executable, "-m", "gatewayd.engine_launch", "--socket", layout.socket,
             "--port", str(WHISPER_PORT), "--", *argv]
 
@@ -183,7 +209,11 @@ def engine_env(model: Model, layout: EngineLayout,
                visible_devices: str | None = None) -> dict[str, str]:
     """The engine's environment. visible_devices: the GPUs placement chose (where the
     model names none); not part of the engine's fingerprint, as any device will do."""
-    env = {MODEL_ENV: model.id, SOCKET_ENV: layout.socket, **model.config.env}
+    own = model.config.env
+    if model.backend is Backend.OPENAI:
+        values = placeholder_values(model, layout)
+        own = {name: fill(value, values) for name, value in own.items()}
+    env = {MODEL_ENV: model.id, SOCKET_ENV: layout.socket, **own}
     named = model.config.cuda_visible_devices
     devices = visible_devices if named is None else named
     if devices is not None:
@@ -196,7 +226,7 @@ def template_settings(model: Model, layout: EngineLayout, binary: str, *,
                       visible_devices: str | None = None) -> dict[str, object]:
     """What llm-engine@<instance>.service reads (gatewayd.engine_launch --settings)."""
     return {"model": model.id, "backend": model.backend.value, "socket": layout.socket,
-            "port": WHISPER_PORT,
+            "port": WHISPER_PORT, "tcp": listens_on_tcp(model),
             "argv": server_argv(model, layout, binary, slot_save_path=slot_save_path),
             "env": engine_env(model, layout, visible_devices)}
 
@@ -250,10 +280,11 @@ def engine_sandbox(model: Model, *, system: bool, slot_save_path: str | None = N
     namespaces and BPF firewalls for an unprivileged user: what it can enforce is kept
     (seccomp and the no-new-privileges bit: system calls, address families, personality,
     realtime, namespaces)."""
-    llama = model.backend is Backend.LLAMA
-    # llama-server listens on its unix socket only; whisper-server on a loopback port
-    # (in its own network namespace where systemd can make one) behind the unix socket
-    families = ["AF_UNIX"] if llama else ["AF_UNIX", "AF_INET"]
+    tcp = listens_on_tcp(model)
+    # llama-server (an openai server told {socket}) listens on its unix socket only;
+    # whisper-server (one told {port}) on a loopback port (in its own network namespace
+    # where systemd can make one) behind the unix socket
+    families = ["AF_UNIX", "AF_INET"] if tcp else ["AF_UNIX"]
     props: list[tuple[str, str, object]] = [
         ("NoNewPrivileges", "b", True),
         ("LockPersonality", "b", True),
@@ -283,10 +314,10 @@ def engine_sandbox(model: Model, *, system: bool, slot_save_path: str | None = N
         ("RemoveIPC", "b", True),
         ("DevicePolicy", "s", "closed"),
         ("DeviceAllow", "a(ss)", [(device, "rw") for device in GPU_DEVICES]),
-        # no IP at all for a unix-socket engine; whisper's loopback only
+        # no IP at all for a unix-socket engine; a TCP one's loopback only
         ("IPAddressDeny", "a(iayu)", _ANY),
     ]
-    if not llama:
+    if tcp:
         props.append(("IPAddressAllow", "a(iayu)", _LOOPBACK))
     if slot_save_path is not None:
         # the one place it writes besides its runtime directory: the KV folders (the
@@ -332,7 +363,7 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
                    hidden: Sequence[str] = (), shown: Sequence[str] = ()) -> UnitSpec:
     """The transient service unit that runs this model's engine.
 
-    private_network: whisper engines get a network namespace of their own (their TCP
+    private_network: TCP engines (listens_on_tcp) get a network namespace of their own (their TCP
     port reachable by nobody); where systemd cannot set one up properly, they listen
     on a free loopback port behind the same unix socket (engine_launch).
     system: a unit of the system manager: it runs as ENGINE_USER in the whole sandbox
@@ -363,7 +394,7 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         # restarted on demand) than the user's other programs or the gateway
         "OOMScoreAdjust": ("i", ENGINE_OOM_SCORE_ADJUST),
     }
-    if model.backend is Backend.WHISPER and private_network:
+    if listens_on_tcp(model) and private_network:
         extra["PrivateNetwork"] = ("b", True)
     for name, signature, value in resource_limits(model):
         extra[name] = (signature, value)

@@ -131,9 +131,10 @@ class GpuProbe(Protocol):
 
 
 class HealthProbe(Protocol):
-    async def status(self, socket: str, timeout: float = 2.0) -> int | None:
-        """HTTP status of GET /health over the unix socket; None if unreachable or no
-        answer within timeout seconds."""
+    async def status(self, socket: str, timeout: float = 2.0,
+                     path: str = "/health") -> int | None:
+        """HTTP status of GET path (the model's health path: catalog.Model.health) over
+        the unix socket; None if unreachable or no answer within timeout seconds."""
         ...
 
 

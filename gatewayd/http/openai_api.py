@@ -172,7 +172,7 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
     ram = front.engines.ram_measured(model.id) if engine is not None else None
     return {
         "id": model.id, "object": "model", "created": int(model.path.stat().st_mtime)
-        if model.path.exists() else 0, "owned_by": "llm-gateway",
+        if model.path is not None and model.path.exists() else 0, "owned_by": "llm-gateway",
         "backend": info["backend"], "kind": info["kind"], "capabilities": info["capabilities"],
         "state": engine.state.value if engine else EngineState.STOPPED.value,
         "loaded": engine is not None and engine.state is EngineState.READY,

@@ -30,7 +30,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.catalog import Catalog, Model, health_of
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import (
     COMING_STATES,
@@ -97,7 +97,8 @@ class EngineLifecycle:
         self.stop_reasons: dict[str, str] = {}   # why each engine was last stopped
         self._readiness = Readiness(health, load_timeout_s=config.load_timeout_s, clock=clock,
                                     engine=registry.get, on_ready=self._on_ready,
-                                    on_timeout=self._on_load_timeout)
+                                    on_timeout=self._on_load_timeout,
+                                    ready_when=lambda model_id: health_of(catalog, model_id))
         self._parking = ParkQueue(units, catalog, registry, quiet=self._quiet,
                                   lock=self._lock)
         self._memory = MemoryWatch(catalog=catalog, units=units, registry=registry,

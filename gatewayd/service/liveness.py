@@ -4,14 +4,14 @@ restarts it.
 A frozen engine (SIGSTOP, a deadlock, a wedged GPU driver call) keeps its unit
 active and its socket open: systemd sees nothing wrong, and requests relayed to
 it wait out read_timeout_s (10 minutes by default). So every ready engine is
-asked GET /health every `health.interval_s`; an answer of any status within
-`health.timeout_s` counts as alive (llama-server answers /health from its HTTP
-threads even while every parallel slot generates). After `health.misses` missing answers
-in a row from the same process, the engine is marked failed with the reason and
-its unit is sent SIGKILL: systemd restarts it (Restart=on-failure), its
-requests in flight end with an error, and requests that wait are served by the
-restarted engine. Probes run concurrently; they cost one small request per
-engine per interval.
+asked GET /health (an openai server: its ready_path) every `health.interval_s`;
+an answer of any status within `health.timeout_s` counts as alive (llama-server
+answers /health from its HTTP threads even while every parallel slot generates).
+After `health.misses` missing answers in a row from the same process, the engine
+is marked failed with the reason and its unit is sent SIGKILL: systemd restarts it
+(Restart=on-failure), its requests in flight end with an error, and requests that
+wait are served by the restarted engine. Probes run concurrently; they cost one
+small request per engine per interval.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 
+from gatewayd.core.catalog import health_of
 from gatewayd.core.engines import EngineState
 from gatewayd.core.ports import HealthProbe
 from gatewayd.service.engine_manager import EngineManager
@@ -52,8 +53,10 @@ class Liveness:
     async def check(self) -> list[str]:
         """One round of probes; returns the models found hung (and being killed)."""
         ready = [e for e in self._engines.engines() if e.state is EngineState.READY]
-        answers = await asyncio.gather(*(self._health.status(e.socket, self._timeout_s)
-                                         for e in ready))
+        catalog = self._engines.catalog
+        answers = await asyncio.gather(*(
+            self._health.status(e.socket, self._timeout_s, health_of(catalog, e.model_id)[0])
+            for e in ready))
         alive = {(e.model_id, e.main_pid) for e in ready}
         for key in [k for k in self._misses if k not in alive]:
             del self._misses[key]   # restarted, stopped or gone meanwhile: start counting anew
@@ -64,8 +67,9 @@ class Liveness:
                 self._misses.pop(key, None)
                 continue
             self._misses[key] = self._misses.get(key, 0) + 1
-            log.warning("%s: no answer to /health within %gs (%d of %d)", engine.model_id,
-                        self._timeout_s, self._misses[key], self._limit)
+            log.warning("%s: no answer to %s within %gs (%d of %d)", engine.model_id,
+                        health_of(catalog, engine.model_id)[0], self._timeout_s,
+                        self._misses[key], self._limit)
             if self._misses[key] >= self._limit:
                 del self._misses[key]
                 hung.append(engine.model_id)

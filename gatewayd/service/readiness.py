@@ -1,4 +1,5 @@
-"""Readiness: an engine is ready when its /health answers 200 over its socket.
+"""Readiness: an engine is ready when its /health answers 200 over its socket (an
+openai server: its ready_path, ready_status).
 
 llama-server binds its socket before loading and answers 503 until the model
 is loaded; whisper (behind systemd-socket-proxyd) resets connections until it
@@ -63,8 +64,11 @@ class Readiness:
     def __init__(self, health: HealthProbe, *, load_timeout_s: float,
                  clock: Callable[[], float], engine: Callable[[str], Engine | None],
                  on_ready: Callable[[str], Awaitable[None]],
-                 on_timeout: Callable[[str], Awaitable[None]]) -> None:
+                 on_timeout: Callable[[str], Awaitable[None]],
+                 ready_when: Callable[[str], tuple[str, int]] = lambda _: ("/health", 200)
+                 ) -> None:
         self._health = health
+        self._ready_when = ready_when   # model id -> (path, status): catalog.health_of
         self._load_timeout_s = load_timeout_s
         self._clock = clock
         self._engine = engine
@@ -110,7 +114,8 @@ class Readiness:
             if engine is None or engine.state not in POLLED_STATES:
                 self._end(model_id)
                 return
-            if await self._health.status(engine.socket) == 200:
+            path, ready = self._ready_when(model_id)
+            if await self._health.status(engine.socket, path=path) == ready:
                 if (began := self._started.get(model_id)) is not None:
                     self._loads.setdefault(model_id, deque(maxlen=LOADS_KEPT)).append(
                         self._clock() - began)

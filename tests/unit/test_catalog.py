@@ -39,7 +39,7 @@ def test_discover_files_and_subdirectories(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     found = {m.name: m for m in discover(tmp_path)}
     assert set(found) == {"qwen", "big-00001-of-00002", "llava"}
-    assert found["llava"].path.name == "llava-q4.gguf"
+    assert found["llava"].path == tmp_path / "llava" / "llava-q4.gguf"
     assert found["llava"].mmproj == tmp_path / "llava" / "mmproj-f16.gguf"
     assert found["qwen"].mmproj is None
 

@@ -67,7 +67,7 @@ cuda_visible_devices = "1"
     ({"unit_mode": "magic"}, "unit_mode must be one of"),
     ({"listen": {"port": 70000}}, "not a TCP port"),
     ({"models": {"a": {}}}, r"\[models.a\] needs a path"),
-    ({"models": {"a": {"path": "/x", "backend": "vllm"}}}, "'llama' or 'whisper'"),
+    ({"models": {"a": {"path": "/x", "backend": "vllm"}}}, "one of 'llama', 'whisper', 'openai'"),
     ({"models": {"a": {"path": "/x", "pat": 1}}}, "unknown key"),
     ({"models": {"a": {"path": "/x", "memory_max": "lots"}}}, "is not a size"),
     ({"models": {"a": {"path": "/x", "cpu_quota": "2"}}}, "is not a CPU quota"),

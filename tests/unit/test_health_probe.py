@@ -110,7 +110,8 @@ async def test_a_second_start_is_seen_ready_soon_after_its_engine_is(sock_dir: P
     answer_from = [0.0]
 
     class Probe:
-        async def status(self, socket: str, timeout: float = 2.0) -> int | None:
+        async def status(self, socket: str, timeout: float = 2.0,
+                     path: str = "/health") -> int | None:
             probes.append(loop.time())
             return 200 if loop.time() >= answer_from[0] else 503
 
@@ -155,7 +156,8 @@ def test_the_tight_looks_are_paced_on_the_gateways_own_loop() -> None:
         done = asyncio.Event()
 
         class Probe:
-            async def status(self, socket: str, timeout: float = 2.0) -> int | None:
+            async def status(self, socket: str, timeout: float = 2.0,
+                     path: str = "/health") -> int | None:
                 looks[0] += 1
                 return 200 if loop.time() >= ready_at else 503
 
