@@ -796,7 +796,40 @@ STOP = (
                   "next_process",)),
 )
 
-MUTANTS = SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
+OPENAI = "tests/unit/test_openai_backend.py::"
+ANY_ENGINE = (
+    Mutant("openai-socket-server-on-tcp", "an openai server told {socket} gets no network "
+           "(a TCP one's loopback only inside its own namespace)",
+           "gatewayd/core/engine_units.py",
+           "    families = [\"AF_UNIX\", \"AF_INET\"] if tcp else [\"AF_UNIX\"]",
+           "    families = [\"AF_UNIX\", \"AF_INET\"]",
+           tests=(OPENAI + "test_a_unix_socket_server_gets_no_network_at_all",)),
+    Mutant("openai-unknown-placeholder", "a placeholder the gateway does not know is refused, "
+           "not passed to the server as text",
+           "gatewayd/core/config.py",
+           "        if name is None or name not in PLACEHOLDERS:",
+           "        if name is None:",
+           tests=(OPENAI + "test_a_hostile_or_mistaken_command_is_refused_naming_the_key",)),
+    Mutant("openai-listens-nowhere", "an openai command must say where its server listens",
+           "gatewayd/core/config.py",
+           "    if len(listens) != 1:",
+           "    if len(listens) > 1:",
+           tests=(OPENAI + "test_a_hostile_or_mistaken_command_is_refused_naming_the_key",)),
+    Mutant("llama-kind-contradicted", "a llama model's kind that its --embeddings/--rerank "
+           "contradicts is refused, not started as an engine that refuses its every request",
+           "gatewayd/core/config.py",
+           "    if kinds[0] is ModelKind.CHAT or (",
+           "    if False and (",
+           tests=(OPENAI + "test_a_llama_kind_its_flags_contradict_is_refused",)),
+    Mutant("openai-ready-by-health", "an openai server is ready by its own ready_path",
+           "gatewayd/core/catalog.py",
+           "        if self.backend is Backend.OPENAI:\n            return self.config.ready_path",
+           "        if False:\n            return self.config.ready_path",
+           tests=(OPENAI + "test_an_openai_server_is_ready_when_its_own_path_says_so",)),
+)
+
+MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
+           + ANY_ENGINE)
 
 
 def copy_tree(dest: Path) -> None:

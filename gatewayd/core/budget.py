@@ -54,8 +54,10 @@ class Need:
 
     vram_mib: int    # margin included; what the GPU check counts (unused without a GPU)
     ram_mib: int
-    vram_source: str   # "learned" (NVML saw it), "estimate" (GGUF) or "files"
-    ram_source: str    # "learned" (its cgroup or PSS peak), "estimate" or "files"
+    vram_source: str   # "learned" (NVML saw it), "declared" (vram_mib), "estimate"
+                       # (GGUF) or "files"
+    ram_source: str    # "learned" (its cgroup or PSS peak), "declared" (ram_mib),
+                       # "estimate" or "files"
 
     def describe(self) -> dict[str, object]:
         return {"vram_mib": self.vram_mib, "ram_mib": self.ram_mib,
@@ -66,19 +68,27 @@ def model_need(model: Model, *, gpu: bool, vram_margin_mib: int, ram_margin_mib:
                learned_vram_mib: int | None, learned_ram_mib: int | None,
                estimate: Estimate | None) -> Need:
     """The one definition of what a model's engine needs. GPU: learned (NVML) + margin,
-    else the estimate's VRAM part + margin, else the files + margin (model_need_mib).
-    RAM: the estimate's RAM part + ram_margin, else (no header to estimate from: whisper)
+    else the declared vram_mib, else the estimate's VRAM part + margin, else the files +
+    margin (model_need_mib). RAM: the declared ram_mib, else the estimate's RAM part +
+    ram_margin, else (no header to estimate from: whisper)
     the files + ram_margin without a GPU and ram_margin with one; or its learned peak where
     that is more."""
     margin = model.config.vram_margin_mib
     margin = vram_margin_mib if margin is None else margin
+    declared_vram, declared_ram = model.config.vram_mib, model.config.ram_mib
     if learned_vram_mib is not None:
         vram, vram_source = learned_vram_mib + margin, "learned"
+    elif declared_vram is not None:
+        # what its configuration says it takes (vLLM: --gpu-memory-utilization of the
+        # card), all of it: no margin on top
+        vram, vram_source = declared_vram, "declared"
     elif estimate is not None and gpu:
         vram, vram_source = estimate.vram_mib + margin, "estimate"
     else:
         vram, vram_source = required_mib(model.size_bytes, margin), "files"
-    if estimate is not None:
+    if declared_ram is not None:
+        ram, ram_source = declared_ram, "declared"
+    elif estimate is not None:
         # (the margin: the process itself, its libraries, a CUDA runtime's host memory,
         # which the estimate of llama-server's buffers leaves out)
         ram, ram_source = estimate.ram_mib + ram_margin_mib, "estimate"
