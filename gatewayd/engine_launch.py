@@ -33,10 +33,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 PROXYD_CANDIDATES = ("/lib/systemd/systemd-socket-proxyd", "/usr/lib/systemd/systemd-socket-proxyd")
@@ -98,29 +97,33 @@ def listeners() -> list[tuple[int, str]]:
 WRONG_PORT_GRACE_S = 5.0
 
 
-def watch_wrong_port(server: subprocess.Popen[bytes], port: int,
-                     on_wrong: Callable[[str], None], *,
-                     grace_s: float = WRONG_PORT_GRACE_S, every_s: float = 0.2) -> None:
-    """In a private network namespace every listener is the server's: one that listens
-    on other ports and, grace_s later, still not on ours was not told {port} (or ignores
-    it). on_wrong gets the reason; without this the gateway would wait out its load
-    timeout on an engine that can never answer."""
+def await_listener(server: subprocess.Popen[bytes], port: int, *,
+                   grace_s: float = WRONG_PORT_GRACE_S, every_s: float = 0.05,
+                   timeout_s: float = 3600) -> str | None:
+    """Until the server listens on port in this private network namespace, or exits.
+    Until then the unix socket is not bound: the gateway's readiness looks find no socket
+    (instead of a proxy that logs each refused connection, which filled the engine's
+    journal, and so its failure's log tail, while it loaded). Every listener here is the
+    server's: one that listens on other ports and, grace_s later, still not on ours was
+    not told {port} (or ignores it): the reason is returned, where the gateway would
+    otherwise wait out its load timeout on an engine that can never answer."""
     since: float | None = None
-    while server.poll() is None:
+    began = time.monotonic()
+    while server.poll() is None and time.monotonic() - began < timeout_s:
         ports = {listened for listened, _ in listeners()}
         if port in ports:
-            return
+            return None
         if ports and since is None:
             since = time.monotonic()
         if since is not None and time.monotonic() - since >= grace_s:
             others = ", ".join(str(p) for p in sorted(ports))
             name = os.path.basename(str(server.args[0]))   # type: ignore[index]
-            on_wrong(f"engine_launch: {name} listens on TCP port "
-                     f"{others}, not on {port}, the port its command's {{port}} says; it "
-                     "cannot be reached. Pass {port} where the server takes its port (and "
-                     "127.0.0.1 or 0.0.0.0 as its host)")
-            return
-        time.sleep(every_s)
+            return (f"engine_launch: {name} listens on TCP port {others}, not on {port}, "
+                    "the port its command's {port} says; it cannot be reached. Pass {port} "
+                    "where the server takes its port (and 127.0.0.1 or 0.0.0.0 as its host)")
+        # often while a small model loads, seldom through a big one's minutes
+        time.sleep(min(every_s * (1 + time.monotonic() - began), 0.5))
+    return None
 
 
 def socket_inodes(pid: int) -> set[str]:
@@ -224,15 +227,16 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
         children.append(server)
         if not private:
             wait_exclusive_listener(server, port)
-    wrong: list[str] = []
-
-    def on_wrong(reason: str) -> None:
-        print(reason, flush=True)
-        wrong.append(reason)
+    if private and (wrong := await_listener(server, port)) is not None:
+        print(wrong, flush=True)
         stop_children()
-    if private:
-        threading.Thread(target=watch_wrong_port, args=(server, port, on_wrong),
-                         daemon=True).start()
+        server.wait(timeout=10)
+        return EX_CONFIG
+    if server.poll() is not None:
+        code = server.returncode
+        print(f"engine_launch: {os.path.basename(argv[0])} exited ({code}) before it "
+              f"listened on port {port}", flush=True)
+        return code if code > 0 else 1
     # Bound here, under the unit's UMask=, and handed to systemd-socket-proxyd
     # as fd 3 by the socket-activation protocol (LISTEN_FDS/LISTEN_PID).
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -250,8 +254,6 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
         with contextlib.suppress(ChildProcessError):
             child.wait(timeout=10)
     name = os.path.basename(argv[0]) if pid == server.pid else "systemd-socket-proxyd"
-    if wrong:
-        return EX_CONFIG
     code = os.waitstatus_to_exitcode(status)
     print(f"engine_launch: {name} exited ({code}); stopping the engine", flush=True)
     return code if code > 0 else 1

@@ -460,7 +460,8 @@ def placeholders(text: str, where: str, key: str) -> list[str]:
             continue
         if name is None or name not in PLACEHOLDERS:
             known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
-            raise ConfigError(f"{where}: {key}: {token!r} in {text!r} is not a placeholder "
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            raise ConfigError(f"{where}: {key}: {token!r} in {shown!r} is not a placeholder "
                               f"(known: {known}; write {{{{ and }}}} for literal braces)")
         found.append(name)
     return found

@@ -232,6 +232,7 @@ def template_settings(model: Model, layout: EngineLayout, binary: str, *,
 
 
 ENGINE_OOM_SCORE_ADJUST = 200   # llm-engine@.service says the same
+EX_CONFIG = 78   # engine_launch's exit when the engine cannot work as configured
 
 
 def resource_limits(model: Model) -> list[tuple[str, str, object]]:
@@ -393,6 +394,10 @@ def transient_spec(model: Model, layout: EngineLayout, binary: str, *,
         # when the machine runs out, the kernel had better kill an engine (reported,
         # restarted on demand) than the user's other programs or the gateway
         "OOMScoreAdjust": ("i", ENGINE_OOM_SCORE_ADJUST),
+        # the launcher's "this cannot work as configured" (a TCP server on the wrong
+        # port, loopback down): a restart would meet the same, so the unit fails at once
+        # with the reason in its journal
+        "RestartPreventExitStatus": ("(aiai)", ([EX_CONFIG], [])),
     }
     if listens_on_tcp(model) and private_network:
         extra["PrivateNetwork"] = ("b", True)
