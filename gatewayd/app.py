@@ -63,6 +63,7 @@ from gatewayd.http.middleware import (
     ClientBytesRefused,
     Shutdown,
     close_after_upgrade,
+    close_unframed,
     error_middleware,
 )
 from gatewayd.http.proxy import NATIVE_RELAY
@@ -314,6 +315,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app.on_startup.append(_collector_after_start)
     app.on_response_prepare.append(cors_headers)
     app.on_response_prepare.append(close_after_upgrade)
+    app.on_response_prepare.append(close_unframed)
     admin_api.add_routes(app)
     openai_api.add_routes(app)   # last: it ends with the catch-all proxy route
     return app

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gatewayd.core.errors import GatewayError, ShuttingDown, anthropic_error_body, error_body
@@ -100,6 +100,18 @@ async def close_after_upgrade(request: web.Request, response: web.StreamResponse
     the handler left its body unread (an early answer), its parser stops reading, and the next
     request on the connection would wait forever (found by tests/http/test_fuzz.py)."""
     if "Upgrade" in request.headers:
+        response.force_close()
+        response.headers["Connection"] = "close"   # (its headers are made: say so too)
+
+
+async def close_unframed(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: an answer of a length not known in advance (a stream) to an
+    HTTP/1.0 client, which has no chunked coding, ends only with the connection's close.
+    aiohttp leaves out its `Connection: keep-alive` then, yet keeps the connection open
+    after the answer where the client asked for keep-alive: the client waited for the end
+    forever (found by tests/http/test_fuzz.py). A bodiless answer needs no end."""
+    if (request.version < HttpVersion11 and response.content_length is None
+            and request.method != "HEAD" and response.status not in (204, 304)):
         response.force_close()
         response.headers["Connection"] = "close"   # (its headers are made: say so too)
 

@@ -530,6 +530,13 @@ async def gw(tmp_path: Path) -> AsyncIterator[Front]:
     (b"Host", HOST), (b"Content-Type", b"application/json"), (b"Connection", b"Upgrade"),
     (b"Upgrade", b"h2c"), (b"Expect", b"100-continue"), (b"Origin", b"null"),
     (b"Content-Length", b"1047935")), body=(Long(b"\x00", 1047935),)))
+# a stream to an HTTP/1.0 client asking for keep-alive never ended: the gateway kept the
+# connection open after it (middleware.close_unframed)
+@example(req=Request(b"POST", b"http://" + HOST + b"/v1/chat/completions", b"1.0", fields=(
+    (b"Host", HOST), (b"Content-Type", b"application/json"), (b"Connection", b"keep-alive"),
+    (b"Expect", b"100-continue"), (b"Accept", Long(b"0", 0)), (b"Content-Length", b"94")),
+    body=(b'{"model": "a", "messages": [{"role": "user", "content": ""}], "max_tokens": 1, '
+          b'"stream": true}',)))
 async def test_any_request_gets_an_answer_of_the_right_shape(gw: Front, req: Request
                                                              ) -> None:
     host, port = gw.client.host, gw.client.port

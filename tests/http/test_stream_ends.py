@@ -1,7 +1,8 @@
 """How a relayed stream's end is told, on both relays (relay.c's and Python's): an engine
 answer that ends in good HTTP order without the stream's own final event was cut short
 (the client is told so in an error event); one whose final event came whole is not, also
-where relay.c passed that event on and Python only saw the body's end."""
+where relay.c passed that event on and Python only saw the body's end. To an HTTP/1.0
+client, a stream's end is the connection's close."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from gatewayd.http.proxy import NATIVE_RELAY
+from tests.http.raw_http import HOST, Request, exchange
 from tests.http.test_front_door import Gateway, _choose_relay, _gateway, chat, events
 
 BOTH_RELAYS = pytest.mark.parametrize("gw", ["native", "python"], indirect=True)
@@ -83,3 +85,59 @@ async def test_a_final_event_relay_c_passed_on_ends_the_stream_well(
     assert row["outcome"] == "ok" and row["error_code"] is None
     native = gw.client.app[NATIVE_RELAY]
     assert native.streams == (1 if native.enabled else 0)
+
+
+# HTTP/1.0 has no chunked coding: an answer whose length is not known in advance (a
+# stream) ends only with the connection's close, also where the client asked for keep-alive
+# (found by tests/http/test_fuzz.py: the gateway kept the connection, the client waited on)
+def http10_chat(stream: bool) -> Request:
+    body = json.dumps(chat("a", stream=stream, max_tokens=3)).encode()
+    return Request(b"POST", b"/v1/chat/completions", b"1.0", fields=(
+        (b"Host", HOST), (b"Content-Type", b"application/json"),
+        (b"Connection", b"keep-alive"), (b"Content-Length", b"%d" % len(body))),
+        body=(body,))
+
+
+@BOTH_RELAYS
+@pytest.mark.parametrize("done", [True, False], ids=["whole", "cut_short"])
+async def test_an_http_1_0_keep_alive_stream_ends_with_the_close(
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch, done: bool) -> None:
+    """The events, then [DONE] (or the error event of a stream cut short), then the close;
+    relay.c does not take it (it passes the engine's chunk framing on as it came)."""
+    engine_streams(gw, monkeypatch, tokens=3, done=done)
+    host, port = gw.client.host, gw.client.port
+    assert isinstance(port, int)
+    # (exchange reads an answer framed by nothing but the close until the close comes)
+    conn, answer, broke = await exchange(host, port, http10_chat(stream=True))
+    conn.close()
+    assert answer is not None, broke
+    assert answer.status == 200 and answer.get(b"transfer-encoding") is None
+    assert answer.get(b"content-length") is None
+    assert b"keep-alive" not in answer.tokens(b"connection")
+    got = events(answer.body)
+    assert [e["choices"][0]["delta"].get("content") for e in got[1:4]] == [" w0", " w1", " w2"]
+    if done:
+        assert got[-1] == "[DONE]" and got[-2]["choices"][0]["finish_reason"] == "length"
+    else:
+        assert got[-1]["error"]["code"] == "engine_failed"
+    (row,) = await gw.records(1)
+    assert row["outcome"] == ("ok" if done else "engine_failed")
+    assert gw.client.app[NATIVE_RELAY].streams == 0
+
+
+@pytest.mark.parametrize("gw", ["native"], indirect=True)
+async def test_an_http_1_0_keep_alive_answer_of_known_length_keeps_the_connection(
+        gw: Gateway) -> None:
+    """Not a stream: its Content-Length ends it, and the connection serves the next."""
+    host, port = gw.client.host, gw.client.port
+    assert isinstance(port, int)
+    conn, answer, broke = await exchange(host, port, http10_chat(stream=False))
+    try:
+        assert answer is not None, broke
+        assert answer.status == 200 and answer.get(b"content-length") is not None
+        assert json.loads(answer.body)["choices"][0]["message"]["content"]
+        await conn.send(http10_chat(stream=False).wire(f"{host}:{port}".encode()))
+        again = await asyncio.wait_for(conn.answer(head_only=False), 10)
+        assert again.status == 200 and json.loads(again.body)["choices"]
+    finally:
+        conn.close()
