@@ -70,6 +70,12 @@ def whisper_server() -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_cpp_python() -> Path:
+    """The python of a venv with llama-cpp-python[server]: `python -m llama_cpp.server`."""
+    return engine_binary("LLAMA_CPP_PYTHON")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Three real llama-architecture GGUF models; "alpha" has an mmproj beside it."""
     root = tmp_path_factory.mktemp("models")

@@ -34,7 +34,8 @@ from tests.harness.container import ContainerError, SystemdContainer, why_unavai
 REPO = Path(__file__).resolve().parents[2]
 IN_CONTAINER = os.environ.get("LLMGW_IN_CONTAINER") == "1"
 REPORT_PATH = os.environ.get("LLMGW_REPORT")
-ENGINE_BUILDERS = {"LLAMA_SERVER": "get_llama_server.sh", "WHISPER_SERVER": "get_whisper_server.sh"}
+ENGINE_BUILDERS = {"LLAMA_SERVER": "get_llama_server.sh", "WHISPER_SERVER": "get_whisper_server.sh",
+                   "LLAMA_CPP_PYTHON": "get_llama_cpp_python.sh"}  # the last: its venv's python
 ENGINE_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-gateway"
 INSIDE_TIMEOUT_S = 1800
 
