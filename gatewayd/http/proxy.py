@@ -53,7 +53,7 @@ from gatewayd.core.errors import (
     UpstreamUnavailable,
     anthropic_error_body,
 )
-from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
+from gatewayd.core.routing import speaks_anthropic
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
@@ -97,6 +97,8 @@ class Outgoing:
     # takes an upstream's credentials out of an error's words (a library's error may
     # quote the URL): UpstreamConfig.redact
     redact: Callable[[str], str] = str
+    # a whisper-server answers: its transcription's padding is trimmed
+    whisper: bool = False
 
     def unavailable(self, e: BaseException, while_: str = "did not take the request"
                     ) -> GatewayError:
@@ -169,7 +171,7 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
                                  "bytes (max_answer_mb): refused") from e
         except TRANSPORT_ERRORS as e:
             raise out.unavailable(e, "failed while answering") from e
-        if upstream.status == 200 and request.path in WHISPER_PATHS:
+        if upstream.status == 200 and out.whisper:
             data = normalise_transcription(data, content_type)
         record.status = upstream.status
         record.bytes_out = len(data)
