@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from gatewayd.core.config import Backend, ModelKind
+from gatewayd.http.drain import cancel_open_requests
 from tests.fake_engine import TINY_PNG, speech_pieces
 from tests.http.test_front_door import Gateway, _gateway
 
@@ -201,3 +202,47 @@ async def test_an_openai_audio_server_gets_translations_as_sent_and_its_text_as_
     assert resp.status == 200 and (await resp.json())["text"] == " hello from b\n"
     (seen,) = gw.fakes["b"].requests
     assert seen.path == "/v1/audio/translations" and b'name="translate"' not in seen.body
+
+
+async def test_a_speech_open_at_the_drain_deadline_ends_unfinished_and_says_why(
+        gw: Gateway) -> None:
+    """The drain deadline cancels the handler with its client there: what was sent stays
+    sent, then the connection closes before the body's end; the record says shutting_down."""
+    gate = gw.fakes["b"].speech_gate = asyncio.Event()
+    pieces = speech_pieces("long talk")
+    body = json.dumps({"model": "b", "input": "long talk"}).encode()
+    reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
+    try:
+        writer.write(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        raw = b""
+        while not all(p in raw for p in pieces[:-1]):   # all but the held piece
+            raw += await asyncio.wait_for(reader.read(65536), 10)
+        cancel_open_requests(gw.client.app)
+        raw += await asyncio.wait_for(reader.read(), 10)   # to the close
+    finally:
+        gate.set()
+        writer.close()
+    assert not raw.endswith(b"0\r\n\r\n") and pieces[-1] not in raw
+    (row,) = await gw.records(1)
+    assert (row["outcome"], row["error_code"]) == ("error", "shutting_down")
+    assert row["bytes_out"] == sum(map(len, pieces[:-1])) and row["status"] == 200
+
+
+async def test_a_client_that_leaves_mid_speech_is_recorded_and_lets_the_engine_go(
+        gw: Gateway) -> None:
+    gate = gw.fakes["b"].speech_gate = asyncio.Event()
+    resp = await gw.client.post("/v1/audio/speech", json={"model": "b", "input": "bye"})
+    await resp.content.readexactly(len(speech_pieces("bye")[0]))
+    resp.close()                             # the client goes away
+    (row,) = await gw.records(1, timeout=10)
+    assert row["disconnected"] == 1 and row["outcome"] == "disconnected"
+    gate.set()
+    engine = gw.fakes["b"]                   # its connection was dropped: the engine's
+    for _ in range(100):                     # last write finds nobody
+        if engine.disconnects:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.disconnects == 1
