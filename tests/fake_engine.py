@@ -10,9 +10,12 @@ chosen by the prompt text: "die after N" drops the connection mid-stream,
 waits N ms between the stream's final event and its end, "split N" sends the first
 token's chunk in two writes N ms apart. A hostile engine too: "chunk size X" answers with a
 chunk of size line X, "endless event N" streams an event of N KiB with no end (a blank
-line; "endless event N!": after a whole event), "huge N" answers N KiB of JSON. It
-never replaces the real engine in the
-end-to-end tests.
+line; "endless event N!": after a whole event), "huge N" answers N KiB of JSON.
+An OpenAI media server too: /v1/images/generations (a tiny PNG as b64_json),
+/v1/images/edits and /variations (what the upload held, told back), /v1/audio/speech
+(bytes made from the input, `speech_pieces`, streamed in pieces; "die after N" in the
+input breaks off after N pieces; `speech_gate`, when set, holds the last piece until
+the test lets it go). It never replaces the real engine in the end-to-end tests.
 
 Run standalone: python -m tests.fake_engine SOCKET_PATH
 """
@@ -20,6 +23,8 @@ Run standalone: python -m tests.fake_engine SOCKET_PATH
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import re
 import sys
@@ -29,9 +34,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import MultipartReader, web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.streams import StreamReader
 
 MARK = "X-Request-Id"   # which fake engine answered
+# a 1x1 PNG: what every image answer holds
+TINY_PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
+                            "/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg==")
+SPEECH_TYPES = {"mp3": "audio/mpeg", "opus": "audio/opus", "aac": "audio/aac",
+                "flac": "audio/flac", "wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+def speech_pieces(text: str, pieces: int = 4, size: int = 3000) -> list[bytes]:
+    """The "audio" the fake speaks for text, as the pieces it writes: bytes made from the
+    text alone, so a test knows what must arrive unchanged."""
+    out = []
+    for i in range(pieces):
+        seed = hashlib.sha256(f"{i}:{text}".encode()).digest()
+        out.append((seed * (size // len(seed) + 1))[:size])
+    return out
 
 
 @dataclass
@@ -51,6 +73,8 @@ class FakeEngine:
     in_flight: int = 0        # chat and completions requests being answered
     peak_in_flight: int = 0
     runner: web.AppRunner | None = None
+    speech_gate: asyncio.Event | None = None   # set: the last speech piece waits for it
+    speech_delay_s: float = 0.02               # between speech pieces
 
     def app(self, *, catch_all: bool = True) -> web.Application:
         """catch_all: every other path answered by `anything` (routes added after it
@@ -65,6 +89,11 @@ class FakeEngine:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/audio/transcriptions", self.transcribe)
+        app.router.add_post("/v1/audio/translations", self.transcribe)   # (an openai server's)
+        app.router.add_post("/v1/audio/speech", self.speech)
+        app.router.add_post("/v1/images/generations", self.image_generation)
+        app.router.add_post("/v1/images/edits", self.image_upload)
+        app.router.add_post("/v1/images/variations", self.image_upload)
         if catch_all:
             app.router.add_route("*", "/{tail:.*}", self.anything)   # the witness of the rest
         app.on_response_prepare.append(self._mark)
@@ -121,6 +150,47 @@ class FakeEngine:
         body = await self._seen(request)
         del body
         return web.json_response({"text": " hello from " + self.name + "\n"})
+
+    async def image_generation(self, request: web.Request) -> web.Response:
+        payload = json.loads(await self._seen(request))
+        n = int(payload.get("n", 1))
+        return web.json_response({"created": int(time.time()), "data": [
+            {"b64_json": base64.b64encode(TINY_PNG).decode(),
+             "revised_prompt": str(payload.get("prompt", ""))} for _ in range(n)]})
+
+    async def image_upload(self, request: web.Request) -> web.Response:
+        """An edit or a variation: the image, told back by what the form held."""
+        form = await _form(request, await self._seen(request))
+        got = {name: len(value) if isinstance(value, bytes) else value
+               for name, value in form.items()}
+        return web.json_response({"created": int(time.time()), "got": got, "data": [
+            {"b64_json": base64.b64encode(TINY_PNG).decode()}]})
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        """speech_pieces(input), written one by one speech_delay_s apart (chunked)."""
+        payload = json.loads(await self._seen(request))
+        text = str(payload.get("input", ""))
+        kind = SPEECH_TYPES.get(str(payload.get("response_format", "mp3")), "audio/mpeg")
+        response = web.StreamResponse(headers={"Content-Type": kind})
+        await response.prepare(request)
+        die = re.search(r"die after (\d+)", text)
+        pieces = speech_pieces(text)
+        for i, piece in enumerate(pieces):
+            if die and i == int(die.group(1)):
+                assert request.transport is not None
+                request.transport.abort()   # the engine "crashes" mid-answer
+                return response
+            if i == len(pieces) - 1 and self.speech_gate is not None:
+                await self.speech_gate.wait()
+            elif i:
+                await asyncio.sleep(self.speech_delay_s)
+            try:
+                await response.write(piece)
+            except ConnectionResetError:
+                self.disconnects += 1
+                raise
+        await response.write_eof()
+        return response
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))
@@ -315,6 +385,21 @@ class FakeEngine:
         if request.transport is not None:
             request.transport.close()
         return response
+
+
+async def _form(request: web.Request, body: bytes) -> dict[str, str | bytes]:
+    """A multipart body already read: text fields as text, files as their bytes."""
+    loop = asyncio.get_running_loop()
+    stream = StreamReader(BaseProtocol(loop), 2**16, loop=loop)
+    stream.feed_data(body)
+    stream.feed_eof()
+    form: dict[str, str | bytes] = {}
+    reader = MultipartReader(request.headers, stream)
+    while (part := await reader.next()) is not None:
+        data = await part.read()  # type: ignore[union-attr]
+        name = getattr(part, "name", None) or ""
+        form[name] = bytes(data) if getattr(part, "filename", None) else data.decode()
+    return form
 
 
 async def _main(socket: str) -> None:

@@ -104,6 +104,10 @@ ROUTES: tuple[Route, ...] = (
     _r("POST", "/v1/reranking", INF, UP, JSON),
     _r("POST", "/v1/audio/transcriptions", INF, UP, FORM),
     _r("POST", "/v1/audio/translations", INF, UP, FORM),
+    _r("POST", "/v1/audio/speech", INF, UP, JSON, note="the audio streamed as it comes"),
+    _r("POST", "/v1/images/generations", INF, UP, JSON),
+    _r("POST", "/v1/images/edits", INF, UP, FORM),
+    _r("POST", "/v1/images/variations", INF, UP, FORM),
     # llama-server's own paths that read nothing of other clients
     _r("POST", "/completion", INF, EN, JSON),
     _r("POST", "/completions", INF, EN, JSON),

@@ -12,8 +12,11 @@ Only engines that can answer the path count, by the model's capabilities
 whisper models and to chat models whose mmproj encodes audio, translations to
 whisper models; embeddings go only to embedding models and rerank only to
 rerankers, which answer nothing that generates; generation goes to chat
-models. Other llama-server paths (/tokenize, /props, /metrics, ...) go to any
-llama model, whisper-server's /inference to a whisper model. A model named for a
+models; images (generations, edits, variations) go to image models and speech
+to speech models, which only an openai-backend server is (one server may be
+several kinds). Other llama-server paths (/tokenize, /props, /metrics, ...) go
+to any llama model, whisper-server's /inference to a whisper model; an openai
+model's server is asked only on the OpenAI paths under /v1/. A model named for a
 path its engine cannot serve is a 400 (never relayed to get the engine's
 404/501).
 """
@@ -36,6 +39,9 @@ RERANK_PATHS = frozenset({"/v1/rerank", "/v1/reranking", "/rerank", "/reranking"
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
                               "/completions", "/completion", "/infill", "/v1/responses",
                               "/v1/messages"})
+IMAGE_PATHS = frozenset({"/v1/images/generations", "/v1/images/edits",
+                         "/v1/images/variations"})
+SPEECH_PATHS = frozenset({"/v1/audio/speech"})
 # the capability (catalog.Model.capabilities) a path needs; whisper-server's own
 # /inference needs a whisper model; any other path needs a llama model
 CAPABILITY_OF_PATH: dict[str, str] = {
@@ -43,13 +49,17 @@ CAPABILITY_OF_PATH: dict[str, str] = {
     **dict.fromkeys(TRANSLATION_PATHS, "translation"),
     **dict.fromkeys(EMBEDDING_PATHS, "embeddings"),
     **dict.fromkeys(RERANK_PATHS, "rerank"),
-    **dict.fromkeys(GENERATION_PATHS, "completion")}
+    **dict.fromkeys(GENERATION_PATHS, "completion"),
+    **dict.fromkeys(IMAGE_PATHS, "image"),
+    **dict.fromkeys(SPEECH_PATHS, "speech")}
 HOW_TO_MAKE = {"embeddings": "an embedding model (kind = \"embedding\")",
                "rerank": "a reranker (kind = \"rerank\")",
                "completion": "a chat model (kind = \"chat\")",
                "transcription": "a whisper model (backend = \"whisper\") or a chat model "
                                 "whose mmproj encodes audio",
-               "translation": "a whisper model (backend = \"whisper\")"}
+               "translation": "a whisper model (backend = \"whisper\")",
+               "image": "an image server (backend = \"openai\", kind = \"image\")",
+               "speech": "a speech server (backend = \"openai\", kind = \"speech\")"}
 
 
 def speaks_anthropic(path: str) -> bool:
@@ -61,19 +71,28 @@ def speaks_anthropic(path: str) -> bool:
 def why_cannot_serve(model: Model, path: str) -> str | None:
     """Why model's engine cannot answer path (None: it can)."""
     needed = CAPABILITY_OF_PATH.get(path)
+    own = Backend.WHISPER if path in WHISPER_PATHS else Backend.LLAMA   # a non-/v1/ path's
+    if model.backend is Backend.OPENAI and not path.startswith("/v1/"):
+        # an OpenAI-compatible server answers OpenAI's API, not llama-server's or
+        # whisper-server's own paths (they would get its 404, or something else's answer)
+        return (f"model {model.id!r} is an openai model and cannot answer {path}: that is "
+                f"{own.value}-server's own path (it needs a {own.value} model); an openai "
+                f"model's server is asked only on the OpenAI paths under /v1/")
     if needed is None:
-        engine = Backend.WHISPER if path in WHISPER_PATHS else Backend.LLAMA
-        if model.backend is engine:
+        if model.backend is own:
             return None
-        return (f"model {model.id!r} is a {model.backend.value} model and cannot answer "
-                f"{path} (that needs a {engine.value} model)")
+        return (f"model {model.id!r} is {_a(model.backend.value)} model and cannot answer "
+                f"{path} (that needs a {own.value} model)")
     if needed in model.capabilities:
         return None
-    kind = model.kind
-    article = "an" if kind.value[0] in "aeiou" else "a"
-    return (f"model {model.id!r} is {article} {kind.value} model ({model.backend.value}) and "
+    kinds = "/".join(k.value for k in model.kinds)
+    return (f"model {model.id!r} is {_a(kinds)} model ({model.backend.value}) and "
             f"cannot answer {path}: that needs {HOW_TO_MAKE[needed]}; a model's kind is set "
             f"by `kind` in its [models.{model.id}] table, or read from its GGUF header")
+
+
+def _a(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
 
 
 def choose_model(path: str, model: str | None, *, catalog: Catalog,

@@ -30,7 +30,7 @@ from gatewayd.adapters.remote_client import never_connected, to_remote
 from gatewayd.adapters.remote_upstreams import Remote, Remotes
 from gatewayd.core.auth import ApiKey, check_model
 from gatewayd.core.catalog import Catalog, Model
-from gatewayd.core.config import GatewayConfig
+from gatewayd.core.config import Backend, GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
     BodyTooLarge,
@@ -246,7 +246,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         if front.config.records_store_text and not multipart:
             record.request_text = _capped(body, front.config.records_text_max_bytes)
         call = Call(request, record, t0, payload, body, headers, stream, drop_usage,
-                    matched.target)
+                    matched.target,
+                    whisper=local is not None and local.backend is Backend.WHISPER)
         if local is None:
             response = await relay_remote(front, call, names, model_id)
         elif local.config.spill_over and matched.route.upstream \
@@ -315,6 +316,8 @@ class Call:
     stream: bool
     drop_usage: bool
     target: str       # the path to send on: the route table's spelling, not the client's
+    whisper: bool = False   # a whisper model's: its engine is whisper-server, whose
+                            # requests and answers differ from OpenAI's
 
 
 async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: bool,
@@ -323,14 +326,16 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: b
     request = call.request
     try:
         body, path = call.body, call.target
-        if multipart and request.path in TRANSLATION_PATHS:
+        if call.whisper and multipart and request.path in TRANSLATION_PATHS:
+            # whisper-server has one inference path (an openai server its own translations)
             body = as_whisper_translation(body, _boundary(request))
             path = WHISPER_INFERENCE_PATH
         target = _with_query(path, request)
         call.record.engine = engine.unit
         send = to_engine(front.engine_client, engine.socket, request.method, target,
                          call.headers, body, stream=call.stream)
-        return await relay(request, outgoing(front.config, send, call), call.record, call.t0)
+        out = outgoing(front.config, send, call, whisper=call.whisper)
+        return await relay(request, out, call.record, call.t0)
     finally:
         front.dispatcher.release(engine.model_id, counts_as_use=inference)
 
@@ -397,12 +402,13 @@ def _with_query(path: str, request: web.Request) -> str:
 
 
 def outgoing(config: GatewayConfig, send: Callable[[], Awaitable[Answer]], call: Call,
-             **remote: Any) -> Outgoing:
-    """How a call goes out, with the configuration's timeouts and bounds in force."""
+             **where: Any) -> Outgoing:
+    """How a call goes out, with the configuration's timeouts and bounds in force; where:
+    what the engine or upstream is (Outgoing's upstream, redact, whisper)."""
     return Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
                     stall_timeout_s=config.read_timeout_s,
                     max_answer_bytes=config.max_answer_bytes,
-                    max_event_bytes=config.max_event_bytes, **remote)
+                    max_event_bytes=config.max_event_bytes, **where)
 
 
 def available_models(front: FrontDoor, key: ApiKey | None) -> list[str]:

@@ -10,6 +10,8 @@ The hot path. What it costs is paid per request, so:
   than a StreamResponse);
 - streamed answers go through SseRelay event by event, each written (and so
   flushed) the moment it is complete;
+- media answers (audio, images, video, octet-stream: MEDIA_TYPES) are passed on
+  byte for byte as they arrive, never held whole (speech is played as it comes);
 - timeouts: connecting must be quick (a dead socket fails at once), reading
   may take as long as the model needs, up to read_timeout_s between bytes.
 """
@@ -53,7 +55,7 @@ from gatewayd.core.errors import (
     UpstreamUnavailable,
     anthropic_error_body,
 )
-from gatewayd.core.routing import WHISPER_PATHS, speaks_anthropic
+from gatewayd.core.routing import speaks_anthropic
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format, token_counts
 
@@ -69,6 +71,10 @@ REQUEST_HEADERS = frozenset({"content-type", "accept", "user-agent", "openai-bet
 ANSWER_HEADERS = frozenset({"content-type", "content-language", "retry-after", "x-request-id",
                             "request-id", "openai-processing-ms", "openai-version"})
 ANSWER_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+
+# Answers relayed piece by piece as they arrive, unchanged (speech, an image file): by
+# allow-list, so JSON and text (read whole: usage, error codes, whisper's trim) stay so.
+MEDIA_TYPES = ("audio/", "image/", "video/", "application/octet-stream")
 
 # the streams relay.c takes part of (app.py makes it; the admin API's metrics read it)
 NATIVE_RELAY = web.AppKey("native_relay", NativeRelay)
@@ -97,6 +103,8 @@ class Outgoing:
     # takes an upstream's credentials out of an error's words (a library's error may
     # quote the URL): UpstreamConfig.redact
     redact: Callable[[str], str] = str
+    # a whisper-server answers: its transcription's padding is trimmed
+    whisper: bool = False
 
     def unavailable(self, e: BaseException, while_: str = "did not take the request"
                     ) -> GatewayError:
@@ -161,6 +169,8 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
         content_type = upstream.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
             return await _relay_stream(request, upstream, out, record, t0)
+        if upstream.status < 400 and is_media(content_type):
+            return await _relay_media(request, upstream, out, record)
         try:
             data = await upstream.read(out.max_answer_bytes)
         except (AnswerPastLimit, EngineAnswerTooLarge) as e:
@@ -169,7 +179,7 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
                                  "bytes (max_answer_mb): refused") from e
         except TRANSPORT_ERRORS as e:
             raise out.unavailable(e, "failed while answering") from e
-        if upstream.status == 200 and request.path in WHISPER_PATHS:
+        if upstream.status == 200 and out.whisper:
             data = normalise_transcription(data, content_type)
         record.status = upstream.status
         record.bytes_out = len(data)
@@ -271,6 +281,58 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     finally:
         _stream_usage(record, sse)
     return response
+
+
+def is_media(content_type: str) -> bool:
+    """An answer relayed as it arrives, byte for byte (MEDIA_TYPES)."""
+    return content_type.partition(";")[0].strip().lower().startswith(MEDIA_TYPES)
+
+
+async def _relay_media(request: web.Request, upstream: Answer, out: Outgoing,
+                       record: CallRecord) -> web.StreamResponse:
+    """A media answer, each piece written to the client as it arrives: nothing is held but
+    the piece in hand, so no max_answer_mb applies. Its end cannot be told in-band as a
+    stream's is (no error event in audio): an engine that breaks off, or the drain
+    deadline, closes the client's connection before the body's end, which a chunked
+    body shows (no last chunk). HTTP/1.0 has no chunks: the body ends with the
+    connection."""
+    record.status = upstream.status
+    response = web.StreamResponse(status=upstream.status,
+                                  headers=answer_headers(upstream.headers))
+    if request.version >= aiohttp.HttpVersion11:
+        response.enable_chunked_encoding()
+    else:
+        response.force_close()
+    await response.prepare(request)
+    try:
+        try:
+            while chunk := await upstream.read_some():
+                await _write(request, response, chunk, record, out.stall_timeout_s)
+        except TRANSPORT_ERRORS as e:
+            error = out.broke_off(e)
+            record.outcome = record.error_code = error.code   # as a stream's (_relay_stream)
+            upstream.close()
+            _end_unfinished(request, response)
+            return response
+        await _write_eof(request, response, record, out.stall_timeout_s)
+    except _ClientGone:
+        _client_left(record, upstream)
+    except asyncio.CancelledError:   # the client went, or the gateway's drain time ran out
+        if not request.app[SHUTDOWN].expired:
+            _client_left(record, upstream)
+            raise
+        upstream.close()
+        error = shutdown_error()
+        record.outcome, record.error_code = "error", error.code
+        _end_unfinished(request, response)   # (done: not re-raised, as _relay_stream)
+    return response
+
+
+def _end_unfinished(request: web.Request, response: web.StreamResponse) -> None:
+    """Closes the client's connection after what was written, without the body's end."""
+    response.force_close()
+    if request.transport is not None:
+        request.transport.close()
 
 
 class StreamCut(Exception):

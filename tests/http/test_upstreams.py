@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import trustme
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gatewayd.core.auth import digest, parse_keys
 from gatewayd.core.upstreams import UpstreamConfig
 from gatewayd.http import openai_api
+from tests.fake_engine import speech_pieces
 from tests.fake_upstream import Blackhole, FakeUpstream
 from tests.http.test_front_door import Gateway, _gateway, chat, events
 
@@ -449,3 +451,19 @@ async def test_a_429_with_retry_after_reaches_the_caller_as_it_was_said(
         rows = await gw.records(2)
         assert {(r["status"], r["error_code"], r["upstream"]) for r in rows} == {
             (429, "boom", "box")}
+
+
+async def test_remote_speech_is_passed_on_as_it_comes_and_a_break_is_the_upstreams(
+        gw: Gateway, box: FakeUpstream) -> None:
+    """A remote upstream's audio is relayed as a local engine's (proxy._relay_media)."""
+    resp = await gw.client.post("/v1/audio/speech", json={"model": "big", "input": "far"})
+    assert resp.status == 200 and resp.headers["Content-Type"] == "audio/mpeg"
+    assert await resp.read() == b"".join(speech_pieces("far"))
+    resp = await gw.client.post("/v1/audio/speech", json={"model": "big",
+                                                          "input": "die after 1"})
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await resp.read()
+    rows = await gw.records(2)    # newest first
+    assert [(r["upstream"], r["outcome"], r["bytes_out"]) for r in rows] == [
+        ("box", "upstream_failed", len(speech_pieces("die after 1")[0])),
+        ("box", "ok", sum(map(len, speech_pieces("far"))))]
