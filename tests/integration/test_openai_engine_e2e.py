@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,8 @@ def test_llama_cpp_python_over_tcp_in_a_network_of_its_own(
     # its port is inside its unit's network namespace: nothing new listens here
     assert tcp_listeners() == listening
     assert os.readlink(f"/proc/{engine['pid']}/ns/net") != os.readlink("/proc/self/ns/net")
+    with socket.socket() as probe:   # the port it was told, as seen from the host's side
+        assert probe.connect_ex(("127.0.0.1", 8080)) != 0
     unit = engine["unit"]
     pids = subprocess.run(["systemctl", "show", "-p", "ControlGroup", "--value", unit],
                           capture_output=True, text=True, check=True).stdout.strip()

@@ -13,11 +13,12 @@ def test_readme_config_example_parses() -> None:
     readme = (REPO / "README.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
     assert blocks, "README.md has no toml example"
+    ids = []
     for block in blocks:
         config = parse_config(tomllib.loads(block))
         assert config.models, "the example should show model entries"
-    ids = [m.name for m in config.models]
-    assert "qwen2.5-7b" in ids
+        ids += [m.name for m in config.models]
+    assert "qwen2.5-7b" in ids and "qwen-vllm" in ids   # the configuration; the recipes
 
 
 def test_readme_opens_with_the_two_commands() -> None:

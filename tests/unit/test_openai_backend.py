@@ -7,7 +7,6 @@ launcher in a network namespace of its own) and its memory need. Pure: no I/O.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
