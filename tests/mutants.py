@@ -826,6 +826,13 @@ ANY_ENGINE = (
            "        if self.backend is Backend.OPENAI:\n            return self.config.ready_path",
            "        if False:\n            return self.config.ready_path",
            tests=(OPENAI + "test_an_openai_server_is_ready_when_its_own_path_says_so",)),
+    Mutant("gpu-held-by-main-pid-only", "the GPU memory of a unit's other processes (a TCP "
+           "engine's server, vLLM's workers) is learned too",
+           "gatewayd/service/engine_capacity.py",
+           "        if not pids:\n",
+           "        if True:\n",
+           tests=("tests/unit/test_engine_manager.py::test_gpu_memory_held_by_the_units_other_"
+                  "processes_is_learned_too",)),
 )
 
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP

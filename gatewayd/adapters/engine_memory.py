@@ -45,6 +45,12 @@ class CgroupMemoryMeter:
             return None   # the root cgroup is no unit; ".." would leave the hierarchy
         return self._from_cgroup(relative) or self._from_pss(control_group, relative)
 
+    def pids(self, control_group: str) -> list[int] | None:
+        relative = control_group.strip("/")
+        if not relative or ".." in relative.split("/"):
+            return None
+        return self._unit_pids(relative)
+
     # -- the memory cgroup ---------------------------------------------------------
 
     def _unified_roots(self) -> list[Path]:

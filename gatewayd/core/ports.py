@@ -188,6 +188,12 @@ class MemoryMeter(Protocol):
         thread (asyncio.to_thread), not the event loop."""
         ...
 
+    def pids(self, control_group: str) -> list[int] | None:
+        """Every process of the unit (its cgroup and below): what NVML shows per process
+        is summed over them, as a server's GPU work may run in its children (vLLM's
+        workers; any TCP engine, whose main process is the launcher). None: unknown."""
+        ...
+
 
 class HostMemoryProbe(Protocol):
     """The machine's memory, read fresh (/proc/meminfo), and its OOM kills."""

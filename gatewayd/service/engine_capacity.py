@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from signal import SIGKILL
 
 from gatewayd.core import budget, placement, ram_budget
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engine_units import settings_stamp
-from gatewayd.core.engines import EngineState
+from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GatewayError
 from gatewayd.core.ports import GpuProbe, HostMemoryProbe, MemoryBook, MemoryMeter, MemoryUse
 from gatewayd.service.engine_registry import EngineRegistry
@@ -245,9 +245,9 @@ class EngineCapacity:
         return grown
 
     def learn_gpu_memory(self) -> list[str]:
-        """Record what each ready engine's process holds now (NVML per process, its
-        MainPID): the next admission of that setup uses it. The models whose figure
-        changed."""
+        """Record what each ready engine's processes hold now (NVML per process, summed
+        over its unit's: _gpu_held): the next admission of that setup uses it. The
+        models whose figure changed."""
         if self._learned is None:
             return []
         per_process = self._gpu.process_mib()
@@ -256,7 +256,7 @@ class EngineCapacity:
         changed = []
         for engine in self._registry.engines():
             model = self._catalog.get(engine.model_id)
-            held = per_process.get(engine.main_pid)
+            held = self._gpu_held(engine, per_process)
             if engine.state is EngineState.READY and model is not None and held and \
                     self._learned.record(settings_stamp(model, self._config), model.id, held):
                 log.info("%s: its engine holds %d MiB of GPU memory (learned; the files "
@@ -269,7 +269,17 @@ class EngineCapacity:
         over devices): the engines NVML does not show are absent."""
         per_process = self._gpu.process_mib() or {}
         return {e.model_id: held for e in self._registry.engines()
-                if e.main_pid and (held := per_process.get(e.main_pid))}
+                if (held := self._gpu_held(e, per_process))}
+
+    def _gpu_held(self, engine: Engine, per_process: Mapping[int, int]) -> int | None:
+        """What NVML shows the engine's processes holding (MiB): every process of its
+        unit where its cgroup can be listed (a server's GPU work may run in its children:
+        vLLM's workers, a TCP engine's server under the launcher), else its MainPID's."""
+        cgroup = self._control_groups.get(engine.model_id)
+        pids = self._meter.pids(cgroup) if cgroup and self._meter is not None else None
+        if not pids:
+            return per_process.get(engine.main_pid) if engine.main_pid else None
+        return sum(per_process.get(pid, 0) for pid in pids) or None
 
     def place(self, model: Model) -> placement.Placement | None:
         """Where the model's engine would go now (core/placement.py), from a fresh
@@ -283,7 +293,7 @@ class EngineCapacity:
             other = self._catalog.get(engine.model_id)
             if other is None or not engine.holds_place or engine.model_id == model.id:
                 continue
-            need, held = self.need_mib(other), per_process.get(engine.main_pid)
+            need, held = self.need_mib(other), self._gpu_held(engine, per_process)
             placed.append(placement.Placed(
                 engine.devices,
                 # loads in progress will take memory that NVML does not show as used yet

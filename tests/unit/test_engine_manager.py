@@ -284,6 +284,23 @@ async def test_gpu_memory_is_learned_from_the_engine_and_replaces_the_estimate(
     assert err.value.extra["required_mib"] == 1600
 
 
+async def test_gpu_memory_held_by_the_units_other_processes_is_learned_too(
+        tmp_path: Path) -> None:
+    """A TCP engine's main process is the launcher, and vLLM's GPU work runs in its
+    workers: what NVML shows is summed over every process of the unit's cgroup."""
+    from tests.unit.test_ram_budget import FakeMeter
+    gpu, meter = MeasuringGpu(8000, 4000), FakeMeter()
+    mgr, _, _ = engine_manager_on_fakes(tmp_path, gpu=gpu, meter=meter,
+                                            learned=LearnedMemory(tmp_path / "state"))
+    model = mgr.catalog.get("a")
+    assert model is not None
+    engine = await mgr.start("a")
+    meter.processes[f"/system.slice/{engine.unit}"] = [engine.main_pid, 4242, 4243]
+    gpu.per_process = {4242: 1200, 4243: 300, 999: 7000}   # 999: another unit's
+    assert mgr.learn_memory() == ["a"]
+    assert mgr.measured_mib(model) == 1500
+
+
 # -- parking: a stopped engine's unit is parked once nothing is starting -------------
 
 

@@ -108,6 +108,7 @@ class FakeMeter:
         self.holds = holds
         self.oom_kills: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.processes: dict[str, list[int]] = {}   # per cgroup (None: MainPID alone)
         self.gone = False
 
     def read(self, control_group: str) -> MemoryUse | None:
@@ -115,6 +116,9 @@ class FakeMeter:
             return None   # systemd removed the empty cgroup (it does, restart pending)
         return MemoryUse(self.holds * MIB, self.peak.get(control_group, self.holds) * MIB,
                          "cgroup", self.oom_kills.get(control_group, 0))
+
+    def pids(self, control_group: str) -> list[int] | None:
+        return None if self.gone else self.processes.get(control_group)
 
 
 class Book:
