@@ -230,7 +230,8 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
     if private and (wrong := await_listener(server, port)) is not None:
         print(wrong, flush=True)
         stop_children()
-        server.wait(timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=10)
         return EX_CONFIG
     if server.poll() is not None:
         code = server.returncode

@@ -334,8 +334,7 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: b
         call.record.engine = engine.unit
         send = to_engine(front.engine_client, engine.socket, request.method, target,
                          call.headers, body, stream=call.stream)
-        out = outgoing(front.config, send, call, whisper=call.whisper)
-        return await relay(request, out, call.record, call.t0)
+        return await relay(request, outgoing(front.config, send, call), call.record, call.t0)
     finally:
         front.dispatcher.release(engine.model_id, counts_as_use=inference)
 
@@ -402,13 +401,12 @@ def _with_query(path: str, request: web.Request) -> str:
 
 
 def outgoing(config: GatewayConfig, send: Callable[[], Awaitable[Answer]], call: Call,
-             **where: Any) -> Outgoing:
-    """How a call goes out, with the configuration's timeouts and bounds in force; where:
-    what the engine or upstream is (Outgoing's upstream, redact, whisper)."""
+             **remote: Any) -> Outgoing:
+    """How a call goes out, with the configuration's timeouts and bounds in force."""
     return Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
                     stall_timeout_s=config.read_timeout_s,
                     max_answer_bytes=config.max_answer_bytes,
-                    max_event_bytes=config.max_event_bytes, **where)
+                    max_event_bytes=config.max_event_bytes, whisper=call.whisper, **remote)
 
 
 def available_models(front: FrontDoor, key: ApiKey | None) -> list[str]:

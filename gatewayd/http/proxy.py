@@ -295,14 +295,12 @@ async def _relay_media(request: web.Request, upstream: Answer, out: Outgoing,
     stream's is (no error event in audio): an engine that breaks off, or the drain
     deadline, closes the client's connection before the body's end, which a chunked
     body shows (no last chunk). HTTP/1.0 has no chunks: the body ends with the
-    connection."""
+    connection (middleware.close_unframed)."""
     record.status = upstream.status
     response = web.StreamResponse(status=upstream.status,
                                   headers=answer_headers(upstream.headers))
     if request.version >= aiohttp.HttpVersion11:
-        response.enable_chunked_encoding()
-    else:
-        response.force_close()
+        response.enable_chunked_encoding()   # (HTTP/1.0: ended by the close, close_unframed)
     await response.prepare(request)
     try:
         try:

@@ -275,6 +275,8 @@ class EngineCapacity:
         """What NVML shows the engine's processes holding (MiB): every process of its
         unit where its cgroup can be listed (a server's GPU work may run in its children:
         vLLM's workers, a TCP engine's server under the launcher), else its MainPID's."""
+        if not per_process:
+            return None   # no GPU, or NVML shows no process: no cgroup to list
         cgroup = self._control_groups.get(engine.model_id)
         pids = self._meter.pids(cgroup) if cgroup and self._meter is not None else None
         if not pids:

@@ -7,6 +7,7 @@ launcher in a network namespace of its own) and its memory need. Pure: no I/O.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -207,6 +208,16 @@ def test_declared_memory_is_the_need_until_a_run_teaches_otherwise() -> None:
     assert need(model, ram=5_000) == (40_000, "declared", 6_000, "declared")
     # nothing declared, no file: the margins, until its first run is measured
     assert need(openai_model(command=UDS), gpu=False) == (1024, "files", 256, "files")
+
+
+def test_the_launchers_cannot_work_exit_is_the_one_systemd_does_not_restart() -> None:
+    from gatewayd import engine_launch
+    from gatewayd.core import engine_units
+    assert engine_launch.EX_CONFIG == engine_units.EX_CONFIG
+    got = props(openai_model(command=TCP, path="/m.gguf"))
+    assert got["RestartPreventExitStatus"] == [("(aiai)", ([engine_units.EX_CONFIG], []))]
+    unit = (Path(__file__).resolve().parents[2] / "units/llm-engine@.service").read_text()
+    assert f"RestartPreventExitStatus={engine_units.EX_CONFIG}\n" in unit
 
 
 def test_the_backend_is_named_in_the_models_description() -> None:
