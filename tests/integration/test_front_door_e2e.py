@@ -303,7 +303,8 @@ def test_socket_activation_ready_and_draining_shutdown(tmp_path: Path, llama_ser
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 1000
         deadline = time.monotonic() + 30
         while unit_property(f"{name}.service", "ActiveState") != "inactive":
-            assert time.monotonic() < deadline, "the gateway did not stop"
+            # (its journal says what the drain still waited for: seen once in CI, 1 of 3)
+            assert time.monotonic() < deadline, f"the gateway did not stop:\n{gw.journal()[-4000:]}"
             time.sleep(0.05)
         assert "letting open requests finish" in gw.journal()
         # the call that finished during shutdown was written before the process ended
