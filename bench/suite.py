@@ -21,10 +21,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import make_tiny_model  # noqa: E402
 
 PY = sys.executable
+T = TypeVar("T")
 CHAT = "/v1/chat/completions"
 
 
@@ -262,14 +263,26 @@ class Plan:
     cycles: int
     open_streams: int
     activations: int   # socket-activated starts (one process start each: noisy)
+    real_starts: int   # cold starts per path and per page-cache state, realistic model
+    real_cycles: int   # swap cycles over 3 realistic models, 2 places
+    agent_turns: int   # agent-loop turns per path at the full prefix
+    agent_prefixes: tuple[int, ...]   # prefix lengths (tokens) for the crossover
+    slot_rounds: int   # rounds of 16 concurrent streams on a 4-slot engine
+    crowd_active: int  # streams open at once beside the idle connections
+    crowd_idle: int    # idle keep-alive connections
 
 
 # A single stream's rate moves by 2x between streams here (2 cores shared by the engine,
 # the proxy and the client): its median takes many rounds, which cost ~0.1 s each
 PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, streams=30,
-                      starts=12, cycles=4, open_streams=1000, activations=7),
+                      starts=12, cycles=4, open_streams=1000, activations=7,
+                      real_starts=5, real_cycles=3, agent_turns=9,
+                      agent_prefixes=(256, 512, 1024, 2048, 4096), slot_rounds=5,
+                      crowd_active=256, crowd_idle=2000),
          "smoke": Plan(rounds=1, n_seq=20, n_c8=40, n_c64=64, n_ceiling=200, streams=1,
-                       starts=1, cycles=1, open_streams=100, activations=2)}
+                       starts=1, cycles=1, open_streams=100, activations=2,
+                       real_starts=1, real_cycles=1, agent_turns=3, agent_prefixes=(4096,),
+                       slot_rounds=1, crowd_active=32, crowd_idle=100)}
 
 
 def tiny_models(work: Path) -> tuple[Path, Path]:
@@ -292,8 +305,50 @@ def cold_model(cold: Path, args: Sequence[str] = ()) -> str:
             + (f"args = {json.dumps(list(args))}\n" if args else ""))
 
 
-async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
-    results: dict[str, Any] = {"plan": plan.__dict__, "machine": machine()}
+# The sections a run can be limited to (--only): "tiny" is sections 1-6 on the tiny models;
+# the others set up their own units and stop them when done
+SECTIONS = ("tiny", "realistic", "agent", "crowd")
+
+
+async def once_more(retried: list[dict[str, str]], what: str,
+                    measure: Callable[[], Awaitable[T]]) -> T:
+    """measure, and once more if it fails: a noisy machine's transient error (a connection
+    reset, an engine slow to start) costs one attempt, named in results.json's "retried";
+    a second failure ends the run, named."""
+    try:
+        return await measure()
+    except Exception as e:
+        print(f"bench: {what} failed ({type(e).__name__}: {e}); once more", file=sys.stderr)
+        retried.append({"what": what, "error": f"{type(e).__name__}: {e}"[:300]})
+    try:
+        return await measure()
+    except Exception as e:
+        raise RuntimeError(f"{what} failed twice: {type(e).__name__}: {e}") from e
+
+
+async def suite(plan: Plan, work: Path, llama: str, sections: Sequence[str] = SECTIONS,
+                models: dict[str, Path] | None = None) -> dict[str, Any]:
+    """models: the generated models of realistic size by preset ("small", "realistic":
+    scripts/get_model.sh), for the sections after "tiny"."""
+    models = models or {}
+    results: dict[str, Any] = {"plan": plan.__dict__, "machine": machine(), "retried": []}
+    if "tiny" in sections:
+        await tiny_sections(plan, work, llama, results)
+    if "realistic" in sections:
+        from bench import realistic
+        results["realistic"] = await realistic.section(plan, work, llama, models, results["retried"])
+    if "agent" in sections:
+        from bench import agent_loop
+        results["agent_loop"] = await agent_loop.section(plan, work, llama, models, results["retried"])
+    if "crowd" in sections:
+        from bench import crowd
+        results.update(await crowd.section(plan, work, llama, models, results["retried"]))
+    return results
+
+
+async def tiny_sections(plan: Plan, work: Path, llama: str, results: dict[str, Any]) -> None:
+    """Sections 1-6, on the tiny models: warm overhead, the proxy ceiling, streams, cold
+    start and swap, footprint and socket activation, the KV cache kept across a stop."""
     models, cold = tiny_models(work)   # tiny-cold: no KV cache kept (section 6)
     fake_models = work / "fake-models"
     fake_models.mkdir(exist_ok=True)
@@ -411,7 +466,7 @@ async def suite(plan: Plan, work: Path, llama: str) -> dict[str, Any]:
 
     # 6. a long prompt again after its engine was stopped: KV cache restored, or cold
     results["kv_restore"] = await kv_restore(plan)
-    return results
+    cleanup()   # the sections after this one start their own units
 
 
 LONG_PROMPT = " ".join(f"word{i % 97} and more" for i in range(300))
@@ -702,11 +757,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/srv/llm-gateway-bench"),
                     help="models and state; not under /tmp or /var/tmp, which engines "
                          "see privately")
+    ap.add_argument("--model", action="append", default=[], metavar="PRESET=PATH",
+                    help="a generated model of realistic size (scripts/get_model.sh PRESET)")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run, of {', '.join(SECTIONS)}")
     a = ap.parse_args(argv)
+    sections = [x for x in a.only.split(",") if x]
+    if unknown := set(sections) - set(SECTIONS):
+        ap.error(f"--only: no section {', '.join(sorted(unknown))}; sections: {SECTIONS}")
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
-        results = asyncio.run(suite(PLANS[a.mode], a.work, a.llama_server))
+        models = {k: Path(v) for k, _, v in (m.partition("=") for m in a.model)}
+        results = asyncio.run(suite(PLANS[a.mode], a.work, a.llama_server, sections, models))
     except Exception:
         say_why_it_failed()
         raise
