@@ -336,10 +336,12 @@ async def suite(plan: Plan, work: Path, llama: str, sections: Sequence[str] = SE
         await tiny_sections(plan, work, llama, results)
     if "realistic" in sections:
         from bench import realistic
-        results["realistic"] = await realistic.section(plan, work, llama, models, results["retried"])
+        results["realistic"] = await realistic.section(plan, work, llama, models,
+                                                       results["retried"])
     if "agent" in sections:
         from bench import agent_loop
-        results["agent_loop"] = await agent_loop.section(plan, work, llama, models, results["retried"])
+        results["agent_loop"] = await agent_loop.section(plan, work, llama, models,
+                                                        results["retried"])
     if "crowd" in sections:
         from bench import crowd
         results.update(await crowd.section(plan, work, llama, models, results["retried"]))
