@@ -783,8 +783,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 capture_output=True, text=True, check=False).stdout)
         cleanup()
     results["seconds"] = round(time.monotonic() - t0, 1)
+    from bench.report import verdicts, write_report
+    results["verdicts"] = verdicts(results)   # each goal, met or not (null: not run)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
-    from bench.report import write_report
     write_report(results, a.out)
     print((a.out / "results.md").read_text())
     return 0

@@ -1,0 +1,324 @@
+"""bench/report.py: the verdicts against the goals, their medians over several runs,
+README.md's summary block, and results.md for a run limited to some sections."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import report
+
+GOALS = [g.goal for g in report.GOALS]
+ACTIVATION, COLD, SWAP, AGENT, SLOTS, STREAM, ADDED, CEILING, PARKED, CROSSOVER = GOALS
+
+
+def full() -> dict[str, Any]:
+    """A run of every section, every goal met with room to spare."""
+    warm = {p: {"p50_ms": v, "p99_ms": 2 * v, "req_per_s": 100.0}
+            for p, v in (("direct", 1.0), ("gateway", 1.2), ("router", 1.5), ("bare", 1.25))}
+    return {
+        "plan": {"rounds": 5}, "machine": {"cpu": "Test CPU", "cores": 2, "python": "3.11.2"},
+        "retried": [],
+        "warm": {"c1": warm},
+        "warm_raw_c1": {"direct": [1.0, 1.1], "gateway": [1.2, 1.3]},
+        "ceiling": {p: {"req_per_s": v, "p50_ms": 1.0, "p99_ms": 2.0}
+                    for p, v in (("direct", 9000.0), ("gateway", 4000.0), ("bare", 4000.0))},
+        "streaming": {p: {"tokens_per_s": v, "gap_p50_ms": 1.0, "gap_p99_ms": 2.0,
+                          "events_per_read": 1.0}
+                      for p, v in (("direct", 100.0), ("gateway", 99.0), ("router", 97.0),
+                                   ("bare", 99.0), ("router_engine", 99.0))},
+        "streaming_gaps": {"gateway": [1.0, 2.0]},
+        "cold_swap": {"cold_first_byte_ms": {"gateway": 400.0, "router": 380.0},
+                      "swap_first_byte_ms": {"gateway": 500.0, "router": 510.0},
+                      "swap_p99_ms": {"gateway": 700.0, "router": 690.0}},
+        "footprint": {"rss_idle_mib": 40.0, "rss_peak_open_streams_mib": 60.0,
+                      "open_streams": 1000, "open_stream_errors": 0,
+                      "socket_activation_to_first_answer_ms": 430.0,
+                      "bare_socket_activation_to_first_answer_ms": 410.0},
+        "realistic": {"model": {"preset": "realistic", "bytes": 1_181_116_006},
+                      "cold_first_byte_ms": {"gateway": 980.0, "router": 1000.0},
+                      "cold_p95_ms": {"gateway": 1100.0, "router": 1150.0},
+                      "cold_dropped_first_byte_ms": {"gateway": 3000.0, "router": 3100.0},
+                      "swap_first_byte_ms": {"gateway": 1180.0, "router": 1200.0},
+                      "swap_p95_ms": {"gateway": 1250.0, "router": 1300.0},
+                      "parked": {"parked_0_ms": 900.0, "parked_4_ms": 800.0,
+                                 "saving_pct": 11.1}},
+        "agent_loop": {"prefix_tokens": 4096,
+                       "turn_ms": {"gateway": {"p50": 100.0, "p95": 120.0},
+                                   "router": {"p50": 900.0, "p95": 1000.0}},
+                       "crossover": {"prefix_tokens": [256, 1024, 4096],
+                                     "gateway_p50_ms": [50.0, 60.0, 100.0],
+                                     "router_p50_ms": [40.0, 200.0, 900.0],
+                                     "crossover_tokens": 1024}},
+        "slots": {"parallel": 4, "streams": 16,
+                  "tokens_per_s": {"direct": 300.0, "gateway": 299.0, "router": 290.0}},
+        "many_clients": {"active_streams": 256, "idle_connections": 2000,
+                         "rss_mib": {"gateway": 80.0, "bare": 70.0},
+                         "cpu_us_per_event": {"gateway": 30.0, "bare": 28.0},
+                         "errors": {"gateway": 0, "bare": 0}},
+        "seconds": 300.0}
+
+
+def rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["goal"]: row for row in report.verdicts(results)}
+
+
+def test_every_goal_met() -> None:
+    got = rows(full())
+    assert list(got) == GOALS
+    assert {g: got[g]["met"] for g in GOALS} == {**dict.fromkeys(GOALS, True),
+                                                PARKED: None, CROSSOVER: None}
+    assert got[COLD]["figure"] == "980 ms" and got[COLD]["against"] == "router 1000 ms"
+    assert got[COLD]["ratio"] == 0.98
+    assert got[ACTIVATION]["difference"] == 20.0
+    assert got[SWAP]["ratio"] == {"p50": round(1180 / 1200, 3), "p95": round(1250 / 1300, 3)}
+    assert got[ADDED]["figure"] == "+0.200 ms" and got[ADDED]["against"] == "bare +0.250 ms"
+    assert got[PARKED]["saving_pct"] == 11.1 and got[PARKED]["figure"] == "4 parked: 800 ms"
+    assert got[CROSSOVER]["figure"] == "1024 tokens"
+    json.dumps(report.verdicts(full()), allow_nan=False)   # stored in results.json
+
+
+def put(*keys: str, value: float) -> Callable[[dict[str, Any]], None]:
+    def change(r: dict[str, Any]) -> None:
+        d = r
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+    return change
+
+
+def both(*changes: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def change(r: dict[str, Any]) -> None:
+        for c in changes:
+            c(r)
+    return change
+
+
+# (goal, a change to full(), met after it): each threshold right at its boundary (met),
+# and just past it (not met)
+BOUNDARIES = [
+    (ACTIVATION, put("footprint", "socket_activation_to_first_answer_ms", value=460.0), True),
+    (ACTIVATION, put("footprint", "socket_activation_to_first_answer_ms", value=460.1), False),
+    (COLD, put("realistic", "cold_first_byte_ms", "gateway", value=1020.0), True),
+    (COLD, put("realistic", "cold_first_byte_ms", "gateway", value=1020.1), False),
+    (SWAP, both(put("realistic", "swap_first_byte_ms", "gateway", value=1224.0),
+                put("realistic", "swap_p95_ms", "gateway", value=1326.0)), True),
+    (SWAP, put("realistic", "swap_first_byte_ms", "gateway", value=1224.1), False),
+    (SWAP, put("realistic", "swap_p95_ms", "gateway", value=1326.1), False),   # p50 fine
+    (AGENT, put("agent_loop", "turn_ms", "gateway", "p50", value=180.0), True),
+    (AGENT, put("agent_loop", "turn_ms", "gateway", "p50", value=180.1), False),
+    (SLOTS, both(put("slots", "tokens_per_s", "gateway", value=294.0),
+                 put("slots", "tokens_per_s", "router", value=294.0)), True),
+    (SLOTS, put("slots", "tokens_per_s", "gateway", value=293.9), False),      # < 0.98 direct
+    (SLOTS, put("slots", "tokens_per_s", "router", value=299.1), False),       # < router
+    (STREAM, put("streaming", "gateway", "tokens_per_s", value=97.0), True),
+    (STREAM, put("streaming", "gateway", "tokens_per_s", value=96.9), False),
+    # 1.35 - 1.0 is 0.3500000000000001 in floats: right at the boundary all the same
+    (ADDED, put("warm", "c1", "gateway", "p50_ms", value=1.35), True),
+    (ADDED, put("warm", "c1", "gateway", "p50_ms", value=1.351), False),
+    (CEILING, put("ceiling", "gateway", "req_per_s", value=3800.0), True),
+    (CEILING, put("ceiling", "gateway", "req_per_s", value=3799.9), False),
+]
+
+
+@pytest.mark.parametrize(("goal", "change", "met"), BOUNDARIES)
+def test_each_goal_at_its_boundary(goal: str, change: Callable[[dict[str, Any]], None],
+                                   met: bool) -> None:
+    r = full()
+    change(r)
+    got = rows(r)
+    assert got[goal]["met"] is met
+    # the others unchanged
+    assert all(got[g]["met"] in (True, None) for g in GOALS if g != goal)
+
+
+def test_sections_not_run_are_null() -> None:
+    only_realistic = {"plan": {"rounds": 1}, "machine": {}, "retried": [],
+                      "realistic": full()["realistic"]}
+    got = rows(only_realistic)
+    assert {g for g in GOALS if got[g]["figures"] is not None} == {COLD, SWAP, PARKED}
+    for g in set(GOALS) - {COLD, SWAP, PARKED}:
+        assert got[g]["met"] is None and got[g]["figure"] == "-", g
+    assert got[COLD]["met"] is True
+    assert all(row["met"] is None for row in report.verdicts({}))
+
+
+def test_a_figure_missing_within_a_section_is_null() -> None:
+    r = full()
+    del r["footprint"]["bare_socket_activation_to_first_answer_ms"]   # an older run
+    del r["ceiling"]["bare"]["req_per_s"]                             # no rates measured
+    got = rows(r)
+    assert got[ACTIVATION]["met"] is None and got[CEILING]["met"] is None
+    assert got[COLD]["met"] is True
+
+
+def test_no_crossover_is_said_not_nulled() -> None:
+    r = full()
+    r["agent_loop"]["crossover"]["crossover_tokens"] = None
+    got = rows(r)
+    assert got[CROSSOVER]["figure"] == "none"
+    assert got[CROSSOVER]["figures"] == {"crossover_tokens": None, "min_prefix": 256.0,
+                                         "max_prefix": 4096.0}
+
+
+def runs_of(cold: list[tuple[float, float]]) -> list[dict[str, Any]]:
+    runs = []
+    for g, r in cold:
+        run = full()
+        run["realistic"]["cold_first_byte_ms"] = {"gateway": g, "router": r}
+        runs.append(run)
+    return runs
+
+
+def test_medians_then_the_verdict() -> None:
+    # per run 0.1x, 2x and 2.04x the router: the verdict is on the medians, 1000 and 980,
+    # each taken alone (1.0204x: not met), not on a median of the verdicts or the ratios
+    runs = runs_of([(100.0, 1000.0), (1000.0, 500.0), (2000.0, 980.0)])
+    runs[1]["warm"]["c1"]["gateway"]["p50_ms"] = 1.5   # its added p50: +0.5 ms
+    runs[2]["warm"]["c1"]["gateway"]["p50_ms"] = 1.4
+    got = {row["goal"]: row for row in report.median_verdicts(runs)}
+    cold = got[COLD]
+    assert cold["figures"] == {"gateway": 1000.0, "router": 980.0}
+    assert cold["ratio"] == round(1000 / 980, 3) and cold["met"] is False
+    assert cold["runs"] == ["100 ms", "1000 ms", "2000 ms"] and cold["counted"] == 3
+    assert got[ADDED]["figures"] == pytest.approx({"gateway_added_ms": 0.4,
+                                                   "bare_added_ms": 0.25})
+    assert got[ADDED]["met"] is False
+    table = "\n".join(report.median_table(report.median_verdicts(runs), 3))
+    assert "median of 3 runs" in table and "| 100 ms | 1000 ms | 2000 ms |" in table
+
+
+def test_medians_over_the_runs_that_have_the_section() -> None:
+    runs = runs_of([(1000.0, 1000.0), (1010.0, 1000.0), (0.0, 0.0)])
+    del runs[2]["realistic"]
+    got = {row["goal"]: row for row in report.median_verdicts(runs)}
+    assert got[COLD]["figures"] == {"gateway": 1005.0, "router": 1000.0}
+    assert got[COLD]["runs"][2] == "-" and got[COLD]["counted"] == 2
+    assert got[ACTIVATION]["counted"] == 3
+    assert "(2 of 3 runs)" in "\n".join(report.median_table(report.median_verdicts(runs), 3))
+
+
+README = """# title
+
+intro
+
+<!-- bench-summary:start -->
+placeholder
+<!-- bench-summary:end -->
+
+the prose below
+"""
+
+
+def test_readme_block_replaced_markers_and_outside_kept() -> None:
+    out = report.replace_block(README, ["| a | b |", "line"])
+    assert out == README.replace("placeholder", "| a | b |\nline")
+    again = report.replace_block(out, ["new"])
+    assert again == README.replace("placeholder", "new")
+
+
+@pytest.mark.parametrize("text", [
+    "no markers at all\n",
+    "<!-- bench-summary:start -->\nonly the start\n",
+    "<!-- bench-summary:end -->\nx\n<!-- bench-summary:start -->\n",     # reversed
+    README + README,                                                      # twice
+    "<!-- bench-summary:start -->\n<!-- bench-summary:start -->\n<!-- bench-summary:end -->\n",
+])
+def test_readme_without_its_markers_refused(text: str) -> None:
+    with pytest.raises(report.Refused):
+        report.replace_block(text, ["x"])
+
+
+def write_runs(tmp_path: Path, n: int) -> list[str]:
+    paths = []
+    for i, run in enumerate(runs_of([(1000.0, 990.0), (1100.0, 1000.0), (900.0, 1000.0)][:n])):
+        p = tmp_path / f"2025010{i}T000000Z-full.json"
+        p.write_text(json.dumps(run))
+        paths.append(str(p))
+    return paths
+
+
+def test_runs_write_the_readme(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    paths = write_runs(tmp_path, 3)
+    assert report.main(["--runs", *paths, "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n\nintro\n\n<!-- bench-summary:start -->\n| goal |")
+    assert text.endswith("\n<!-- bench-summary:end -->\n\nthe prose below\n")
+    assert "placeholder" not in text
+    assert "| cold start, realistic model, page cache | 1000 ms | 1000 ms | 1100 ms | 900 ms |" \
+        in text
+    assert "Machine: Test CPU, 2 cores, Python 3.11.2; 3 runs: run 1 " \
+           "`20250100T000000Z-full.json`" in text
+    assert f"generated by `python -m bench.report --runs {' '.join(paths)} --readme {readme}`; " \
+           "do not edit by hand." in text
+    assert "| goal |" in capsys.readouterr().out
+
+
+def test_runs_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    paths = write_runs(tmp_path, 1)
+    assert report.main(["--runs", *paths, "--readme", str(readme)]) == 2
+    assert "bench-summary:start" in capsys.readouterr().err
+    assert readme.read_text() == "# no markers\n"
+    with pytest.raises(SystemExit) as e:
+        report.main(["--runs"])
+    assert e.value.code == 2
+    (tmp_path / "broken.json").write_text("{")
+    assert report.main(["--runs", str(tmp_path / "broken.json")]) == 2
+    with pytest.raises(report.Refused):
+        report.summary([], [], "cmd")
+
+
+def test_report_of_one_section(tmp_path: Path) -> None:
+    r = {"plan": {"rounds": 1}, "machine": {"cpu": "Test CPU", "cores": 2}, "retried": [],
+         "agent_loop": full()["agent_loop"], "seconds": 12.0}
+    report.write_report(r, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert md.index("## Verdicts") < md.index("## Agent loop")
+    assert "| agent-loop turn, 4k prefix | 100 ms | router 900 ms (0.111x) |" in md
+    assert "| c=1 added p50 | - | - |" in md and "not run" in md
+    assert "## Warm requests" not in md and "latency.png" not in md
+    assert not (tmp_path / "latency.png").exists()
+
+
+def test_report_of_a_full_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")   # the plot (bench extra)
+    r = full()
+    r["retried"] = [{"what": "slots, 16 streams", "error": "RuntimeError: reset"}]
+    del r["realistic"]["cold_dropped_first_byte_ms"]
+    r["realistic"]["dropped_note"] = "not root"
+    report.write_report(copy.deepcopy(r), tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    for heading in ("## Verdicts", "## Warm requests", "## Proxy ceiling", "## Streaming",
+                    "## Cold start and swap", "## Footprint", "## Realistic model",
+                    "## Agent loop", "## Parallel slots", "## Many clients", "## Retried once"):
+        assert heading in md
+    assert "page cache dropped: not measured (not root)" in md
+    assert "- slots, 16 streams: RuntimeError: reset" in md
+    assert (tmp_path / "latency.png").exists()
+
+
+def test_suite_stores_the_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    from bench import suite
+
+    async def fake_suite(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return full()
+    monkeypatch.setattr(suite, "suite", fake_suite)
+    monkeypatch.setattr(suite, "cleanup", lambda: None)
+
+    def no_journal(*args: Any, **kwargs: Any) -> None:
+        raise OSError("no journalctl here")
+    monkeypatch.setattr("bench.suite.subprocess.run", no_journal)
+    assert suite.main(["--out", str(tmp_path), "--llama-server", "x"]) == 0
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert [row["goal"] for row in stored["verdicts"]] == GOALS
+    assert stored["verdicts"][1]["met"] is True
