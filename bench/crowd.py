@@ -286,7 +286,8 @@ async def parallel_slots(plan: Plan, base: Path, llama: str, small: Path,
         # the first token of each stream: the later ones wait for a slot, on every path
         "first_token_ms_p50": {name: round(pct(v, 50), 1) for name, v in first.items()},
         "first_token_ms_max": {name: round(v[-1], 1) for name, v in first.items()},
-        # the engine's side: direct opens one per stream, the gateway at most slots + 1
+        # on the engine's side: direct opens one per stream, the gateway at most slots + 1;
+        # both counts may hold the gateway's own /health probe (one, every 5 s)
         "engine_connections_max": conns,
         "gateway_engine_connections_max": conns["gateway"],
         "total_slots": slots,
@@ -323,16 +324,18 @@ class IdleConnection:
             status = int(head.split(b" ", 2)[1])
             headers = {k.strip().lower(): v.strip() for k, _, v in
                        (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)}
+            body = b""
             if b"content-length" in headers:
-                await self.reader.readexactly(int(headers[b"content-length"]))
+                body = await self.reader.readexactly(int(headers[b"content-length"]))
             elif headers.get(b"transfer-encoding") == b"chunked":
                 while size := int((await self.reader.readuntil(b"\r\n")).strip(), 16):
-                    await self.reader.readexactly(size + 2)
+                    body += (await self.reader.readexactly(size + 2))[:-2]
                 await self.reader.readuntil(b"\r\n")
             else:
                 raise RuntimeError("an answer with no length on a keep-alive connection")
             if status != 200 or headers.get(b"connection", b"").lower() == b"close":
-                raise RuntimeError(f"HTTP {status}, connection: {headers.get(b'connection')!r}")
+                raise RuntimeError(f"HTTP {status}, connection: {headers.get(b'connection')!r}"
+                                   f": {body[:200]!r}")
 
     def close(self) -> None:
         self.writer.close()
@@ -388,6 +391,7 @@ class CrowdRound:
     rss_idle_mib: float        # before this round's connections
     rss_with_idle_mib: float   # with the idle connections held, before the streams
     rss_peak_mib: float
+    rss_after_mib: float       # a second after the round's connections closed
     fds_peak: int
     events: int
     cpu_us_per_event: float
@@ -424,6 +428,8 @@ async def crowd_round(target: Target, port: int, pid: int, plan: Plan) -> CrowdR
         finally:
             for conn in idle:
                 conn.close()
+    await asyncio.sleep(1)
+    rss_after = rss_mib(pid)
     events = sum(s for s in streams if isinstance(s, int))
     # a stream cut short (fewer events than the others) counts as failed too
     expected = max((s for s in streams if isinstance(s, int)), default=0)
@@ -437,7 +443,8 @@ async def crowd_round(target: Target, port: int, pid: int, plan: Plan) -> CrowdR
         print(f"bench: crowd, {target.name}: {errors}; the first: "
               f"{type(first_error).__name__}: {first_error}", flush=True)
     return CrowdRound(rss_idle_mib=rss_idle, rss_with_idle_mib=rss_with_idle,
-                      rss_peak_mib=peaks.rss_mib, fds_peak=peaks.fds, events=events,
+                      rss_peak_mib=peaks.rss_mib, rss_after_mib=rss_after,
+                      fds_peak=peaks.fds, events=events,
                       cpu_us_per_event=cpu / max(1, events) * 1e6, streams_wall_s=wall,
                       errors=errors)
 
@@ -489,6 +496,15 @@ async def many_clients(plan: Plan, base: Path, retried: list[dict[str, str]],
         "rss_idle_mib": {name: round(rs[0].rss_idle_mib, 1) for name, rs in rounds.items()},
         "rss_with_idle_connections_mib": {name: round(max(r.rss_with_idle_mib for r in rs), 1)
                                           for name, rs in rounds.items()},
+        # what holding one idle connection took, in the first round (later rounds reuse
+        # what the first one's left: its memory is not given back when they close)
+        "rss_kib_per_idle_connection": {
+            name: round((rs[0].rss_with_idle_mib - rs[0].rss_idle_mib) * 1024
+                        / plan.crowd_idle, 1) for name, rs in rounds.items()},
+        # per round: before it, with the idle connections, peak, after they closed
+        "rss_rounds_mib": {name: [[round(x, 1) for x in (r.rss_idle_mib, r.rss_with_idle_mib,
+                                                         r.rss_peak_mib, r.rss_after_mib)]
+                                  for r in rs] for name, rs in rounds.items()},
         "cpu_us_per_event": {name: round(statistics.median(r.cpu_us_per_event for r in rs), 1)
                              for name, rs in rounds.items()},
         "cpu_us_per_event_rounds": {name: [round(r.cpu_us_per_event, 1) for r in rs]
