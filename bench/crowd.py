@@ -250,6 +250,8 @@ async def parallel_slots(plan: Plan, base: Path, llama: str, small: Path,
     targets = [direct, gateway, router]
     for t in targets:   # warm every path (the router starts its child here)
         await stream_once(t, chat(model_for[t.name], 8, stream=True))
+    for t in targets:   # and every slot, once on each path: the first round is not charged
+        await slot_round(t, model_for[t.name], lambda: 0)   # the first use of their memory
     child = router_child(main_pid("bench-crowd-router.service"))
     child_target = Target("router_child", f"http://127.0.0.1:{child.port}")
     slots = {"gateway_engine": (await get_json(direct, "/props")).get("total_slots"),
