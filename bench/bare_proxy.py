@@ -40,9 +40,12 @@ def build(socket: str) -> web.Application:
     counts = {"retries": 0}
 
     async def start(app: web.Application) -> None:
-        app[POOLED] = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket))
+        # limit=0: no bound on the engine's connections (aiohttp's default, 100 at once,
+        # would queue a crowd's streams here: the floor does nothing a proxy need not do)
+        app[POOLED] = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=socket, limit=0))
         app[ONESHOT] = aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(path=socket, force_close=True))
+            connector=aiohttp.UnixConnector(path=socket, force_close=True, limit=0))
 
     async def stop(app: web.Application) -> None:
         await app[POOLED].close()

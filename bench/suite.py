@@ -214,11 +214,14 @@ def sh(*argv: str) -> str:
 
 
 def run_unit(unit: str, argv: Sequence[str], *, notify: bool = False,
-             env: dict[str, str] | None = None) -> None:
+             env: dict[str, str] | None = None, properties: Sequence[str] = ()) -> None:
+    """properties: more unit settings ("LimitNOFILE=65536")."""
     cmd = ["systemd-run", "--quiet", f"--unit={unit}", "--collect",
            "-p", f"WorkingDirectory={REPO}"]
     if notify:
         cmd += ["-p", "Type=notify"]
+    for prop in properties:
+        cmd += ["-p", prop]
     for k, v in (env or {}).items():
         cmd += ["-E", f"{k}={v}"]
     subprocess.run([*cmd, *argv], check=True)

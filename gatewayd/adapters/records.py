@@ -21,6 +21,7 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from itertools import chain
 from operator import attrgetter
@@ -265,20 +266,31 @@ class RecordWriter:
 
     def _statement(self, n: int) -> str:
         sql = self._statements.get(n)
-        if sql is None:
-            if len(self._statements) > 64:   # batch sizes vary: keep the texts bounded
-                self._statements.clear()
+        if sql is None:   # (a few sizes only: _chunks)
             sql = self._statements[n] = _insert_rows(n)
         return sql
 
+    def _chunks(self, rows: list[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
+        """rows in statements of _rows_per_statement rows, the rest in powers of two: at
+        most ~10 statement sizes ever. sqlite3 keeps the last 128 statements it compiled,
+        one per text, and a multi-row INSERT compiles to memory in proportion to its rows:
+        one statement per batch size held tens of MiB once batch sizes had varied
+        (docs/benchmarks.md, "Figures behind choices in the code")."""
+        per_statement, at = self._rows_per_statement, 0
+        while len(rows) - at >= per_statement:
+            yield rows[at:at + per_statement]
+            at += per_statement
+        while left := len(rows) - at:
+            size = 1 << (left.bit_length() - 1)
+            yield rows[at:at + size]
+            at += size
+
     def _write(self, batch: list[CallRecord]) -> None:
         rows = [_ROW(r) for r in batch]
-        per_statement = self._rows_per_statement
         for attempt in range(3):
             try:
                 with self._db:
-                    for at in range(0, len(rows), per_statement):
-                        chunk = rows[at:at + per_statement]
+                    for chunk in self._chunks(rows):
                         self._db.execute(self._statement(len(chunk)),
                                          list(chain.from_iterable(chunk)))
                 return

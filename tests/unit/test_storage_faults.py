@@ -110,7 +110,7 @@ def test_a_batch_is_written_in_a_few_statements_and_every_field_comes_back(
     writer._db.set_trace_callback(statements.append)
     per_statement = writer._rows_per_statement
     assert per_statement >= 100
-    n = per_statement * 2 + 7                    # two full statements and a short one
+    n = per_statement * 2 + 8                    # two full statements and a short one
     for i in range(n):
         writer._pending.append(CallRecord(
             ts=1000.0 + i, method="POST", endpoint="/v1/chat/completions", model="m",
@@ -127,6 +127,42 @@ def test_a_batch_is_written_in_a_few_statements_and_every_field_comes_back(
     assert last["stream"] == (n - 1) % 2 and last["latency_ms"] == 1.5
     assert last["request_text"] == "naïve ✓ \"quoted\"" and last["api_key"] is None
     assert last["ttft_ms"] is None and last["outcome"] == "ok"
+
+
+def test_batches_of_every_size_are_written_in_a_few_statement_sizes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sqlite3 keeps the last 128 statements it compiled, one per text, and a multi-row
+    INSERT's takes memory in proportion to its rows (~3.5 KiB a row): a statement text per
+    batch size held tens of MiB of the gateway once its batch sizes had varied under load
+    (bench/crowd.py: its RSS grew with each round of 4000 calls, and not with records off)."""
+    writer = RecordWriter(tmp_path / "records.db")
+    real = writer._db
+    sizes: set[int] = set()
+
+    class Counting:   # (no trace callback: SQLite would call it holding its own lock)
+        def __enter__(self) -> sqlite3.Connection:
+            return real.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return real.__exit__(*exc)
+
+        def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            if sql.startswith("INSERT"):
+                sizes.add(sql.count("), (") + 1)
+            return real.execute(sql, *args)
+
+        def close(self) -> None:
+            real.close()
+    writer._db = Counting()  # type: ignore[assignment]
+    monkeypatch.setattr(RecordWriter, "BATCH", 1)   # each batch handed over is written alone
+    calls = [CallRecord(ts=1000.0 + i, method="POST", endpoint="/v1/chat/completions")
+             for i in range(300)]
+    for n in range(1, 301):
+        writer._queue.put(calls[:n])
+    writer.close()
+    # full statements, and the rest in powers of two
+    assert len(sizes) <= writer._rows_per_statement.bit_length() + 1, sorted(sizes)
+    assert len(records.query(tmp_path / "records.db", limit=50_000)) == 300 * 301 // 2
 
 
 async def test_records_still_lingering_at_close_are_written_and_the_file_reopens(
