@@ -47,10 +47,11 @@ def link_models(source: Path, folder: Path) -> list[Path]:
     return paths
 
 
-def gateway_config(path: Path, weights: Path, llama: str, state: Path, port: int,
+def gateway_config(path: Path, weights: list[Path], llama: str, state: Path, port: int,
                    parked: int, prefix: str) -> Path:
-    models = "".join(f'[models.{prefix}{name.removeprefix("real-")}]\npath = "{weights}"\n'
-                     for name in NAMES)
+    """weights: one file name per model (a file's name is an alias of its model)."""
+    models = "".join(f'[models.{prefix}{name.removeprefix("real-")}]\npath = "{file}"\n'
+                     for name, file in zip(NAMES, weights, strict=True))
     path.write_text(f'llama_server = "{llama}"\nstate_dir = "{state}"\nmax_engines = 2\n'
                     f"parked_engines = {parked}\n[listen]\nport = {port}\n"
                     f"[admin]\npublic = true\n{models}")
@@ -121,7 +122,7 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
     paths = link_models(models["realistic"], root / "models")
     weights = paths[0]
     for port, parked, prefix in ((18660, 4, "real-"), (18661, 0, "p0-")):
-        cfg = gateway_config(root / f"gw{parked}.toml", weights, llama, root / f"state{parked}",
+        cfg = gateway_config(root / f"gw{parked}.toml", paths, llama, root / f"state{parked}",
                              port, parked, prefix)
         run_unit(f"bench-real-gw{parked}", [PY, "-m", "gatewayd", "--config", str(cfg), "serve"],
                  notify=True)
@@ -142,7 +143,7 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
             model = "p0-a" if target is gw0 else "real-a"
             status, body = await post_json(target.base + "/admin/engines/stop",
                                            {"model": model})
-            if status != 200:
+            if status != 200 and body.get("error", {}).get("code") != "engine_not_running":
                 raise RuntimeError(f"{target.name}: stop {model}: {status} {body}")
         await asyncio.sleep(SETTLE_S)
         return await first_byte_ms(target, model)

@@ -284,7 +284,7 @@ PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, 
                       crowd_active=256, crowd_idle=2000),
          "smoke": Plan(rounds=1, n_seq=20, n_c8=40, n_c64=64, n_ceiling=200, streams=1,
                        starts=1, cycles=1, open_streams=100, activations=2,
-                       real_starts=1, real_cycles=1, agent_turns=3, agent_prefixes=(4096,),
+                       real_starts=1, real_cycles=1, agent_turns=2, agent_prefixes=(512,),
                        slot_rounds=1, crowd_active=32, crowd_idle=100)}
 
 
