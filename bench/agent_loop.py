@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.suite import PY, Plan, pct, run_unit, sh, wait_http
+from bench.suite import PY, Plan, cleanup, pct, run_unit, wait_http
 
 NAMES = ("agent-a", "agent-b", "agent-c")
 GATEWAY = "http://127.0.0.1:18670"
@@ -133,7 +133,7 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
                     prompt_tokens[prefix] = n
                     if k >= WARMUP_TURNS:
                         times[name].append(took)
-    sh("systemctl", "stop", "bench-agent-gw", "bench-agent-router")
+    cleanup()   # the gateway, the router, and the engines, which outlive their gateway
 
     def p50(v: list[float]) -> float:
         return round(statistics.median(v), 1)

@@ -21,7 +21,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.suite import PY, Plan, Target, first_byte_ms, pct, post_json, run_unit, sh, wait_http
+from bench.suite import (
+    PY,
+    Plan,
+    Target,
+    cleanup,
+    first_byte_ms,
+    pct,
+    post_json,
+    run_unit,
+    wait_http,
+)
 
 NAMES = ("real-a", "real-b", "real-c")
 GATEWAY = "http://127.0.0.1:18660"          # parked_engines = 4
@@ -187,7 +197,7 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
             swap["router"].append(await once_more(
                 retried, f"realistic swap to {name}, router",
                 partial(first_byte_ms, router, ids[name])))
-    sh("systemctl", "stop", "bench-real-gw4", "bench-real-gw0", "bench-real-router")
+    cleanup()   # the gateways, the router, and the engines, which outlive their gateway
 
     def p50(v: list[float]) -> float:
         return round(statistics.median(v), 1)
