@@ -53,3 +53,31 @@ def test_tiny_whisper_is_deterministic(tmp_path: Path) -> None:
     assert n_tensors > 20
     other, _ = make_tiny_whisper.build(str(tmp_path / "c.bin"), seed=1)
     assert other != digest_a
+
+
+def test_sized_model_is_q8_0_of_its_shape_with_silent_rows_zero(tmp_path: Path) -> None:
+    """make_sized_model (the bench's realistic models): every matrix Q8_0 in its preset's
+    shape, the vocabulary padded to size, control and byte tokens' output rows zero (so
+    they are never sampled), and the same seed the same bytes."""
+    import make_sized_model
+    shape = make_sized_model.PRESETS["tiny-q8"]
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    make_sized_model.write_model(str(a), "q8", shape, seed=5)
+    make_sized_model.write_model(str(b), "q8", shape, seed=5)
+    assert _sha(a) == _sha(b)
+    reader = gguf.GGUFReader(a)
+    tensors = {t.name: t for t in reader.tensors}
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    assert tensors["blk.1.ffn_up.weight"].tensor_type == q8
+    assert list(tensors["blk.1.ffn_up.weight"].shape) == [shape.n_embd, shape.n_ff]
+    assert list(tensors["token_embd.weight"].shape) == [shape.n_embd, shape.n_vocab]
+    assert len(tensors) == 2 + 9 * shape.n_layer + 1
+    types = reader.fields["tokenizer.ggml.token_type"]
+    kinds = [int(types.parts[i][0]) for i in types.data]
+    assert len(kinds) == shape.n_vocab
+    out = tensors["output.weight"].data   # rows of Q8_0 blocks, as bytes
+    silent = [i for i, k in enumerate(kinds) if k != gguf.TokenType.NORMAL]
+    spoken = [i for i, k in enumerate(kinds) if k == gguf.TokenType.NORMAL]
+    assert silent and spoken
+    assert not out[silent].any()
+    assert all(out[i].any() for i in spoken[:50])
