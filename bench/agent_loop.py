@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.suite import PY, Plan, cleanup, pct, run_unit, wait_http
+from bench.suite import PY, Plan, cleanup, pct, router_model_id, run_unit, wait_http
 
 NAMES = ("agent-a", "agent-b", "agent-c")
 GATEWAY = "http://127.0.0.1:18670"
@@ -75,13 +75,6 @@ class Turns:
         return took, int(answer["usage"]["prompt_tokens"])
 
 
-async def router_ids() -> dict[str, str]:
-    async with aiohttp.ClientSession() as s, s.get(ROUTER + "/v1/models") as r:
-        data = await r.json()
-    return {name: next(str(m["id"]) for m in data["data"] if name in m["id"])
-            for name in NAMES}
-
-
 async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
                   retried: list[dict[str, str]]) -> dict[str, Any]:
     from bench.suite import once_more
@@ -104,7 +97,8 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         paths = {"gateway": Turns(session, GATEWAY, {n: n for n in NAMES}),
-                 "router": Turns(session, ROUTER, await router_ids())}
+                 "router": Turns(session, ROUTER, {n: await router_model_id(n, ROUTER)
+                                                   for n in NAMES})}
         # words per token of this vocabulary, from one answer's usage
         words = 400
         _, tokens = await once_more(retried, "agent-loop calibration", lambda: paths[

@@ -40,6 +40,7 @@ from bench.suite import (
     Plan,
     Target,
     chat,
+    children,
     cpu_seconds,
     interleave,
     main_pid,
@@ -151,17 +152,9 @@ class RouterChild:
 
 
 def router_child(router_pid: int) -> RouterChild:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode().split("\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == router_pid and "--port" in argv:
-            return RouterChild(int(entry.name), int(argv[argv.index("--port") + 1]),
-                               [a for a in argv if a])
+    for pid, argv in children(router_pid):
+        if "--port" in argv:
+            return RouterChild(pid, int(argv[argv.index("--port") + 1]), [a for a in argv if a])
     raise RuntimeError(f"the router ({router_pid}) has no child serving yet")
 
 

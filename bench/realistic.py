@@ -29,6 +29,7 @@ from bench.suite import (
     first_byte_ms,
     pct,
     post_json,
+    router_model_id,
     run_unit,
     wait_http,
 )
@@ -103,16 +104,6 @@ def drop_pages(path: Path) -> None:
         os.close(fd)
 
 
-async def router_ids(base: str) -> dict[str, str]:
-    import aiohttp
-    async with aiohttp.ClientSession() as s, s.get(base + "/v1/models") as r:
-        data = await r.json()
-    ids = {}
-    for name in NAMES:
-        ids[name] = next(str(m["id"]) for m in data["data"] if name in m["id"])
-    return ids
-
-
 async def stop_all(ids: dict[str, str]) -> None:
     for base, prefix in ((GATEWAY, "real-"), (GATEWAY_UNPARKED, "p0-")):
         for name in NAMES:
@@ -139,7 +130,7 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
     run_unit("bench-real-router", [llama, "--models-dir", str(root / "models"),
                                    "--models-max", "2", "--host", "127.0.0.1", "--port", "18662"])
     await wait_http(ROUTER + "/health")
-    ids = await router_ids(ROUTER)
+    ids = {name: await router_model_id(name, ROUTER) for name in NAMES}
     gw = Target("gateway", GATEWAY)
     gw0 = Target("gateway_unparked", GATEWAY_UNPARKED)
     router = Target("router", ROUTER)

@@ -498,8 +498,9 @@ async def kv_restore(plan: Plan) -> dict[str, Any]:
             for label, times in figures.items()}
 
 
-async def router_model_id(stem: str) -> str:
-    async with aiohttp.ClientSession() as s, s.get("http://127.0.0.1:18601/v1/models") as r:
+async def router_model_id(stem: str, base: str = "http://127.0.0.1:18601") -> str:
+    """The id the router (at base) lists for the model file named stem."""
+    async with aiohttp.ClientSession() as s, s.get(base + "/v1/models") as r:
         data = await r.json()
     for m in data.get("data", []):
         if stem in m["id"]:
@@ -507,10 +508,9 @@ async def router_model_id(stem: str) -> str:
     raise RuntimeError(f"router does not list {stem}: {data}")
 
 
-async def router_child_base(model_id: str) -> str:
-    """The address of the router's child serving model_id (a llama-server on a loopback
-    port the router chose), read off the child's command line."""
-    router = main_pid("bench-router.service")
+def children(parent: int) -> list[tuple[int, list[str]]]:
+    """parent's child processes: (pid, argv) each, from /proc."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -519,7 +519,16 @@ async def router_child_base(model_id: str) -> str:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == router and "--port" in argv and model_id in argv:
+        if ppid == parent:
+            found.append((int(entry.name), argv))
+    return found
+
+
+async def router_child_base(model_id: str) -> str:
+    """The address of the router's child serving model_id (a llama-server on a loopback
+    port the router chose), read off the child's command line."""
+    for _, argv in children(main_pid("bench-router.service")):
+        if "--port" in argv and model_id in argv:
             return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
     raise RuntimeError(f"no child of the router serves {model_id}")
 
