@@ -30,6 +30,7 @@ from gatewayd.adapters.gpu import open_gpu
 from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.host_memory import MemInfo
 from gatewayd.adapters.host_names import own_host_names
+from gatewayd.adapters.hub import HuggingFaceHub, hub_token
 from gatewayd.adapters.journal import Journalctl
 from gatewayd.adapters.kv_cache import KvCache
 from gatewayd.adapters.learned_memory import RAM_FILE_NAME, LearnedMemory
@@ -55,7 +56,7 @@ from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
-from gatewayd.http import admin_api, openai_api
+from gatewayd.http import admin_api, openai_api, pull_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
 from gatewayd.http.drain import ABANDON_GRACE_S, OPEN_REQUESTS, OpenRequests, drain, track_requests
 from gatewayd.http.middleware import (
@@ -70,6 +71,7 @@ from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.liveness import Liveness
+from gatewayd.service.pulls import Puller
 from gatewayd.service.reload import Reloader
 from gatewayd.service.restore import Reconciler, adopt, restore
 
@@ -262,10 +264,20 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         await remotes.reconfigure(new.upstreams)
     app[admin_api.RELOADER] = reloader = Reloader(
         read=lambda: read_config(config.source), engines=engines, dispatcher=dispatcher,
-        apply=apply, notify=app[NOTIFIER].notify)
+        apply=apply, notify=app[NOTIFIER].notify,
+        read_models=lambda: (engines.config, load_catalog(engines.config)))
+    app[admin_api.PULLER] = puller = Puller(
+        hub=HuggingFaceHub(token=hub_token()), models_dir=lambda: engines.config.models_dir,
+        catalog=engines.catalog, rescan=reloader.rescan_models, publish=hub.publish)
+    # a pull the last run did not finish goes on from the bytes it had
+    resume = asyncio.get_running_loop().create_task(puller.resume_unfinished())
     try:
         yield
     finally:
+        resume.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await resume
+        await puller.close()
         await reloader.close()
         await remotes.close()
         await engine_client.close()
@@ -317,6 +329,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app.on_response_prepare.append(close_after_upgrade)
     app.on_response_prepare.append(close_unframed)
     admin_api.add_routes(app)
+    pull_api.add_routes(app)
     openai_api.add_routes(app)   # last: it ends with the catch-all proxy route
     return app
 

@@ -21,10 +21,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gatewayd import __version__
+from gatewayd import __version__, cli_pull
 from gatewayd.adapters.config_file import load_config
 from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
+from gatewayd.core.figures import duration_text, size_text
 
 API_KEY_ENV = "LLM_GATEWAY_API_KEY"
 ADMIN_SOCKET_ENV = "LLM_GATEWAY_ADMIN_SOCKET"
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("logs", help="an engine's journal")
     p.add_argument("model")
     p.add_argument("-n", "--lines", type=int, default=50)
+    cli_pull.add_commands(sub)
     p = sub.add_parser("key", help="API keys ([auth] keys_file)")
     keys = p.add_subparsers(dest="key_command", metavar="KEY_COMMAND", required=True)
     p = keys.add_parser("new", help="make a key: prints it (once) and its [keys.NAME] table "
@@ -201,6 +203,15 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         show(args, out, lambda: reload_lines(out))
     elif args.command == "events":
         follow_events(url, as_json=args.json)
+    elif args.command == "pull":
+        return cli_pull.run_pull(args, lambda *a: call(url, *a), lambda: events(url))
+    elif args.command == "pulls":
+        out = call(url, "GET", "/admin/pulls")
+        show(args, out, lambda: cli_pull.pulls_lines(out["pulls"]))
+    elif args.command == "rm":
+        out = call(url, "POST", "/admin/models/remove",
+                   {"model": args.model, "force": args.force})
+        show(args, out, lambda: [cli_pull.removed_line(out)])
     elif args.command == "records":
         params: dict[str, Any] = {"limit": args.limit}
         for key in ("model", "endpoint", "status", "outcome"):
@@ -349,16 +360,7 @@ def need_text(ram_mib: int | None, vram_mib: int | None) -> str | None:
 
 def size(value: int | None) -> str | None:
     """Bytes as people read them: 631 KiB, 1.2 GiB (None stays None: shown as '-')."""
-    if value is None:
-        return None
-    if value < 1024:
-        return f"{value} B"
-    amount = float(value)
-    for unit in ("KiB", "MiB", "GiB"):
-        amount /= 1024
-        if amount < 1024:
-            return f"{amount:.1f} {unit}"
-    return f"{amount / 1024:.1f} TiB"
+    return None if value is None else size_text(value)
 
 
 def short_size(value: int) -> str:
@@ -370,14 +372,7 @@ def short_size(value: int) -> str:
 
 def duration(seconds: float | None) -> str | None:
     """3m12s, 2h05m, 41s (None stays None)."""
-    if seconds is None:
-        return None
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return None if seconds is None else duration_text(seconds)
 
 
 def top(url: str, *, delay: float, once: bool, as_json: bool) -> None:
@@ -452,17 +447,21 @@ def model_lines(models: list[dict[str, Any]]) -> list[str]:
 
 def follow_events(url: str, *, as_json: bool) -> None:
     try:
-        with _exchange(url, "GET", "/admin/events", timeout=3600) as resp:
-            if resp.status != 200:
-                _refused(resp, "GET", "/admin/events")
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                event = json.loads(line[6:])
-                print(json.dumps(event) if as_json else describe_event(event), flush=True)
+        for event in events(url):
+            print(json.dumps(event) if as_json else describe_event(event), flush=True)
     except KeyboardInterrupt:
         pass
+
+
+def events(url: str) -> Iterator[dict[str, Any]]:
+    """/admin/events as they come (the snapshot first); ends when the gateway stops."""
+    with _exchange(url, "GET", "/admin/events", timeout=3600) as resp:
+        if resp.status != 200:
+            _refused(resp, "GET", "/admin/events")
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
 
 
 def describe_event(event: dict[str, Any]) -> str:

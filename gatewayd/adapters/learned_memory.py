@@ -42,14 +42,28 @@ class LearnedMemory:
         entry = self._book.get(key)
         return int(entry["mib"]) if entry else None
 
+    def forget_model(self, model_id: str) -> int:
+        """Drop what was learned for a removed model (a model pulled again under its
+        name is another file: its setups' stamps differ anyway, but the book stays
+        small and honest)."""
+        gone = [k for k, v in self._book.items() if v.get("model") == model_id]
+        for key in gone:
+            del self._book[key]
+        if gone:
+            self._write()
+        return len(gone)
+
     def record(self, key: str, model_id: str, mib: int) -> bool:
         """Keep mib for key; True when it changed what was known."""
         if self.get(key) == mib:
             return False
         self._book[key] = {"mib": mib, "model": model_id, "measured_at": round(time.time())}
+        self._write()
+        return True
+
+    def _write(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, json.dumps(self._book, indent=1, sort_keys=True).encode())
         except OSError as e:
             log.warning("%s: cannot write (%s); the figure is kept in memory", self.path, e)
-        return True

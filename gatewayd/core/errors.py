@@ -306,3 +306,83 @@ class EventTooLarge(AnswerTooLarge):
     stream ends with this as its error event (its status was sent)."""
 
     code = "event_too_large"
+
+
+class PullError(GatewayError):
+    """Getting a model from a hub failed; nothing half-written is left in models_dir."""
+
+    status, type, code = 502, "server_error", "pull_failed"
+
+
+class ModelSourceInvalid(PullError):
+    """`pull` was given something that is not REPO[@REVISION][:FILE or :QUANT]."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_model_source"
+
+
+class PullNotPossible(PullError):
+    """Pulling needs a models_dir the gateway may write (none is configured, or it is
+    read-only to the service)."""
+
+    status, type, code = 409, "invalid_request_error", "models_dir_unusable"
+
+
+class HubRepoNotFound(PullError):
+    status, type, code = 404, "invalid_request_error", "hub_repo_not_found"
+
+
+class HubFileNotFound(PullError):
+    """The repository exists but holds no file that matches (the message lists what it
+    holds)."""
+
+    status, type, code = 404, "invalid_request_error", "hub_file_not_found"
+
+
+class HubFileAmbiguous(PullError):
+    """Several of the repository's files match: the caller names one."""
+
+    status, type, code = 409, "invalid_request_error", "hub_file_ambiguous"
+
+
+class HubGatedRepo(PullError):
+    """A gated (or private) repository, and no token the hub accepts for it."""
+
+    status, type, code = 403, "permission_error", "hub_gated_repo"
+
+
+class HubUnreachable(PullError):
+    """No answer from the hub: offline, DNS, proxy, TLS, or a timeout."""
+
+    status, type, code = 502, "server_error", "hub_unreachable"
+
+
+class ChecksumMismatch(PullError):
+    """The bytes received do not hash to what the hub says the file is: discarded."""
+
+    status, type, code = 502, "server_error", "checksum_mismatch"
+
+
+class InsufficientStorage(PullError):
+    """The files do not fit in models_dir's filesystem (with its reserve), checked before
+    the download starts, or the disk filled while it ran."""
+
+    status, type, code = 507, "server_error", "insufficient_storage"
+
+
+class ModelExists(PullError):
+    """A model of that name is already in the catalog (or being pulled from elsewhere)."""
+
+    status, type, code = 409, "invalid_request_error", "model_exists"
+
+
+class ModelInUse(GatewayError):
+    """`rm` of a model whose engine runs or is pinned (`--force` stops it first)."""
+
+    status, type, code = 409, "invalid_request_error", "model_in_use"
+
+
+class ModelNotRemovable(GatewayError):
+    """`rm` of a model the configuration names, or one outside models_dir: the gateway
+    deletes only the files it would have found itself."""
+
+    status, type, code = 409, "invalid_request_error", "model_not_removable"

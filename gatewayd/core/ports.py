@@ -6,14 +6,16 @@ journald directly; tests pass fakes, app.py passes the real adapters.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.placement import DeviceMemory
+from gatewayd.core.pull import RemoteFile, RepoListing
 from gatewayd.core.ram_budget import HostMemory
 
 
@@ -114,6 +116,10 @@ class MemoryBook(Protocol):
         """Keep it; True when it changed what was known."""
         ...
 
+    def forget_model(self, model_id: str) -> int:
+        """Drop every figure learned for model_id (it was removed); how many."""
+        ...
+
 
 class GpuProbe(Protocol):
     """Fresh GPU memory readings; None means no GPU (or no NVML)."""
@@ -203,4 +209,21 @@ class HostMemoryProbe(Protocol):
     def oom_kills(self) -> int | None:
         """The kernel's count of OOM kills since boot (/proc/vmstat oom_kill; None:
         unknown)."""
+        ...
+
+
+class HubClient(Protocol):
+    """A model hub (adapters/hub.py: Hugging Face, through its own client)."""
+
+    def listing(self, repo: str, revision: str | None) -> RepoListing: ...
+
+    def probe(self, repo: str, commit: str, file: RemoteFile) -> None:
+        """Raise what downloading file would (a gated repository without a token), before
+        a pull is promised to its caller."""
+        ...
+
+    def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
+                 resume_from: int, cancel: threading.Event) -> None:
+        """Append the file's bytes after the resume_from already in out; PullCancelled
+        once cancel is set, OSError when writing fails (a full disk)."""
         ...

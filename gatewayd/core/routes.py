@@ -144,6 +144,10 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", "/admin/events", ADM, GW),
     _r("GET", "/admin/metrics", ADM, GW, note="keyless while [admin] public_metrics"),
     _r("POST", "/admin/reload", ADM, GW, JSON),
+    _r("POST", "/admin/models/pull", ADM, GW, JSON, note="download a model from a hub"),
+    _r("GET", "/admin/pulls", ADM, GW),
+    _r("POST", "/admin/pulls/cancel", ADM, GW, JSON),
+    _r("POST", "/admin/models/remove", ADM, GW, JSON, note="delete a model's files"),
 )
 
 

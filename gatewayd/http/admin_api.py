@@ -31,12 +31,14 @@ from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.pulls import Puller
 from gatewayd.service.reload import Reloader
 
 ENGINES = web.AppKey("engines", EngineManager)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 EVENTS = web.AppKey("events", EventHub)
 RELOADER = web.AppKey("reloader", Reloader)
+PULLER = web.AppKey("puller", Puller)
 HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
 MAX_LOG_LINES = 10_000
@@ -82,6 +84,9 @@ async def status(request: web.Request) -> web.Response:
         "records_dropped": front.records.dropped
         if (front := request.app.get(openai_api.FRONT)) and front.records else 0,
         "upstreams": front.remotes.describe() if front else [],
+        # models being downloaded (state downloading/verifying), and the last finished
+        "pulls": [p.describe() for p in puller.pulls()]
+        if (puller := request.app.get(PULLER)) else [],
     })
 
 

@@ -64,6 +64,11 @@ class EngineCapacity:
     def reconfigure(self, config: GatewayConfig) -> None:
         self._config = config
 
+    def forget(self, model_id: str) -> int:
+        """Drop the memory learned for a removed model, from both books."""
+        return sum(book.forget_model(model_id)
+                   for book in (self._learned, self._learned_ram) if book is not None)
+
     def measured_mib(self, model: Model) -> int | None:
         """What an engine of this model's setup was seen holding (None: not yet)."""
         if self._learned is None:

@@ -155,6 +155,9 @@ class EngineManager:
     async def drop_unconfigured_kv_caches(self) -> list[str]:
         return await self._hooks.drop_unconfigured_kv_caches()
 
+    def forget_learned_memory(self, model_id: str) -> int:
+        return self._capacity.forget(model_id)
+
     # -- room --------------------------------------------------------------------------
 
     def measured_mib(self, model: Model) -> int | None:

@@ -31,8 +31,12 @@ ReadConfig = Callable[[], tuple[GatewayConfig, Catalog]]
 class Reloader:
     def __init__(self, *, read: ReadConfig, engines: EngineManager, dispatcher: Dispatcher,
                  apply: Callable[[GatewayConfig], Awaitable[None]] | None = None,
-                 notify: Callable[[str], None] = lambda _: None) -> None:
+                 notify: Callable[[str], None] = lambda _: None,
+                 read_models: ReadConfig | None = None) -> None:
         self._read = read
+        # models_dir read again under the configuration in force (a pull landed, a model
+        # was removed): the file's edits wait for a reload the user asks for
+        self._read_models = read_models
         self._engines = engines
         self._dispatcher = dispatcher
         self._apply = apply          # the adapters' share of the new settings
@@ -46,6 +50,7 @@ class Reloader:
             status = "reload failed; see the journal"   # systemd leaves "reloading" only
             try:                                        # on READY=1, whatever happened
                 plan = await self._reload()
+                log.info("configuration reloaded: %s", plan.describe())
                 status = f"reloaded: {plan.describe()}"
                 return plan
             except ConfigInvalid as e:
@@ -55,9 +60,19 @@ class Reloader:
             finally:
                 self._notify(f"READY=1\nSTATUS={status}")
 
-    async def _reload(self) -> ReloadPlan:
+    async def rescan_models(self) -> ReloadPlan:
+        """The catalog made again from models_dir, the settings unchanged: a model pulled
+        into it is served at once, a removed one is gone (its KV folder with it)."""
+        if self._read_models is None:
+            raise ConfigInvalid("this gateway cannot re-read its models directory")
+        async with self._lock:
+            plan = await self._reload(self._read_models)
+            log.info("models_dir read again: %s", plan.describe())
+            return plan
+
+    async def _reload(self, read: ReadConfig | None = None) -> ReloadPlan:
         try:   # GGUF headers are read: off the loop
-            config, catalog = await asyncio.to_thread(self._read)
+            config, catalog = await asyncio.to_thread(read or self._read)
         except (ConfigError, OSError) as e:   # OSError: an unreadable models_dir
             reason = e.message if isinstance(e, ConfigError) else str(e)
             raise ConfigInvalid("the configuration was not reloaded (the one in force "
@@ -78,7 +93,6 @@ class Reloader:
         for model_id in plan.removed:
             if model_id in running:
                 self._when_idle(model_id, self._stop, "it left the configuration")
-        log.info("configuration reloaded: %s", plan.describe())
         if plan.needs_restart:
             log.warning("changed settings that take effect only when the gateway restarts: "
                         "%s", ", ".join(plan.needs_restart))

@@ -16,8 +16,10 @@ import pytest
 from gatewayd.core.auth import digest, parse_keys
 from gatewayd.core.upstreams import UpstreamConfig
 from tests.browser import browser_page, png_size
+from tests.fake_hub import FakeHub, serve_hub
 from tests.fake_upstream import FakeUpstream
 from tests.http.test_front_door import _gateway, chat
+from tests.unit.test_pulls import FILES, REPO
 from tests.unit.test_ram_budget import FakeHost, FakeMeter
 
 pytestmark = pytest.mark.slow
@@ -79,6 +81,35 @@ async def test_status_page_shows_engines_and_follows_them_live(tmp_path: Path) -
         assert {r["endpoint"] for r in rows} == {"/v1/chat/completions"}  # the page calls no engine
         if DOCS_SHOT.parent.is_dir() and not DOCS_SHOT.exists():
             shutil.copy(shot, DOCS_SHOT)   # the picture in the docs (refresh: delete it)
+
+
+async def test_status_page_draws_a_download_as_it_arrives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = FakeHub()
+    hub.publish(REPO, FILES)
+    hub.throttle_bps = 1 << 20     # 3 s for the 3 MiB file: the page sees it under way
+    async with serve_hub(hub) as hub_url:
+        monkeypatch.setenv("HF_ENDPOINT", hub_url)   # the gateway's hub client reads it
+        async for gw in _gateway(tmp_path, (), models_dir=tmp_path):
+            async with browser_page() as page:
+                await page.goto(str(gw.client.make_url("/admin/")))
+                await page.wait_for("document.getElementById('live').textContent === 'live'",
+                                    what="the event feed")
+                assert await page.evaluate("document.getElementById('pulls-box').hidden")
+                resp = await gw.client.post("/admin/models/pull",
+                                            json={"source": f"{REPO}:Q8_0"})
+                assert resp.status == 202
+                bar = "document.querySelector('#pulls tr[data-pull=\"Tiny-Q8_0\"] progress')"
+                await page.wait_for(f"{bar} && {bar}.value > 0 && {bar}.value < {bar}.max",
+                                    what="the download under way")
+                await page.wait_for(f"{bar}.value === {bar}.max && document.querySelector("
+                                    "'#pulls tr[data-pull=\"Tiny-Q8_0\"] .state')"
+                                    ".textContent === 'done'", what="the download done")
+                assert await page.evaluate(f"{bar}.max") == 3 << 20
+                # the new model joins the catalog's count among the facts, no reload
+                await page.wait_for("document.getElementById('facts').textContent"
+                                    ".includes('4 models')", what="the pulled model counted")
+                assert page.errors == []
 
 
 async def test_status_page_fits_a_phone(tmp_path: Path) -> None:

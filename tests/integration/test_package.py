@@ -264,3 +264,70 @@ PY
     assert box.shell("systemctl list-units --no-legend --all 'llm-*'").strip() == ""
     assert ":8080 " not in box.shell("ss -ltn")
     assert box.exec("test", "-e", "/run/llm-gateway/admin.sock", check=False).returncode != 0
+
+
+HUB_PORT = 18990
+PULLED = "tiny-pulled-Q8_0"
+
+
+def test_pull_and_rm_through_the_installed_service(deb: Path, models: Path) -> None:
+    """`llm-gateway pull` through the admin socket of the packaged service: the hub a local
+    stand-in (tests/fake_hub.py) inside the container, the client huggingface_hub in the
+    package's venv, the model a generated one an engine really serves."""
+    if reason := why_unavailable():
+        unavailable(reason)
+    llama = engine_binary("LLAMA_SERVER")
+    shutil.copy(models / "tiny-alpha.gguf", models / f"{PULLED}.gguf")
+    size = (models / f"{PULLED}.gguf").stat().st_size
+    ro = [deb.parent, models, REPO] + ([ENGINE_CACHE] if ENGINE_CACHE.is_dir() else [])
+    box = SystemdContainer(f"pull-{os.getpid() % 100000}", binds_ro=ro)
+    box.start()
+    try:
+        box.shell(f"dpkg -i {deb} >/dev/null 2>&1 && install -m755 {llama} "
+                  "/usr/local/bin/llama-server && sed -i 's|^llama_server = .*|llama_server = "
+                  "\"/usr/local/bin/llama-server\"|' /etc/llm-gateway/gateway.toml")
+        # the hub: slow enough (512 KiB/s) that a pull can be caught mid-file
+        box.shell(f"systemd-run --unit=fake-hub -p WorkingDirectory={REPO} "
+                  f"{REPO}/.venv/bin/python -m tests.fake_hub --port {HUB_PORT} "
+                  f"--throttle {512 * 1024} --publish org/Tiny-GGUF={models}/{PULLED}.gguf")
+        wait(box, f"curl -sf http://127.0.0.1:{HUB_PORT}/api/models/org/Tiny-GGUF")
+        box.shell("mkdir -p /etc/systemd/system/llm-gateway.service.d && printf '%s\\n' "
+                  f"'[Service]' 'Environment=HF_ENDPOINT=http://127.0.0.1:{HUB_PORT}' > "
+                  "/etc/systemd/system/llm-gateway.service.d/hub.conf && systemctl daemon-reload")
+
+        out = box.shell("llm-gateway pull org/Tiny-GGUF:Q8_0 2>&1")
+        assert f"pulling {PULLED} from org/Tiny-GGUF" in out and "100%" in out, out
+        folder = f"/var/lib/llm-gateway/models/{PULLED}"
+        assert box.shell(f"stat -c '%U %a' {folder} {folder}/{PULLED}.gguf").split() == [
+            "llm-gateway", "755", "llm-gateway", "644"]
+        listed = json.loads(box.shell("curl -sf http://127.0.0.1:8080/v1/models"))
+        assert PULLED in [m["id"] for m in listed["data"]]          # no reload, no restart
+        answer = json.loads(box.shell(
+            "curl -sf http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: "
+            f"application/json' -d '{{\"model\":\"{PULLED}\",\"messages\":[{{\"role\":"
+            "\"user\",\"content\":\"hi\"}],\"max_tokens\":3}'"))
+        assert answer["usage"]["completion_tokens"] == 3             # an llm-engine reads it
+        refused = box.exec("llm-gateway", "rm", PULLED, check=False)
+        assert refused.returncode == 1 and "in use" in refused.stderr, refused.stderr
+        assert "removed" in box.shell(f"llm-gateway rm --force {PULLED}")
+        assert box.exec("test", "-e", folder, check=False).returncode != 0
+        listed = json.loads(box.shell("curl -sf http://127.0.0.1:8080/v1/models"))
+        assert PULLED not in [m["id"] for m in listed["data"]]
+
+        # a small models_dir that fills while the file arrives: nothing is left behind
+        box.shell(f"mount -t tmpfs -o size={size + 512 * 1024},mode=0755,"
+                  "uid=$(id -u llm-gateway),gid=$(id -g llm-gateway) tmpfs "
+                  "/var/lib/llm-gateway/models && systemctl restart llm-gateway.service")
+        started = json.loads(box.shell("llm-gateway --json pull --detach org/Tiny-GGUF:Q8_0"))
+        assert started["state"] == "downloading", started
+        wait(box, "llm-gateway --json pulls | python3 -c 'import json,sys; "
+                  "sys.exit(json.load(sys.stdin)[\"pulls\"][0][\"done_bytes\"] == 0)'")
+        box.shell("dd if=/dev/zero of=/var/lib/llm-gateway/models/filler bs=64k "
+                  "2>/dev/null || true")
+        wait(box, "llm-gateway --json pulls | grep -q '\"state\": \"failed\"'")
+        pull = json.loads(box.shell("llm-gateway --json pulls"))["pulls"][0]
+        assert pull["error"]["code"] == "insufficient_storage", pull
+        assert box.shell("find /var/lib/llm-gateway/models -type f").split() == [
+            "/var/lib/llm-gateway/models/filler"]
+    finally:
+        box.stop()

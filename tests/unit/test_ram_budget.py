@@ -124,6 +124,7 @@ class FakeMeter:
 class Book:
     def __init__(self) -> None:
         self.figures: dict[str, int] = {}
+        self.models: dict[str, str] = {}
 
     def get(self, key: str) -> int | None:
         return self.figures.get(key)
@@ -131,7 +132,14 @@ class Book:
     def record(self, key: str, model_id: str, mib: int) -> bool:
         changed = self.figures.get(key) != mib
         self.figures[key] = mib
+        self.models[key] = model_id
         return changed
+
+    def forget_model(self, model_id: str) -> int:
+        gone = [k for k, m in self.models.items() if m == model_id]
+        for key in gone:
+            del self.figures[key], self.models[key]
+        return len(gone)
 
 
 def on_ram(tmp_path: Path, budget_mib: int, host: FakeHost | None = None, **kw: Any

@@ -1,0 +1,152 @@
+"""The Hugging Face Hub, through its own client (huggingface_hub): a repository's files
+at a commit, and one file's bytes appended to a partial file, resumed where it stopped.
+
+The library's endpoints, token handling, proxies (HTTPS_PROXY), user agent, redirects
+to the CDN and its retrying, resuming HTTP download are used as they are. Its cache
+(hf_hub_download) is not: the files belong in models_dir, owned by the service, and its
+download restarts from byte 0 after an interruption (a partial file is unique to one
+process), where a model of several GiB must resume after a gateway restart.
+
+Library errors become core errors here (RepositoryNotFoundError -> HubRepoNotFound, ...);
+the service never sees a huggingface_hub or httpx2 exception.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+from gatewayd.core.errors import (
+    GatewayError,
+    HubFileNotFound,
+    HubGatedRepo,
+    HubRepoNotFound,
+    HubUnreachable,
+    PullError,
+)
+from gatewayd.core.pull import PullCancelled, RemoteFile, RepoListing
+
+TOKEN_CREDENTIAL = "hf-token"   # LoadCredential= name (systemd.exec(5))
+# http_get writes (and a cut loses) whole chunks of this size; the library's 10 MiB made a
+# pull's progress move in 10 MiB steps and a resume lose up to 10 MiB
+CHUNK_BYTES = 1024 * 1024
+
+
+def hub_token(environ: dict[str, str] | None = None) -> str | None:
+    """The token for gated and private repositories: the service's credential (systemd
+    puts it in $CREDENTIALS_DIRECTORY, never in the environment, where /proc and the
+    journal's unit dumps would show it), else $HF_TOKEN (a user's own gateway)."""
+    env = os.environ if environ is None else environ
+    if directory := env.get("CREDENTIALS_DIRECTORY"):
+        try:
+            token = (Path(directory) / TOKEN_CREDENTIAL).read_text().strip()
+            if token:
+                return token
+        except OSError:
+            pass
+    return env.get("HF_TOKEN") or None
+
+
+class HuggingFaceHub:
+    def __init__(self, endpoint: str | None = None, token: str | None = None) -> None:
+        self.endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+        self._token = token
+
+    def listing(self, repo: str, revision: str | None) -> RepoListing:
+        from huggingface_hub import HfApi
+        with _translated(repo):
+            info = HfApi(endpoint=self.endpoint, token=self._token).model_info(
+                repo, revision=revision, files_metadata=True)
+        if not info.sha:
+            raise PullError(f"the hub did not say which commit {repo} is at")
+        files = tuple(
+            RemoteFile(path=s.rfilename, size=int(s.size or (s.lfs.size if s.lfs else 0)),
+                       sha256=s.lfs.sha256 if s.lfs else None, git_sha1=s.blob_id)
+            for s in info.siblings or [])
+        return RepoListing(repo=repo, commit=info.sha, files=files, gated=bool(info.gated))
+
+    def probe(self, repo: str, commit: str, file: RemoteFile) -> None:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+        with _translated(repo, file.path):
+            get_hf_file_metadata(hf_hub_url(repo, file.path, revision=commit,
+                                            endpoint=self.endpoint),
+                                 token=self._token, endpoint=self.endpoint)
+
+    def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
+                 resume_from: int, cancel: threading.Event) -> None:
+        """Append the file's bytes after the resume_from already in out; raises Cancelled
+        once cancel is set, OSError when writing fails (a full disk)."""
+        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+        from huggingface_hub.file_download import http_get
+        from huggingface_hub.utils import build_hf_headers, disable_progress_bars
+        disable_progress_bars()   # progress is the gateway's events, not a bar on stderr
+        constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)
+        with _translated(repo, file.path):
+            url = hf_hub_url(repo, file.path, revision=commit, endpoint=self.endpoint)
+            meta = get_hf_file_metadata(url, token=self._token, endpoint=self.endpoint,
+                                        retry_on_errors=True)
+            http_get(meta.location, cast(BinaryIO, _Sink(out, cancel)), resume_size=resume_from,
+                     headers=build_hf_headers(token=self._token),
+                     expected_size=file.size, displayed_filename=file.name)
+
+
+class _Sink:
+    """The partial file as http_get writes to it: a cancelled pull stops at its next
+    chunk (a thread cannot be interrupted otherwise)."""
+
+    def __init__(self, out: BinaryIO, cancel: threading.Event) -> None:
+        self._out = out
+        self._cancel = cancel
+
+    def write(self, data: bytes) -> int:
+        if self._cancel.is_set():
+            raise PullCancelled
+        return self._out.write(data)
+
+    def __getattr__(self, name: str) -> Any:   # tell, seek, truncate, flush
+        return getattr(self._out, name)
+
+
+@contextmanager
+def _translated(repo: str, path: str | None = None) -> Iterator[None]:
+    import httpx2
+    from huggingface_hub import errors
+    what = f"{repo}/{path}" if path else repo
+    try:
+        yield
+    except (PullCancelled, GatewayError):
+        raise
+    except errors.GatedRepoError as e:
+        raise HubGatedRepo(
+            f"{repo} is gated: accept its terms on the hub, then give the gateway a token "
+            f"(the {TOKEN_CREDENTIAL!r} credential, or HF_TOKEN) ({_first_line(e)})") from e
+    except errors.RepositoryNotFoundError as e:
+        raise HubRepoNotFound(f"the hub has no repository {repo!r} (or it is private and "
+                              "the gateway's token may not read it)") from e
+    except errors.RevisionNotFoundError as e:
+        raise HubRepoNotFound(f"{repo}: no such revision ({_first_line(e)})") from e
+    except errors.RemoteEntryNotFoundError as e:
+        raise HubFileNotFound(f"the hub has no file {what}") from e
+    except errors.OfflineModeIsEnabled as e:
+        raise HubUnreachable("HF_HUB_OFFLINE is set: the gateway may not reach the hub") \
+            from e
+    except errors.HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        raise PullError(f"the hub answered {status} for {what}: {_first_line(e)}") from e
+    except OSError as e:
+        if e.errno is not None:
+            raise   # writing the partial file (ENOSPC): the service's to answer
+        # http_get's "consistency check": the body ended short of the size (the partial
+        # file keeps what came; the next try resumes there)
+        raise HubUnreachable(f"the download of {what} ended early: {_first_line(e)}") from e
+    except httpx2.TransportError as e:   # connect, DNS, TLS, proxy, timeout, cut
+        raise HubUnreachable(f"cannot reach the hub for {what}: "
+                             f"{type(e).__name__}: {e}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -1,0 +1,414 @@
+"""Pulls: models downloaded from a hub into models_dir, while the gateway serves.
+
+On disk, under models_dir (the gateway's own; the catalog skips dot-folders):
+
+    .pull/<name>.json           what is being pulled (source, commit, files): a pull the
+                                gateway did not finish is resumed when it starts again
+    .pull/blobs/<hash>.part     a file's bytes so far, appended to (resumable)
+    .pull/<name>/               the verified files, gathered until the model is whole
+    <name>/                     the model, renamed into place in one step: the catalog sees
+                                all of it or none of it; <name>/.source.json says where
+                                it came from (a second pull of it has nothing to do)
+
+A file is verified against the hub's SHA-256 (LFS) or git blob id before it leaves
+blobs/; a mismatch discards it. A full disk discards the pull's partial bytes (the space
+is what was missing); an unreachable hub keeps them, for the next try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gatewayd.core.catalog import Catalog
+from gatewayd.core.errors import (
+    ChecksumMismatch,
+    GatewayError,
+    HubUnreachable,
+    InsufficientStorage,
+    ModelExists,
+    PullError,
+    PullNotPossible,
+)
+from gatewayd.core.figures import size_text
+from gatewayd.core.ports import HubClient
+from gatewayd.core.pull import (
+    PullCancelled,
+    PullSpec,
+    PullState,
+    RemoteFile,
+    Selection,
+    check_space,
+    select,
+)
+
+log = logging.getLogger("gatewayd.pull")
+PULL_DIR = ".pull"
+SOURCE_FILE = ".source.json"
+PROGRESS_S = 0.5          # how often a running pull's progress is published
+KEPT_FINISHED = 20        # finished pulls /admin/pulls still shows
+HASH_CHUNK = 4 * 1024 * 1024
+
+
+class DiskUsage(Protocol):
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def free(self) -> int: ...
+
+
+@dataclass
+class _Pull:
+    state: PullState
+    selection: Selection
+    spec: PullSpec
+    cancel: threading.Event = field(default_factory=threading.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class Puller:
+    def __init__(self, *, hub: HubClient, models_dir: Callable[[], Path | None],
+                 catalog: Catalog, rescan: Callable[[], Awaitable[object]],
+                 publish: Callable[[dict[str, Any]], None],
+                 clock: Callable[[], float] = time.time,
+                 disk_usage: Callable[[Path], DiskUsage] = shutil.disk_usage) -> None:
+        self._hub = hub
+        self._models_dir = models_dir
+        self._catalog = catalog
+        self._rescan = rescan
+        self._publish = publish
+        self._clock = clock
+        self._disk_usage = disk_usage
+        self._active: dict[str, _Pull] = {}
+        self._finished: list[PullState] = []
+        self._blob_locks: dict[str, asyncio.Lock] = {}
+        self._start_lock = asyncio.Lock()   # one resolution at a time: names are claimed
+
+    # -- what callers see ----------------------------------------------------------------
+
+    def pulls(self) -> list[PullState]:
+        return [p.state for p in self._active.values()] + list(reversed(self._finished))
+
+    def active(self, name: str) -> PullState | None:
+        pull = self._active.get(name)
+        return pull.state if pull else None
+
+    async def pull(self, source: str, *, name: str | None = None,
+                   mmproj: bool = False) -> PullState:
+        """Start pulling source (or join the pull of the same model already running);
+        answers once the files are chosen and known to fit. The download goes on after
+        the caller leaves: /admin/events and /admin/pulls follow it."""
+        spec = PullSpec.parse(source)
+        models_dir = self._writable_models_dir()
+        listing = await asyncio.to_thread(self._hub.listing, spec.repo, spec.revision)
+        selection = select(spec, listing, mmproj=mmproj, name=name)
+        # a gated repository without a token, a file the hub will not serve: said now, to
+        # the caller, rather than in a failed pull it may not be following
+        await asyncio.to_thread(self._hub.probe, listing.repo, listing.commit,
+                                selection.files[0])
+        async with self._start_lock:
+            if (running := self._active.get(selection.name)) is not None:
+                if running.selection.files != selection.files:
+                    raise ModelExists(f"{selection.name} is being pulled from "
+                                      f"{running.state.source}; wait for it or choose "
+                                      "another name (--name)")
+                return running.state     # the same files: one download, both follow it
+            if (done := self._already_here(models_dir, selection, listing.commit)) is not None:
+                return done
+            self._claim_name(models_dir, selection)
+            need = sum(max(f.size - self._partial_size(models_dir, f), 0)
+                       for f in selection.files)
+            usage = self._disk_usage(models_dir)
+            check_space(str(models_dir), need=need, free=usage.free, filesystem=usage.total)
+            state = PullState(name=selection.name, source=str(spec), repo=listing.repo,
+                              commit=listing.commit, files=selection.files,
+                              started=self._clock(), resumed_bytes=self._on_disk(
+                                  models_dir, selection.name, selection.files))
+            state.done_bytes = state.resumed_bytes
+            pull = _Pull(state=state, selection=selection, spec=spec)
+            self._record(models_dir, pull, mmproj=mmproj)
+            self._active[selection.name] = pull
+        pull.task = asyncio.get_running_loop().create_task(self._run(models_dir, pull))
+        log.info("pulling %s from %s at %s: %s (%s)", selection.name, spec, listing.commit[:12],
+                 ", ".join(f.path for f in selection.files), size_text(state.total_bytes))
+        self._event(state)
+        return state
+
+    async def wait(self, name: str) -> PullState | None:
+        """The pull of name once it ends (None: there was none)."""
+        pull = self._active.get(name)
+        if pull is None or pull.task is None:
+            return None
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(pull.task)
+        return pull.state
+
+    async def cancel(self, name: str) -> PullState | None:
+        """Stop the pull of name and discard its bytes (None: there was none)."""
+        pull = self._active.get(name)
+        if pull is None:
+            return None
+        pull.cancel.set()
+        return await self.wait(name)
+
+    async def resume_unfinished(self) -> None:
+        """The pulls a previous run did not finish, started again at the bytes they had
+        (pinned to the commit they began with)."""
+        models_dir = self._models_dir()
+        if models_dir is None or not (models_dir / PULL_DIR).is_dir():
+            return
+        for record_path in sorted((models_dir / PULL_DIR).glob("*.json")):
+            try:
+                record = json.loads(record_path.read_text())
+                spec = PullSpec.parse(record["source"])
+                source = str(PullSpec(repo=spec.repo, revision=record["commit"],
+                                      file=spec.file, quant=spec.quant))
+                await self.pull(source, name=record["name"], mmproj=bool(record["mmproj"]))
+                log.info("resumed the pull of %s", record["name"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("%s: not a pull record (%s); removed", record_path, e)
+                record_path.unlink(missing_ok=True)
+            except GatewayError as e:
+                log.warning("the unfinished pull %s could not resume: %s", record_path.stem,
+                            e.message)
+
+    async def close(self) -> None:
+        """The gateway stops: running downloads stop where they are (resumed at the next
+        start, their bytes kept)."""
+        for pull in list(self._active.values()):
+            if pull.task is not None:
+                pull.task.cancel()   # first: its bytes are kept (not a user's cancel)
+            pull.cancel.set()        # its thread stops at the next chunk
+        for pull in list(self._active.values()):
+            if pull.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pull.task
+
+    # -- the download -----------------------------------------------------------------
+
+    async def _run(self, models_dir: Path, pull: _Pull) -> None:
+        state = pull.state
+        staging = models_dir / PULL_DIR / state.name
+        ticker = asyncio.get_running_loop().create_task(self._tick(models_dir, pull))
+        keep_partial = True
+        try:
+            staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for file in pull.selection.files:
+                await self._fetch(models_dir, pull, file, staging)
+            state.state = "verifying"
+            await asyncio.to_thread(self._land, models_dir, staging, pull)
+            self._forget_record(models_dir, state.name)
+            await self._rescan()
+            state.state = "done"
+            log.info("pulled %s (%s) into %s", state.name, size_text(state.total_bytes),
+                     models_dir / state.name)
+        except asyncio.CancelledError:
+            # the gateway stops: bytes and record stay, the next start resumes
+            state.state, state.error = "failed", {"message": "the gateway stopped",
+                                                  "code": "shutting_down"}
+            raise
+        except PullCancelled:
+            keep_partial = False
+            state.state, state.error = "cancelled", {"message": "cancelled",
+                                                     "code": "cancelled"}
+        except OSError as e:
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            keep_partial = False
+            error: GatewayError = (
+                InsufficientStorage(f"{models_dir} filled up while pulling {state.name}: the "
+                                    "partial download was deleted; free space and pull again")
+                if full else PullError(f"pulling {state.name} failed writing under "
+                                       f"{models_dir}: {e.strerror or e}"))
+            self._fail(state, error)
+        except GatewayError as e:
+            # an unreachable hub keeps what arrived: the next pull (or start) resumes it
+            keep_partial = isinstance(e, HubUnreachable)
+            self._fail(state, e)
+        except Exception as e:
+            log.exception("pulling %s failed", state.name)
+            self._fail(state, PullError(f"pulling {state.name} failed: {e}"))
+        finally:
+            ticker.cancel()
+            state.finished = self._clock()
+            if state.state != "done" and not keep_partial:
+                await asyncio.to_thread(self._discard, models_dir, pull)
+            elif state.state == "done":
+                state.done_bytes = state.total_bytes
+            self._active.pop(state.name, None)
+            self._finished = [*self._finished, state][-KEPT_FINISHED:]
+            self._event(state)
+
+    async def _fetch(self, models_dir: Path, pull: _Pull, file: RemoteFile,
+                     staging: Path) -> None:
+        if pull.cancel.is_set():
+            raise PullCancelled
+        target = staging / file.name
+        if target.exists():
+            return   # verified in an earlier run that stopped before the model was whole
+        part = self._part_path(models_dir, file)
+        lock = self._blob_locks.setdefault(part.name, asyncio.Lock())
+        async with lock:   # two names pulling one file must not append to one part file
+            await asyncio.to_thread(self._download, pull, file, part)
+            pull.state.state = "verifying"
+            await asyncio.to_thread(_verify, part, file)
+            os.chmod(part, 0o644)   # the engines (another user) read it; UMask=0077
+            os.replace(part, target)
+            pull.state.state = "downloading"
+
+    def _download(self, pull: _Pull, file: RemoteFile, part: Path) -> None:
+        part.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(part, "ab") as out:
+            have = out.tell()
+            if have > file.size:   # not this file's bytes: start again
+                out.truncate(0)
+                have = 0
+            if have == file.size:
+                return
+            self._hub.download(pull.state.repo, pull.state.commit, file, out, have,
+                               pull.cancel)
+
+    def _land(self, models_dir: Path, staging: Path, pull: _Pull) -> None:
+        state = pull.state
+        source = {"source": state.source, "repo": state.repo, "commit": state.commit,
+                  "files": [{"path": f.path, "size": f.size, "sha256": f.sha256}
+                            for f in state.files], "pulled_at": round(self._clock())}
+        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
+        os.chmod(staging / SOURCE_FILE, 0o644)
+        os.chmod(staging, 0o755)
+        dest = models_dir / state.name
+        try:   # rename(2) onto an existing empty folder would succeed: refuse any
+            os.mkdir(dest, 0o700)
+        except FileExistsError:
+            raise ModelExists(f"{dest} appeared while {state.name} was pulled; the pulled "
+                              f"files are kept in {staging}") from None
+        os.rename(staging, dest)   # replaces the empty folder just made: one step
+
+    async def _tick(self, models_dir: Path, pull: _Pull) -> None:
+        state = pull.state
+        while True:
+            done = state.done_bytes = self._on_disk(models_dir, state.name, pull.selection.files)
+            state.meter.add(self._clock(), done)
+            self._event(state)
+            await asyncio.sleep(PROGRESS_S)
+
+    # -- files ------------------------------------------------------------------------
+
+    def _writable_models_dir(self) -> Path:
+        models_dir = self._models_dir()
+        if models_dir is None:
+            raise PullNotPossible("no models_dir is configured: pulled models go there "
+                                  "(set models_dir in the gateway's configuration)")
+        if not os.access(models_dir, os.W_OK | os.X_OK):
+            raise PullNotPossible(
+                f"models_dir {models_dir} is not writable by the gateway (user "
+                f"{_user()}): pulled models go there (chown it, or with the system "
+                "service add it to ReadWritePaths=)")
+        return models_dir
+
+    def _already_here(self, models_dir: Path, selection: Selection,
+                      commit: str) -> PullState | None:
+        """The same files of the same commit already pulled under this name: done."""
+        try:
+            source = json.loads((models_dir / selection.name / SOURCE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        paths = [f.path for f in selection.files]
+        if source.get("commit") != commit or [f.get("path") for f in source.get("files", [])
+                                              ] != paths:
+            raise ModelExists(
+                f"{selection.name} is already here from {source.get('repo')} at "
+                f"{str(source.get('commit'))[:12]}; `llm-gateway rm {selection.name}` "
+                "first to replace it, or pull it under another name (--name)")
+        now = self._clock()
+        return PullState(name=selection.name, source=source.get("source", ""),
+                         repo=source.get("repo", ""), commit=commit, files=selection.files,
+                         state="done", done_bytes=selection.total_bytes, started=now,
+                         finished=now)
+
+    def _claim_name(self, models_dir: Path, selection: Selection) -> None:
+        name = selection.name
+        if (models_dir / name).exists() or self._catalog.find(name) is not None:
+            raise ModelExists(f"a model called {name!r} is already served here; pull it "
+                              "under another name (--name)")
+        for f in selection.files:
+            if (other := self._catalog.find(f.name)) is not None:
+                raise ModelExists(f"{f.name} would also name the model {other.id!r}; pull "
+                                  "it under another name (--name) or remove that one")
+
+    def _on_disk(self, models_dir: Path, name: str, files: Sequence[RemoteFile]) -> int:
+        """The pull's bytes so far: files verified in full, the rest's partial bytes."""
+        return sum(f.size if (models_dir / PULL_DIR / name / f.name).exists()
+                   else self._partial_size(models_dir, f) for f in files)
+
+    def _part_path(self, models_dir: Path, file: RemoteFile) -> Path:
+        key = file.sha256 or file.git_sha1 or hashlib.sha256(file.path.encode()).hexdigest()
+        return models_dir / PULL_DIR / "blobs" / f"{key}.part"
+
+    def _partial_size(self, models_dir: Path, file: RemoteFile) -> int:
+        try:
+            return min(self._part_path(models_dir, file).stat().st_size, file.size)
+        except OSError:
+            return 0
+
+    def _record(self, models_dir: Path, pull: _Pull, *, mmproj: bool) -> None:
+        folder = models_dir / PULL_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        state = pull.state
+        (folder / f"{state.name}.json").write_text(json.dumps({
+            "name": state.name, "source": state.source, "commit": state.commit,
+            "mmproj": mmproj}) + "\n")
+
+    def _forget_record(self, models_dir: Path, name: str) -> None:
+        (models_dir / PULL_DIR / f"{name}.json").unlink(missing_ok=True)
+
+    def _discard(self, models_dir: Path, pull: _Pull) -> None:
+        for f in pull.selection.files:
+            self._part_path(models_dir, f).unlink(missing_ok=True)
+        shutil.rmtree(models_dir / PULL_DIR / pull.state.name, ignore_errors=True)
+        self._forget_record(models_dir, pull.state.name)
+
+    def _fail(self, state: PullState, error: GatewayError) -> None:
+        state.state = "failed"
+        state.error = {"message": error.message, "type": error.type, "code": error.code}
+        log.warning("pulling %s failed: %s", state.name, error.message)
+
+    def _event(self, state: PullState) -> None:
+        self._publish({"type": "pull", **state.describe()})
+
+
+def _verify(path: Path, file: RemoteFile) -> None:
+    """The file's bytes against the hub's hash of them; a mismatch deletes them."""
+    if file.sha256:
+        digest, want = hashlib.sha256(), file.sha256.lower()
+    elif file.git_sha1:
+        digest, want = hashlib.sha1(f"blob {file.size}\0".encode()), file.git_sha1.lower()
+    else:
+        return   # the hub gave nothing to check by; the size was (http_get)
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    if (got := digest.hexdigest()) != want:
+        path.unlink(missing_ok=True)
+        raise ChecksumMismatch(f"{file.path} arrived hashing to {got[:16]}…, the hub says "
+                               f"{want[:16]}…: discarded (pull again)")
+
+
+def _user() -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return str(os.geteuid())

@@ -1,0 +1,175 @@
+"""The admin API's pull and rm over real HTTP: the engine layer on fakes, the hub the
+local stand-in (tests/fake_hub.py) spoken to by the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from gatewayd.adapters.events import EventHub
+from gatewayd.adapters.hub import HuggingFaceHub
+from gatewayd.adapters.model_files import load_catalog
+from gatewayd.core.config import ModelConfig
+from gatewayd.http import admin_api, pull_api
+from gatewayd.http.middleware import error_middleware
+from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.pulls import Puller
+from gatewayd.service.reload import Reloader
+from tests.fake_hub import FakeHub, serve_hub
+from tests.fakes import dispatcher_for, engine_manager_on_fakes
+from tests.unit.test_pulls import FILES, REPO
+
+Client = TestClient[web.Request, web.Application]
+
+
+@dataclass
+class Api:
+    client: Client
+    mgr: EngineManager
+    models: Path
+    hub: FakeHub
+
+
+async def api_on(tmp_path: Path, hub_url: str, **config: Any) -> tuple[Client, EngineManager]:
+    mgr, _, _ = engine_manager_on_fakes(tmp_path, **config)
+    app = web.Application(middlewares=[error_middleware])
+    app[admin_api.ENGINES] = mgr
+    app[admin_api.EVENTS] = events = EventHub()
+    app[admin_api.RELOADER] = reloader = Reloader(
+        read=lambda: (mgr.config, load_catalog(mgr.config)), engines=mgr,
+        dispatcher=dispatcher_for(mgr),
+        read_models=lambda: (mgr.config, load_catalog(mgr.config)))
+    app[admin_api.PULLER] = Puller(
+        hub=HuggingFaceHub(endpoint=hub_url), models_dir=lambda: mgr.config.models_dir,
+        catalog=mgr.catalog, rescan=reloader.rescan_models, publish=events.publish)
+    admin_api.add_routes(app)
+    pull_api.add_routes(app)
+    return TestClient(TestServer(app)), mgr
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[Api]:
+    hub = FakeHub()
+    hub.publish(REPO, FILES)
+    async with serve_hub(hub) as url:
+        # models_dir is where the fakes' model files a, b, c lie: found there, not configured
+        client, mgr = await api_on(tmp_path, url, models_dir=tmp_path)
+        async with client:
+            yield Api(client=client, mgr=mgr, models=tmp_path, hub=hub)
+            await client.app[admin_api.PULLER].close()
+        await mgr.close()
+
+
+async def until_done(c: Client, name: str) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        pulls = (await (await c.get("/admin/pulls")).json())["pulls"]
+        mine = [p for p in pulls if p["model"] == name]
+        if mine and mine[0]["state"] not in ("resolving", "downloading", "verifying"):
+            found: dict[str, Any] = mine[0]
+            return found
+        assert asyncio.get_running_loop().time() < deadline, pulls
+        await asyncio.sleep(0.05)
+
+
+async def test_a_pulled_model_is_listed_once_whole(api: Api) -> None:
+    c = api.client
+    resp = await c.post("/admin/models/pull", json={"source": f"{REPO}:Q4_K_M"})
+    assert resp.status == 202
+    pull = (await resp.json())["pull"]
+    assert pull["model"] == "Tiny-Q4_K_M" and pull["state"] == "downloading"
+    assert pull["files"][0]["path"] == "Tiny-Q4_K_M.gguf"
+    status = await (await c.get("/admin/status")).json()
+    assert [p["model"] for p in status["pulls"]] == ["Tiny-Q4_K_M"]
+    assert (await until_done(c, "Tiny-Q4_K_M"))["state"] == "done"
+    models = (await (await c.get("/admin/models")).json())["models"]
+    assert "Tiny-Q4_K_M" in [m["id"] for m in models]   # no reload, no restart
+    again = await c.post("/admin/models/pull", json={"source": f"{REPO}:Q4_K_M"})
+    assert again.status == 200 and (await again.json())["pull"]["state"] == "done"
+
+
+@pytest.mark.parametrize("body,status,code", [
+    ({}, 400, "invalid_request"),
+    ({"source": 7}, 400, "invalid_request"),
+    ({"source": "not a repo"}, 400, "invalid_model_source"),
+    ({"source": f"{REPO}:Q4_K_M", "mmproj": "yes"}, 400, "invalid_request"),
+    ({"source": f"{REPO}:Q4_K_M", "name": "../up"}, 400, "invalid_model_source"),
+    ({"source": "org/absent"}, 404, "hub_repo_not_found"),
+    ({"source": f"{REPO}:IQ1_S"}, 404, "hub_file_not_found"),
+    ({"source": f"{REPO}:Q4_K_M", "name": "a"}, 409, "model_exists"),
+])
+async def test_pull_errors_are_openai_shaped(api: Api, body: dict[str, Any], status: int,
+                                             code: str) -> None:
+    resp = await api.client.post("/admin/models/pull", json=body)
+    assert resp.status == status
+    error = (await resp.json())["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+
+
+async def test_without_a_models_dir_there_is_nowhere_to_pull_to(tmp_path: Path) -> None:
+    hub = FakeHub()
+    hub.publish(REPO, FILES)
+    async with serve_hub(hub) as url:
+        client, mgr = await api_on(tmp_path, url)
+        async with client:
+            resp = await client.post("/admin/models/pull", json={"source": REPO})
+            assert resp.status == 409
+            assert (await resp.json())["error"]["code"] == "models_dir_unusable"
+        await mgr.close()
+
+
+async def test_rm_refuses_a_running_model_unless_forced(api: Api) -> None:
+    c = api.client
+    assert (await c.post("/admin/engines/start", json={"model": "a"})).status == 200
+    resp = await c.post("/admin/models/remove", json={"model": "a"})
+    assert resp.status == 409 and (await resp.json())["error"]["code"] == "model_in_use"
+    assert (api.models / "a.gguf").exists()
+    resp = await c.post("/admin/models/remove", json={"model": "a", "force": True})
+    assert resp.status == 200, await resp.text()
+    out = await resp.json()
+    assert out["removed"] == "a" and out["stopped_engine"] and out["freed_bytes"] == 3 << 20
+    assert not (api.models / "a.gguf").exists()
+    assert "a" not in api.mgr.catalog
+    assert api.mgr.get("a") is None or api.mgr.get("a").state.value == "stopped"  # type: ignore[union-attr]
+    resp = await c.post("/admin/models/remove", json={"model": "a"})
+    assert resp.status == 404
+
+
+async def test_rm_of_a_pulled_model_deletes_its_folder(api: Api) -> None:
+    c = api.client
+    await c.post("/admin/models/pull", json={"source": f"{REPO}:Q4_K_M"})
+    await until_done(c, "Tiny-Q4_K_M")
+    resp = await c.post("/admin/models/remove", json={"model": "Tiny-Q4_K_M"})
+    assert resp.status == 200 and (await resp.json())["freed_bytes"] >= 1 << 20
+    assert not (api.models / "Tiny-Q4_K_M").exists()
+    assert "Tiny-Q4_K_M" not in api.mgr.catalog
+
+
+async def test_rm_of_a_model_being_pulled_stops_the_pull(api: Api) -> None:
+    c = api.client
+    api.hub.throttle_bps = 256 * 1024
+    await c.post("/admin/models/pull", json={"source": f"{REPO}:Q8_0"})
+    resp = await c.post("/admin/models/remove", json={"model": "Tiny-Q8_0"})
+    assert resp.status == 200 and (await resp.json())["cancelled_pull"]
+    assert (await until_done(c, "Tiny-Q8_0"))["state"] == "cancelled"
+    assert not (api.models / "Tiny-Q8_0").exists()
+
+
+async def test_rm_leaves_a_configured_model_to_the_configuration(tmp_path: Path) -> None:
+    hub = FakeHub()
+    async with serve_hub(hub) as url:
+        client, mgr = await api_on(tmp_path, url, models_dir=tmp_path, models=(
+            ModelConfig(name="a", path=tmp_path / "a.gguf"),))
+        async with client:
+            resp = await client.post("/admin/models/remove", json={"model": "a"})
+            assert resp.status == 409
+            assert (await resp.json())["error"]["code"] == "model_not_removable"
+            assert (tmp_path / "a.gguf").exists()
+        await mgr.close()

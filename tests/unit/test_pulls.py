@@ -1,0 +1,302 @@
+"""Pulls (service/pulls.py) with the real huggingface_hub client (adapters/hub.py) against
+the local stand-in for the hub (tests/fake_hub.py): what lands, what is left when it
+fails, resuming, sharing, cancelling."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import json
+import random
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+
+from gatewayd.adapters.hub import HuggingFaceHub
+from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.config import ModelConfig
+from gatewayd.core.errors import (
+    HubFileNotFound,
+    HubGatedRepo,
+    HubRepoNotFound,
+    HubUnreachable,
+    InsufficientStorage,
+    ModelExists,
+)
+from gatewayd.core.pull import PullState, RemoteFile
+from gatewayd.service.pulls import PULL_DIR, SOURCE_FILE, Puller
+from tests.fake_hub import FakeHub, serve_hub
+
+REPO = "org/Tiny-GGUF"
+MIB = 1024 * 1024
+DEADLINE_S = 30.0
+
+
+def data(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+FILES = {"Tiny-Q8_0.gguf": data(3 * MIB, 1), "Tiny-Q4_K_M.gguf": data(MIB, 2),
+         "README.md": b"# Tiny\n"}
+
+
+@dataclass
+class Rig:
+    hub: FakeHub
+    url: str
+    models: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+    rescans: list[int] = field(default_factory=list)
+    pullers: list[Puller] = field(default_factory=list)
+
+    def puller(self, *, token: str | None = None, catalog: Catalog | None = None,
+               client: HuggingFaceHub | None = None, **kw: Any) -> Puller:
+        async def rescan() -> None:
+            self.rescans.append(1)
+        puller = Puller(hub=client or HuggingFaceHub(endpoint=self.url, token=token),
+                        models_dir=lambda: self.models, catalog=catalog or Catalog([], {}),
+                        rescan=rescan, publish=self.events.append, **kw)
+        self.pullers.append(puller)
+        return puller
+
+    def leftovers(self) -> list[str]:
+        """Everything under .pull/ (partial bytes, records, gathered files)."""
+        root = self.models / PULL_DIR
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) \
+            if root.exists() else []
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client writes (and a cut loses) whole chunks: 64 KiB ones let a 3 MiB file show
+    a resume (the gateway's own 1 MiB would lose a third of it to a cut)."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    hub = FakeHub()
+    async with serve_hub(hub) as url:
+        models = tmp_path / "models"
+        models.mkdir()
+        rig = Rig(hub=hub, url=url, models=models)
+        yield rig
+        for puller in rig.pullers:
+            await puller.close()
+
+
+async def finished(puller: Puller, state: PullState) -> PullState:
+    ended = await asyncio.wait_for(puller.wait(state.name), DEADLINE_S)
+    return ended or state
+
+
+async def until(check: Any, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + DEADLINE_S
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_a_pull_lands_whole_verified_readable_and_says_where_from(rig: Rig) -> None:
+    commit = rig.hub.publish(REPO, FILES)
+    puller = rig.puller()
+    state = await puller.pull(f"{REPO}:Q8_0")
+    assert state.name == "Tiny-Q8_0" and state.commit == commit
+    assert state.total_bytes == 3 * MIB
+    assert (await finished(puller, state)).state == "done"
+    folder = rig.models / "Tiny-Q8_0"
+    weights = folder / "Tiny-Q8_0.gguf"
+    assert weights.read_bytes() == FILES["Tiny-Q8_0.gguf"]
+    assert weights.stat().st_mode & 0o777 == 0o644      # the engines' user reads it
+    assert folder.stat().st_mode & 0o777 == 0o755
+    source = json.loads((folder / SOURCE_FILE).read_text())
+    assert source["commit"] == commit and source["repo"] == REPO
+    assert source["files"][0]["sha256"] == hashlib.sha256(FILES["Tiny-Q8_0.gguf"]).hexdigest()
+    assert rig.rescans == [1]               # the catalog read models_dir again
+    assert rig.leftovers() == []
+    assert rig.hub.downloads["Tiny-Q8_0.gguf"] == 1
+    pulls = [e for e in rig.events if e["type"] == "pull"]
+    assert pulls[0]["state"] == "downloading" and pulls[-1]["state"] == "done"
+    assert pulls[-1]["done_bytes"] == pulls[-1]["total_bytes"] == 3 * MIB
+    assert puller.pulls()[0].state == "done"
+
+
+async def test_pulling_it_again_has_nothing_to_do(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    puller = rig.puller()
+    await finished(puller, await puller.pull(f"{REPO}:Q8_0"))
+    again = await puller.pull(f"{REPO}:Q8_0")
+    assert again.state == "done" and rig.hub.downloads["Tiny-Q8_0.gguf"] == 1
+    rig.hub.publish(REPO, {**FILES, "Tiny-Q8_0.gguf": data(3 * MIB, 9)})   # a new commit
+    with pytest.raises(ModelExists, match="rm Tiny-Q8_0"):
+        await puller.pull(f"{REPO}:Q8_0")
+
+
+async def test_two_pulls_of_one_model_share_one_download(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.throttle_bps = 8 * MIB
+    puller = rig.puller()
+    first, second = await asyncio.gather(puller.pull(f"{REPO}:Q8_0"),
+                                         puller.pull(f"{REPO}:Tiny-Q8_0.gguf"))
+    assert first is second
+    assert (await finished(puller, first)).state == "done"
+    assert rig.hub.downloads["Tiny-Q8_0.gguf"] == 1
+
+
+async def test_a_cut_connection_resumes_where_it_broke(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.cut_after["Tiny-Q8_0.gguf"] = MIB
+    puller = rig.puller()
+    state = await finished(puller, await puller.pull(f"{REPO}:Q8_0"))
+    assert state.state == "done", state.error
+    assert (rig.models / "Tiny-Q8_0" / "Tiny-Q8_0.gguf").read_bytes() == FILES["Tiny-Q8_0.gguf"]
+    assert rig.hub.downloads["Tiny-Q8_0.gguf"] == 2
+    assert rig.hub.gets[1] == ("Tiny-Q8_0.gguf", f"bytes={MIB}-")   # resumed at the cut
+
+
+async def test_a_corrupt_file_is_refused_and_nothing_is_left(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.corrupt.add("Tiny-Q8_0.gguf")
+    puller = rig.puller()
+    state = await finished(puller, await puller.pull(f"{REPO}:Q8_0"))
+    assert state.state == "failed" and state.error is not None
+    assert state.error["code"] == "checksum_mismatch"
+    assert not (rig.models / "Tiny-Q8_0").exists()
+    assert rig.leftovers() == []
+    assert rig.rescans == []
+
+
+async def test_a_gated_repository_needs_the_token_and_says_so_at_once(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES, gated=True)
+    with pytest.raises(HubGatedRepo, match="token"):
+        await rig.puller().pull(f"{REPO}:Q4_K_M")
+    assert rig.leftovers() == []
+    with_token = rig.puller(token=rig.hub.token)
+    state = await finished(with_token, await with_token.pull(f"{REPO}:Q4_K_M"))
+    assert state.state == "done", state.error
+
+
+async def test_unknown_repositories_files_and_hubs_are_clear_errors(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    puller = rig.puller()
+    with pytest.raises(HubRepoNotFound):
+        await puller.pull("org/nothing-here")
+    with pytest.raises(HubFileNotFound, match="Q8_0"):   # it lists what there is
+        await puller.pull(f"{REPO}:Q2_K")
+    offline = Puller(hub=HuggingFaceHub(endpoint="http://127.0.0.1:9", token=None),
+                     models_dir=lambda: rig.models, catalog=Catalog([], {}),
+                     rescan=lambda: asyncio.sleep(0), publish=lambda e: None)
+    with pytest.raises(HubUnreachable):
+        await offline.pull(REPO)
+    assert rig.leftovers() == []
+
+
+async def test_space_is_checked_before_a_byte_is_fetched(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+
+    @dataclass
+    class Usage:
+        total: int = 100 * MIB
+        free: int = 3 * MIB   # the file is 3 MiB; the reserve is 5 MiB of 100
+    puller = rig.puller(disk_usage=lambda path: Usage())
+    with pytest.raises(InsufficientStorage) as e:
+        await puller.pull(f"{REPO}:Q8_0")
+    assert str(rig.models) in e.value.message and e.value.status == 507
+    assert rig.hub.downloads["Tiny-Q8_0.gguf"] == 0 and rig.leftovers() == []
+
+
+class _FullAfter:
+    """A partial file on a disk that fills after `room` bytes."""
+
+    def __init__(self, out: BinaryIO, room: int) -> None:
+        self._out, self._room = out, room
+
+    def write(self, chunk: bytes) -> int:
+        if len(chunk) > self._room:
+            self._out.write(chunk[: self._room])
+            self._room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= len(chunk)
+        return self._out.write(chunk)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
+class FillingDisk(HuggingFaceHub):
+    def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
+                 resume_from: int, cancel: threading.Event) -> None:
+        super().download(repo, commit, file, _FullAfter(out, MIB), resume_from,  # type: ignore[arg-type]
+                         cancel)
+
+
+async def test_a_disk_that_fills_mid_download_leaves_nothing_and_says_so(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    puller = rig.puller(client=FillingDisk(endpoint=rig.url))
+    state = await finished(puller, await puller.pull(f"{REPO}:Q8_0"))
+    assert state.state == "failed" and state.error is not None
+    assert state.error["code"] == "insufficient_storage"
+    assert "filled up" in state.error["message"]
+    assert rig.leftovers() == [] and not (rig.models / "Tiny-Q8_0").exists()
+
+
+async def test_a_pull_the_gateway_stopped_resumes_at_its_bytes(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.throttle_bps = 2 * MIB
+    first = rig.puller()
+    state = await first.pull(f"{REPO}:Q8_0")
+    await until(lambda: state.done_bytes >= MIB, "a first MiB on disk")
+    await first.close()      # the gateway stops mid-download
+    assert "Tiny-Q8_0.json" in rig.leftovers()
+    rig.hub.throttle_bps = None
+    second = rig.puller()    # the next start
+    await second.resume_unfinished()
+    resumed = second.active("Tiny-Q8_0")
+    assert resumed is not None and resumed.resumed_bytes >= MIB
+    assert (await finished(second, resumed)).state == "done", resumed.error
+    assert (rig.models / "Tiny-Q8_0" / "Tiny-Q8_0.gguf").read_bytes() == FILES["Tiny-Q8_0.gguf"]
+    # the next start asked for the rest only (the hub's count of bytes sent cannot say it:
+    # it went on writing the first answer into the socket after its reader stopped)
+    assert rig.hub.gets[-1] == ("Tiny-Q8_0.gguf", f"bytes={resumed.resumed_bytes}-")
+    assert rig.leftovers() == []
+
+
+async def test_a_cancelled_pull_leaves_nothing(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.throttle_bps = MIB
+    puller = rig.puller()
+    state = await puller.pull(f"{REPO}:Q8_0")
+    await until(lambda: state.done_bytes > 0, "bytes arriving")
+    ended = await asyncio.wait_for(puller.cancel("Tiny-Q8_0"), DEADLINE_S)
+    assert ended is not None and ended.state == "cancelled"
+    assert rig.leftovers() == [] and not (rig.models / "Tiny-Q8_0").exists()
+
+
+async def test_a_name_in_use_is_refused_unless_another_is_given(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    other = rig.models.parent / "elsewhere.gguf"
+    taken = Catalog([Model(id="Tiny-Q8_0", config=ModelConfig(name="Tiny-Q8_0", path=other),
+                           names=frozenset({"tiny-q8_0"}))], {})
+    puller = rig.puller(catalog=taken)
+    with pytest.raises(ModelExists):
+        await puller.pull(f"{REPO}:Q8_0")
+    state = await finished(puller, await puller.pull(f"{REPO}:Q8_0", name="mine"))
+    assert state.state == "done" and (rig.models / "mine" / "Tiny-Q8_0.gguf").exists()
+
+
+async def test_split_parts_and_the_projector_come_together(rig: Rig) -> None:
+    parts = {f"Q8_0/Big-Q8_0-0000{i}-of-00003.gguf": data(MIB, 10 + i) for i in (1, 2, 3)}
+    rig.hub.publish("org/Big-GGUF", {**parts, "mmproj-Big-f16.gguf": data(MIB, 20),
+                                     "mmproj-Big-Q8_0.gguf": data(MIB, 21)})
+    puller = rig.puller()
+    state = await finished(puller, await puller.pull("org/Big-GGUF:Q8_0", mmproj=True))
+    assert state.state == "done", state.error
+    landed = sorted(p.name for p in (rig.models / "Big-Q8_0").glob("*.gguf"))
+    assert landed == ["Big-Q8_0-00001-of-00003.gguf", "Big-Q8_0-00002-of-00003.gguf",
+                      "Big-Q8_0-00003-of-00003.gguf", "mmproj-Big-f16.gguf"]
