@@ -278,7 +278,8 @@ def test_pull_and_rm_through_the_installed_service(deb: Path, models: Path) -> N
         unavailable(reason)
     llama = engine_binary("LLAMA_SERVER")
     shutil.copy(models / "tiny-alpha.gguf", models / f"{PULLED}.gguf")
-    size = (models / f"{PULLED}.gguf").stat().st_size
+    # several of the client's 1 MiB chunks: a disk can fill between two of them
+    (models / "big-Q4_0.gguf").write_bytes(os.urandom(6 << 20))
     ro = [deb.parent, models, REPO] + ([ENGINE_CACHE] if ENGINE_CACHE.is_dir() else [])
     box = SystemdContainer(f"pull-{os.getpid() % 100000}", binds_ro=ro)
     box.start()
@@ -286,10 +287,11 @@ def test_pull_and_rm_through_the_installed_service(deb: Path, models: Path) -> N
         box.shell(f"dpkg -i {deb} >/dev/null 2>&1 && install -m755 {llama} "
                   "/usr/local/bin/llama-server && sed -i 's|^llama_server = .*|llama_server = "
                   "\"/usr/local/bin/llama-server\"|' /etc/llm-gateway/gateway.toml")
-        # the hub: slow enough (512 KiB/s) that a pull can be caught mid-file
+        # the hub: slow enough (1 MiB/s) that a pull can be caught mid-file
         box.shell(f"systemd-run --unit=fake-hub -p WorkingDirectory={REPO} "
                   f"{REPO}/.venv/bin/python -m tests.fake_hub --port {HUB_PORT} "
-                  f"--throttle {512 * 1024} --publish org/Tiny-GGUF={models}/{PULLED}.gguf")
+                  f"--throttle {1 << 20} --publish org/Tiny-GGUF={models}/{PULLED}.gguf,"
+                  f"{models}/big-Q4_0.gguf")
         wait(box, f"curl -sf http://127.0.0.1:{HUB_PORT}/api/models/org/Tiny-GGUF")
         box.shell("mkdir -p /etc/systemd/system/llm-gateway.service.d && printf '%s\\n' "
                   f"'[Service]' 'Environment=HF_ENDPOINT=http://127.0.0.1:{HUB_PORT}' > "
@@ -315,18 +317,20 @@ def test_pull_and_rm_through_the_installed_service(deb: Path, models: Path) -> N
         assert PULLED not in [m["id"] for m in listed["data"]]
 
         # a small models_dir that fills while the file arrives: nothing is left behind
-        box.shell(f"mount -t tmpfs -o size={size + 512 * 1024},mode=0755,"
+        box.shell(f"mount -t tmpfs -o size={7 << 20},mode=0755,"
                   "uid=$(id -u llm-gateway),gid=$(id -g llm-gateway) tmpfs "
                   "/var/lib/llm-gateway/models && systemctl restart llm-gateway.service")
-        started = json.loads(box.shell("llm-gateway --json pull --detach org/Tiny-GGUF:Q8_0"))
+        started = json.loads(box.shell("llm-gateway --json pull --detach org/Tiny-GGUF:Q4_0"))
         assert started["state"] == "downloading", started
         wait(box, "llm-gateway --json pulls | python3 -c 'import json,sys; "
                   "sys.exit(json.load(sys.stdin)[\"pulls\"][0][\"done_bytes\"] == 0)'")
         box.shell("dd if=/dev/zero of=/var/lib/llm-gateway/models/filler bs=64k "
                   "2>/dev/null || true")
-        wait(box, "llm-gateway --json pulls | grep -q '\"state\": \"failed\"'")
+        wait(box, "llm-gateway --json pulls | grep -Eq '\"state\": \"(failed|done|cancelled)\"'")
         pull = json.loads(box.shell("llm-gateway --json pulls"))["pulls"][0]
-        assert pull["error"]["code"] == "insufficient_storage", pull
+        journal = box.shell("journalctl -u llm-gateway -o cat --no-pager | tail -20")
+        assert pull["state"] == "failed", (pull, journal)
+        assert pull["error"]["code"] == "insufficient_storage", (pull, journal)
         assert box.shell("find /var/lib/llm-gateway/models -type f").split() == [
             "/var/lib/llm-gateway/models/filler"]
     finally:
