@@ -835,8 +835,52 @@ ANY_ENGINE = (
                   "processes_is_learned_too",)),
 )
 
+PULLS_T = "tests/unit/test_pulls.py::"
+PULL_API_T = "tests/http/test_pull_api.py::"
+PULLS = (
+    Mutant("pull-unverified", "a pulled file is checked against the hub's hash before it "
+           "lands", "gatewayd/service/pulls.py",
+           "            await asyncio.to_thread(_verify, part, file)\n",
+           "            pass\n",
+           tests=(PULLS_T + "test_a_corrupt_file_is_refused_and_nothing_is_left",)),
+    Mutant("pull-restarts-at-zero", "a pull resumes at the bytes it has",
+           "gatewayd/service/pulls.py",
+           "            have = out.tell()\n",
+           "            have = out.truncate(0)\n",
+           tests=(PULLS_T + "test_a_pull_the_gateway_stopped_resumes_at_its_bytes",)),
+    Mutant("pull-full-disk-keeps-bytes", "a disk that filled gets the pull's partial bytes "
+           "back", "gatewayd/service/pulls.py",
+           "            full = e.errno in (errno.ENOSPC, errno.EDQUOT)\n"
+           "            keep_partial = False\n",
+           "            full = e.errno in (errno.ENOSPC, errno.EDQUOT)\n"
+           "            keep_partial = True\n",
+           tests=(PULLS_T + "test_a_disk_that_fills_mid_download_leaves_nothing_and_says_so",)),
+    Mutant("pull-quant-unbounded", "Q4_K is not Q4_K_M, Q4_XS is not IQ4_XS",
+           "gatewayd/core/pull.py",
+           '    return re.search(rf"(?<![a-z0-9_]){re.escape(quant.casefold())}(?![a-z0-9_])",',
+           '    return re.search(rf"{re.escape(quant.casefold())}",',
+           tests=("tests/unit/test_pull_core.py::test_the_quant_picks_its_file_and_not_a_"
+                  "longer_or_i_quant",)),
+    Mutant("pull-name-escapes", "a model's name is one folder in models_dir",
+           "gatewayd/core/pull.py",
+           '    if not name or name.startswith(".") or _NAME_UNSAFE.search(name) '
+           'or len(name) > 200:',
+           '    if not name or len(name) > 200:',
+           tests=("tests/unit/test_pull_core.py::test_names_are_one_safe_folder",)),
+    Mutant("rm-configured-model", "rm leaves a configured model to the configuration",
+           "gatewayd/service/model_removal.py",
+           "    if any(m.name == model.id for m in config.models):",
+           "    if False:",
+           tests=(PULL_API_T + "test_rm_leaves_a_configured_model_to_the_configuration",)),
+    Mutant("rm-running-model", "rm refuses a running engine's model without --force",
+           "gatewayd/service/model_removal.py",
+           "    if (running or model.config.pin) and not force:",
+           "    if model.config.pin and not force:",
+           tests=(PULL_API_T + "test_rm_refuses_a_running_model_unless_forced",)),
+)
+
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
-           + ANY_ENGINE)
+           + ANY_ENGINE + PULLS)
 
 
 def copy_tree(dest: Path) -> None:
