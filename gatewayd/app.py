@@ -189,6 +189,12 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
         systemd.close()
 
 
+async def _pulls_at_start(puller: Puller, engines: EngineManager) -> None:
+    await puller.resume_unfinished()
+    await puller.pull_sources(list(engines.catalog),
+                              then=lambda model: engines.start(model.id, wait=False))
+
+
 def read_config(source: Path | None) -> tuple[GatewayConfig, Catalog]:
     """The configuration file (the one the gateway started with) and its catalog, read
     and validated whole: ConfigError says what is wrong, with the key."""
@@ -269,8 +275,10 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     app[admin_api.PULLER] = puller = Puller(
         hub=HuggingFaceHub(token=hub_token()), models_dir=lambda: engines.config.models_dir,
         catalog=engines.catalog, rescan=reloader.rescan_models, publish=hub.publish)
-    # a pull the last run did not finish goes on from the bytes it had
-    resume = asyncio.get_running_loop().create_task(puller.resume_unfinished())
+    front.puller = puller
+    # a pull the last run did not finish goes on from the bytes it had; then the preload
+    # models that name a source and are not here yet, each started once pulled
+    resume = asyncio.get_running_loop().create_task(_pulls_at_start(puller, engines))
     try:
         yield
     finally:

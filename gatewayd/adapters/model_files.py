@@ -7,6 +7,7 @@ The core's catalog (gatewayd.core.catalog) validates names and answers
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from gatewayd.adapters.gguf_meta import read_gguf_facts
@@ -61,6 +62,7 @@ class TensorTables:
 
 def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_header) -> Catalog:
     """The catalog of config: its [models.NAME] entries plus what models_dir holds."""
+    config = with_pulled_files(config)
     explicit_paths = {m.path.resolve() for m in config.models if m.path is not None}
     discovered = [] if config.models_dir is None else [
         m for m in discover(config.models_dir)
@@ -68,6 +70,21 @@ def load_catalog(config: GatewayConfig, read_facts: FactsReader = read_header) -
     files = {m.path: inspect(m, read_facts) for m in (*config.models, *discovered)
              if m.path is not None}
     return build_catalog(config, discovered, files)
+
+
+def with_pulled_files(config: GatewayConfig) -> GatewayConfig:
+    """A [models.NAME] with a source and no path gets the file pulled for it into
+    models_dir/NAME/, once it is there (service/pulls lands it whole, in one rename)."""
+    if config.models_dir is None or not any(m.source and m.path is None for m in config.models):
+        return config
+    models = []
+    for m in config.models:
+        if m.source and m.path is None:
+            found = [d for d in discover_folder(config.models_dir / m.name, m.name) if d.path]
+            if found:
+                m = replace(m, path=found[0].path, mmproj=found[0].mmproj)
+        models.append(m)
+    return replace(config, models=tuple(models))
 
 
 def inspect(model: ModelConfig, read_facts: FactsReader = read_header) -> ModelFile:
@@ -109,18 +126,25 @@ def discover(models_dir: Path) -> list[ModelConfig]:
                 continue
             found.append(ModelConfig(name=entry.name.removesuffix(".gguf"), path=entry))
         elif entry.is_dir():
-            ggufs = sorted(p for p in entry.glob("*.gguf") if p.is_file())
-            weights = [p for p in ggufs if not _is_mmproj(p) and not _is_later_split_part(p)]
-            mmprojs = [p for p in ggufs if _is_mmproj(p)]
-            if len(weights) == 1:
-                found.append(ModelConfig(name=entry.name, path=weights[0],
-                                         mmproj=mmprojs[0] if mmprojs else None))
-            elif len(weights) > 1:
-                raise ConfigError(
-                    f"models_dir: {entry} holds several models "
-                    f"({', '.join(p.name for p in weights)}); a subdirectory is one model "
-                    "(move the others out, or configure them as [models.NAME])")
+            found += discover_folder(entry, entry.name)
     return found
+
+
+def discover_folder(folder: Path, name: str) -> list[ModelConfig]:
+    """A subdirectory of models_dir: one model (its weights, a projector beside them)."""
+    try:
+        ggufs = sorted(p for p in folder.glob("*.gguf") if p.is_file())
+    except OSError:
+        return []
+    weights = [p for p in ggufs if not _is_mmproj(p) and not _is_later_split_part(p)]
+    mmprojs = [p for p in ggufs if _is_mmproj(p)]
+    if len(weights) > 1:
+        raise ConfigError(
+            f"models_dir: {folder} holds several models "
+            f"({', '.join(p.name for p in weights)}); a subdirectory is one model "
+            "(move the others out, or configure them as [models.NAME])")
+    return [ModelConfig(name=name, path=weights[0], mmproj=mmprojs[0] if mmprojs else None)
+            ] if weights else []
 
 
 def _is_mmproj(path: Path) -> bool:

@@ -107,6 +107,8 @@ class Model:
             "parameter_count": facts.parameter_count if facts else None,
             "header_error": facts.error if facts else None,
             "aliases": sorted(self.names),
+            "source": self.config.source,
+            "downloaded": self.config.downloaded,
         }
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from gatewayd.core.auth import KeyRing
-from gatewayd.core.errors import ConfigError
+from gatewayd.core.errors import ConfigError, ModelSourceInvalid
+from gatewayd.core.pull import PullSpec, valid_name
 from gatewayd.core.upstreams import UpstreamConfig, parse_upstreams
 
 DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
@@ -110,6 +111,14 @@ class ModelConfig:
     ready_status: int = 200
     vram_mib: int | None = None
     ram_mib: int | None = None
+    # where the file comes from when it is not here yet (`llm-gateway pull`'s source:
+    # ORG/REPO[:QUANT|:FILE] or hf://ORG/REPO/FILE): pulled into models_dir/NAME/ at first use
+    source: str | None = None
+
+    @property
+    def downloaded(self) -> bool:
+        """Whether its file is here (a model with a source and no path is not yet)."""
+        return self.source is None or self.path is not None
 
     @property
     def listens_on_port(self) -> bool:
@@ -201,7 +210,7 @@ _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env"
                "vram_margin_mib", "threads",
                "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind",
                "kv_cache_save", "spill_over", "command", "ready_path", "ready_status",
-               "vram_mib", "ram_mib"}
+               "vram_mib", "ram_mib", "source"}
 _OPENAI_ONLY = ("command", "ready_path", "ready_status")
 _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
@@ -265,6 +274,10 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     if spilling and not upstreams:
         raise ConfigError(f"{where}: spill_over is set for {', '.join(spilling)} but there is "
                           "no [upstreams.NAME] table to spill over to")
+    sourced = [m.name for m in models if m.source]
+    if sourced and data.get("models_dir") is None:
+        raise ConfigError(f"{where}: {', '.join(sourced)} name a source to pull from, but "
+                          "there is no models_dir to pull into")
     port = _expect(listen.get("port", 8080), int, where, "listen.port")
     if not 0 < port < 65536:
         raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
@@ -490,8 +503,10 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
         raise ConfigError(f"{where}: {key}.backend must be one of "
                           f"{', '.join(repr(b.value) for b in Backend)}") from None
     path = _path(table.get("path"), base, where, f"{key}.path")
-    if path is None and backend is not Backend.OPENAI:
-        raise ConfigError(f"{where}: [{key}] needs a path (the model file)")
+    source = _source(table.get("source"), path, backend, where, key, name)
+    if path is None and source is None and backend is not Backend.OPENAI:
+        raise ConfigError(f"{where}: [{key}] needs a path (the model file) or a source "
+                          "(where to pull it from)")
     args = _expect(table.get("args", []), list, where, f"{key}.args")
     if args and backend is Backend.OPENAI:
         raise ConfigError(f"{where}: {key}.args is for llama and whisper models; an openai "
@@ -541,7 +556,26 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
         command=command, ready_path=ready_path, ready_status=ready_status,
         vram_mib=_mib(table.get("vram_mib"), where, f"{key}.vram_mib"),
         ram_mib=_mib(table.get("ram_mib"), where, f"{key}.ram_mib"),
+        source=source,
     )
+
+
+def _source(value: Any, path: Path | None, backend: Backend, where: str,
+            key: str, name: str) -> str | None:
+    """A model's hub source, as `llm-gateway pull` takes it (normalised)."""
+    if value is None:
+        return None
+    text = _expect(value, str, where, f"{key}.source")
+    if path is not None:
+        raise ConfigError(f"{where}: [{key}] has a path and a source: the source is where "
+                          "the file is pulled from when it is not here; give one of them")
+    if backend is not Backend.LLAMA:
+        raise ConfigError(f"{where}: {key}.source is for llama models (GGUF files)")
+    try:
+        valid_name(name)   # pulled into models_dir/NAME/
+        return str(PullSpec.parse(text))
+    except ModelSourceInvalid as e:
+        raise ConfigError(f"{where}: {key}.source: {e.message}") from None
 
 
 def _mib(value: Any, where: str, key: str) -> int | None:

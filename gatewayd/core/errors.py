@@ -375,6 +375,13 @@ class ModelExists(PullError):
     status, type, code = 409, "invalid_request_error", "model_exists"
 
 
+class ModelDownloading(GatewayError):
+    """A model with a source is being pulled and will not be here within the caller's
+    wait: ask again after Retry-After (the download's ETA)."""
+
+    status, type, code = 503, "server_error", "model_downloading"
+
+
 class ModelInUse(GatewayError):
     """`rm` of a model whose engine runs or is pinned (`--force` stops it first)."""
 

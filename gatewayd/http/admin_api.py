@@ -118,6 +118,8 @@ async def list_engines(request: web.Request) -> web.Response:
 async def start_engine(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
     model = mgr.catalog.resolve(await _model_field(request))
+    if (puller := request.app.get(PULLER)) is not None:   # a source not pulled yet
+        await puller.ensure(model, mgr.config.load_timeout_s)
     engine = await mgr.start(model.id)
     mgr.read_ram()
     return web.json_response({"engine": engine_json(mgr, engine, await mgr.info(engine))})

@@ -64,6 +64,7 @@ from gatewayd.http.proxy import (
 )
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.pulls import Puller
 
 # where llama-server honours stream_options.include_usage
 USAGE_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
@@ -86,6 +87,7 @@ class FrontDoor:
     records: RecordWriter | None
     metrics: GatewayMetrics | None = None
     remotes: Remotes = field(default_factory=lambda: Remotes((), read_timeout_s=600))
+    puller: Puller | None = None     # a configured model's file pulled at its first use
 
 
 FRONT = web.AppKey("front", FrontDoor)
@@ -248,6 +250,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         call = Call(request, record, t0, payload, body, headers, stream, drop_usage,
                     matched.target,
                     whisper=local is not None and local.backend is Backend.WHISPER)
+        if local is not None and not local.config.downloaded and autoload \
+                and front.puller is not None:
+            # its file pulled from its source first, within the wait for a load; the
+            # catalog has it once this returns (503 model_downloading with the ETA if not)
+            await front.puller.ensure(local, front.config.load_timeout_s)
         if local is None:
             response = await relay_remote(front, call, names, model_id)
         elif local.config.spill_over and matched.route.upstream \

@@ -47,6 +47,7 @@ from gatewayd.core.engines import (
 from gatewayd.core.errors import (
     EngineNotRunning,
     GatewayError,
+    ModelDownloading,
     ModelNotFound,
     UnitAlreadyActive,
 )
@@ -74,6 +75,11 @@ def configured(catalog: Catalog, model_id: str) -> Model:
     if model is None:
         raise ModelNotFound(f"model {model_id!r} does not exist", param="model",
                             available_models=catalog.ids)
+    if not model.config.downloaded:   # its engine would have no file to load
+        raise ModelDownloading(f"model {model_id!r} is not downloaded yet: a request for it "
+                               f"pulls it from {model.config.source} (or `llm-gateway pull "
+                               f"{model.config.source} --name {model_id}`)", param="model",
+                               retry_after=10)
     return model
 
 

@@ -23,6 +23,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -32,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from gatewayd.core.catalog import Catalog
+from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.errors import (
     ChecksumMismatch,
     GatewayError,
     HubUnreachable,
     InsufficientStorage,
+    ModelDownloading,
     ModelExists,
     PullError,
     PullNotPossible,
@@ -51,6 +53,7 @@ from gatewayd.core.pull import (
     RemoteFile,
     Selection,
     check_space,
+    eta_seconds,
     select,
 )
 
@@ -95,6 +98,7 @@ class Puller:
         self._active: dict[str, _Pull] = {}
         self._finished: list[PullState] = []
         self._blob_locks: dict[str, asyncio.Lock] = {}
+        self._failures: dict[str, GatewayError] = {}   # the last pull of each, if it failed
         self._start_lock = asyncio.Lock()   # one resolution at a time: names are claimed
 
     # -- what callers see ----------------------------------------------------------------
@@ -107,10 +111,11 @@ class Puller:
         return pull.state if pull else None
 
     async def pull(self, source: str, *, name: str | None = None,
-                   mmproj: bool = False) -> PullState:
+                   mmproj: bool = False, for_model: bool = False) -> PullState:
         """Start pulling source (or join the pull of the same model already running);
         answers once the files are chosen and known to fit. The download goes on after
-        the caller leaves: /admin/events and /admin/pulls follow it."""
+        the caller leaves: /admin/events and /admin/pulls follow it. for_model: the file
+        of a configured model of that name (its [models.NAME] source), which the name is."""
         spec = PullSpec.parse(source)
         models_dir = self._writable_models_dir()
         listing = await asyncio.to_thread(self._hub.listing, spec.repo, spec.revision)
@@ -128,7 +133,8 @@ class Puller:
                 return running.state     # the same files: one download, both follow it
             if (done := self._already_here(models_dir, selection, listing.commit)) is not None:
                 return done
-            self._claim_name(models_dir, selection)
+            if not for_model:
+                self._claim_name(models_dir, selection)
             need = sum(max(f.size - self._partial_size(models_dir, f), 0)
                        for f in selection.files)
             usage = self._disk_usage(models_dir)
@@ -139,6 +145,7 @@ class Puller:
                                   models_dir, selection.name, selection.files))
             state.done_bytes = state.resumed_bytes
             pull = _Pull(state=state, selection=selection, spec=spec)
+            self._failures.pop(selection.name, None)
             self._record(models_dir, pull, mmproj=mmproj)
             self._active[selection.name] = pull
         pull.task = asyncio.get_running_loop().create_task(self._run(models_dir, pull))
@@ -146,6 +153,37 @@ class Puller:
                  ", ".join(f.path for f in selection.files), size_text(state.total_bytes))
         self._event(state)
         return state
+
+    async def ensure(self, model: Model, wait_s: float) -> None:
+        """A configured model's file pulled from its source (or its pull joined): returns
+        once the file is here and the catalog has it, within wait_s; ModelDownloading (503,
+        Retry-After: the download's ETA) when it will not be here in time; the pull's own
+        error when it fails."""
+        if model.config.downloaded or model.config.source is None:
+            return
+        if self.active(model.id) is None:
+            state = await self.pull(model.config.source, name=model.id, for_model=True)
+            if state.state == "done":   # pulled meanwhile: the catalog may not know yet
+                await self._rescan()
+                return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (pull := self._active.get(model.id)) is not None and pull.task is not None:
+            left = deadline - loop.time()
+            state = pull.state
+            rate = state.meter.rate()
+            eta = eta_seconds(state.total_bytes - state.done_bytes, rate)
+            if left <= 0 or (eta is not None and eta > left + PROGRESS_S):
+                raise ModelDownloading(
+                    f"model {model.id!r} is being downloaded from {state.source}: "
+                    f"{size_text(state.done_bytes)} of {size_text(state.total_bytes)}"
+                    + (f", about {eta:.0f} s left" if eta is not None else "")
+                    + "; ask again then", param="model",
+                    retry_after=max(1, math.ceil(eta if eta is not None else 10)),
+                    done_bytes=state.done_bytes, total_bytes=state.total_bytes)
+            await asyncio.wait({pull.task}, timeout=min(left, 1.0))
+        if (failure := self._failures.get(model.id)) is not None:
+            raise failure
 
     async def wait(self, name: str) -> PullState | None:
         """The pull of name once it ends (None: there was none)."""
@@ -163,6 +201,20 @@ class Puller:
             return None
         pull.cancel.set()
         return await self.wait(name)
+
+    async def pull_sources(self, models: list[Model],
+                           then: Callable[[Model], Awaitable[object]]) -> None:
+        """At the start: the preload models with a source and no file yet, pulled one at
+        a time, each started (then) once it is here."""
+        for model in models:
+            if model.config.downloaded or not model.config.preload:
+                continue
+            try:
+                await self.ensure(model, wait_s=math.inf)
+                if (here := self._catalog.get(model.id)) is not None:
+                    await then(here)
+            except GatewayError as e:
+                log.warning("preload: %s could not be pulled: %s", model.id, e.message)
 
     async def resume_unfinished(self) -> None:
         """The pulls a previous run did not finish, started again at the bytes they had
@@ -381,6 +433,7 @@ class Puller:
         self._forget_record(models_dir, pull.state.name)
 
     def _fail(self, state: PullState, error: GatewayError) -> None:
+        self._failures[state.name] = error
         state.state = "failed"
         state.error = {"message": error.message, "type": error.type, "code": error.code}
         log.warning("pulling %s failed: %s", state.name, error.message)

@@ -64,6 +64,10 @@ async def restore(engines: EngineManager) -> None:
         if model_id not in engines.catalog:
             log.warning("restore: %r is no longer in the catalog; skipped", model_id)
             continue
+        if (model := engines.catalog.get(model_id)) and not model.config.downloaded:
+            log.info("restore: %s waits for its download (started once it is here)",
+                     model_id)
+            continue
         log.info("restore: starting %s", model_id)
         try:
             engine = await engines.start(model_id)

@@ -24,6 +24,7 @@ from gatewayd.service.pulls import Puller
 from gatewayd.service.reload import Reloader
 from tests.fake_hub import FakeHub, serve_hub
 from tests.fakes import dispatcher_for, engine_manager_on_fakes
+from tests.http.test_front_door import _gateway, chat
 from tests.unit.test_pulls import FILES, REPO
 
 Client = TestClient[web.Request, web.Application]
@@ -173,3 +174,57 @@ async def test_rm_leaves_a_configured_model_to_the_configuration(tmp_path: Path)
             assert (await resp.json())["error"]["code"] == "model_not_removable"
             assert (tmp_path / "a.gguf").exists()
         await mgr.close()
+
+
+async def test_a_configured_source_is_pulled_by_its_first_start(tmp_path: Path) -> None:
+    hub = FakeHub()
+    hub.publish(REPO, FILES)
+    async with serve_hub(hub) as url:
+        client, mgr = await api_on(tmp_path, url, models_dir=tmp_path, load_timeout_s=1.0,
+                                   models=(ModelConfig(name="fresh", path=None,
+                                                       source=f"{REPO}:Q4_K_M"),
+                                           ModelConfig(name="slow", path=None,
+                                                       source=f"{REPO}:Q8_0")))
+        async with client:
+            # the catalog as the gateway loads it: the configured models without files
+            await client.app[admin_api.RELOADER].rescan_models()
+            listed = {m["id"]: m for m in (await (await client.get("/admin/models")).json())
+                      ["models"]}
+            assert listed["fresh"]["downloaded"] is False and listed["fresh"]["path"] is None
+            resp = await client.post("/admin/engines/start", json={"model": "fresh"})
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["engine"]["state"] == "ready"
+            assert (tmp_path / "fresh" / "Tiny-Q4_K_M.gguf").read_bytes() \
+                == FILES["Tiny-Q4_K_M.gguf"]
+            listed = {m["id"]: m for m in (await (await client.get("/admin/models")).json())
+                      ["models"]}
+            assert listed["fresh"]["downloaded"] is True
+            # longer than the wait for a load (1 s here): 503 with the ETA, and it goes on
+            hub.throttle_bps = 512 * 1024
+            resp = await client.post("/admin/engines/start", json={"model": "slow"})
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "model_downloading"
+            assert 1 <= int(resp.headers["Retry-After"]) <= 30
+            hub.throttle_bps = None
+            assert (await until_done(client, "slow"))["state"] == "done"
+            await client.app[admin_api.PULLER].close()
+        await mgr.close()
+
+
+async def test_the_first_request_for_a_configured_source_pulls_it_then_is_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the whole app (build_app): the request waits for the download, then is
+    relayed to the engine started on the pulled file; the record says so."""
+    hub = FakeHub()
+    hub.publish(REPO, FILES)
+    async with serve_hub(hub) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)   # read by the app's hub client
+        async for gw in _gateway(tmp_path, (), models_dir=tmp_path, models=(
+                ModelConfig(name="c", path=None, source=f"{REPO}:Q4_K_M"),)):
+            (tmp_path / "c.gguf").unlink()   # c is the configured one, not yet here
+            await gw.client.app[admin_api.RELOADER].rescan_models()
+            assert not gw.engines.catalog.resolve("c").config.downloaded
+            resp = await gw.client.post("/v1/chat/completions", json=chat("c"))
+            assert resp.status == 200, await resp.text()
+            assert gw.engines.catalog.resolve("c").path == tmp_path / "c" / "Tiny-Q4_K_M.gguf"
+            assert [r.path for r in gw.fakes["c"].requests] == ["/v1/chat/completions"]

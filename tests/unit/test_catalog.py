@@ -167,3 +167,18 @@ def test_the_catalog_reads_headers_only_and_tensor_tables_wait_until_an_estimate
     (tmp_path / "tiny.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes() + b"\0" * 64)
     tables.estimate(model, gpu=False)                   # the file changed: read again
     assert reads == [False, True, True]
+
+
+def test_a_sourced_model_has_its_file_once_pulled_into_its_folder(tmp_path: Path) -> None:
+    config = GatewayConfig(models_dir=tmp_path, models=(
+        ModelConfig(name="tiny", path=None, source="org/Tiny-GGUF:Q8_0"),))
+    before = load_catalog(config, _facts({}))
+    assert before.ids == ["tiny"] and not before.resolve("tiny").config.downloaded
+    assert before.resolve("tiny").describe()["downloaded"] is False
+    weights = _touch(tmp_path / "tiny" / "Tiny-Q8_0.gguf")
+    projector = _touch(tmp_path / "tiny" / "mmproj-Tiny-f16.gguf")
+    after = load_catalog(config, _facts({}))
+    tiny = after.resolve("tiny")
+    assert after.ids == ["tiny"]           # its folder is its file, not a second model
+    assert tiny.path == weights and tiny.config.mmproj == projector
+    assert tiny.config.downloaded and tiny.size_bytes == 8

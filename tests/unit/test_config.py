@@ -72,6 +72,13 @@ cuda_visible_devices = "1"
     ({"models": {"a": {"path": "/x", "memory_max": "lots"}}}, "is not a size"),
     ({"models": {"a": {"path": "/x", "cpu_quota": "2"}}}, "is not a CPU quota"),
     ({"models": {"a": {"path": "/x", "args": ["-t", 4]}}}, "must be a str"),
+    ({"models_dir": "/m", "models": {"a": {"source": "org/r:Q4_0", "path": "/x"}}},
+     "a path and a source"),
+    ({"models": {"a": {"source": "org/r:Q4_0"}}}, "no models_dir to pull into"),
+    ({"models_dir": "/m", "models": {"a": {"source": "not a repo"}}}, "a.source: 'not a repo'"),
+    ({"models_dir": "/m", "models": {"a:7b": {"source": "org/r"}}}, "cannot name a model"),
+    ({"models_dir": "/m", "models": {"a": {"source": "org/r", "backend": "whisper"}}},
+     "for llama models"),
 ])
 def test_invalid_config_names_the_key(data: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -189,3 +196,11 @@ def test_the_bounds_have_defaults_and_are_checked(tmp_path: Path) -> None:
             parse_config({"models": {"a": {"path": "/x", "memory_max": size}}})
     with pytest.raises(ConfigError, match="is not a CPU quota"):
         parse_config({"models": {"a": {"path": "/x", "cpu_quota": "inf%"}}})
+
+
+def test_a_source_is_where_a_model_without_a_file_comes_from() -> None:
+    config = parse_config({"models_dir": "/m", "models": {
+        "tiny": {"source": "hf://org/Tiny-GGUF/Tiny-Q8_0.gguf", "preload": True}}})
+    tiny = config.models[0]
+    assert tiny.source == "org/Tiny-GGUF:Tiny-Q8_0.gguf" and tiny.path is None
+    assert not tiny.downloaded and tiny.preload

@@ -21,11 +21,13 @@ from gatewayd.adapters.hub import HuggingFaceHub
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import ModelConfig
 from gatewayd.core.errors import (
+    ChecksumMismatch,
     HubFileNotFound,
     HubGatedRepo,
     HubRepoNotFound,
     HubUnreachable,
     InsufficientStorage,
+    ModelDownloading,
     ModelExists,
 )
 from gatewayd.core.pull import PullState, RemoteFile
@@ -300,3 +302,44 @@ async def test_split_parts_and_the_projector_come_together(rig: Rig) -> None:
     landed = sorted(p.name for p in (rig.models / "Big-Q8_0").glob("*.gguf"))
     assert landed == ["Big-Q8_0-00001-of-00003.gguf", "Big-Q8_0-00002-of-00003.gguf",
                       "Big-Q8_0-00003-of-00003.gguf", "mmproj-Big-f16.gguf"]
+
+
+def sourced(name: str, source: str, models: Path) -> Model:
+    """A configured model whose file is not here yet, as the catalog holds it."""
+    return Model(id=name, config=ModelConfig(name=name, path=None, source=source),
+                 names=frozenset({name.casefold()}))
+
+
+async def test_a_configured_source_is_pulled_under_the_models_own_name(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    model = sourced("tiny", f"{REPO}:Q4_K_M", rig.models)
+    puller = rig.puller(catalog=Catalog([model], {}))   # the name is its own, not taken
+    await asyncio.wait_for(puller.ensure(model, wait_s=DEADLINE_S), DEADLINE_S)
+    assert (rig.models / "tiny" / "Tiny-Q4_K_M.gguf").read_bytes() == FILES["Tiny-Q4_K_M.gguf"]
+    assert rig.rescans == [1]      # the catalog has its file when ensure returns
+
+
+async def test_a_download_longer_than_the_wait_is_a_503_with_its_eta(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.throttle_bps = MIB // 2          # the 3 MiB file: ~6 s
+    model = sourced("tiny", f"{REPO}:Q8_0", rig.models)
+    puller = rig.puller(catalog=Catalog([model], {}))
+    with pytest.raises(ModelDownloading) as e:
+        await asyncio.wait_for(puller.ensure(model, wait_s=1.0), DEADLINE_S)
+    assert e.value.status == 503 and e.value.retry_after is not None
+    assert 1 <= e.value.retry_after <= 30 and e.value.extra["total_bytes"] == 3 * MIB
+    assert "being downloaded" in e.value.message
+    second = puller.active("tiny")     # the download goes on for the next request
+    assert second is not None and second.state == "downloading"
+    rig.hub.throttle_bps = None
+    await asyncio.wait_for(puller.ensure(model, wait_s=DEADLINE_S), DEADLINE_S)
+    assert rig.hub.downloads["Tiny-Q8_0.gguf"] == 1
+
+
+async def test_a_failed_source_pull_answers_with_its_error(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.corrupt.add("Tiny-Q4_K_M.gguf")
+    model = sourced("tiny", f"{REPO}:Q4_K_M", rig.models)
+    puller = rig.puller(catalog=Catalog([model], {}))
+    with pytest.raises(ChecksumMismatch):
+        await asyncio.wait_for(puller.ensure(model, wait_s=DEADLINE_S), DEADLINE_S)
