@@ -15,8 +15,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.hub import HuggingFaceHub
+from gatewayd.adapters.kv_cache import KvCache
+from gatewayd.adapters.learned_memory import RAM_FILE_NAME, LearnedMemory
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.core.config import ModelConfig
+from gatewayd.core.engine_units import EngineLayout
 from gatewayd.http import admin_api, pull_api
 from gatewayd.http.middleware import error_middleware
 from gatewayd.service.engine_manager import EngineManager
@@ -141,6 +144,32 @@ async def test_rm_refuses_a_running_model_unless_forced(api: Api) -> None:
     assert api.mgr.get("a") is None or api.mgr.get("a").state.value == "stopped"  # type: ignore[union-attr]
     resp = await c.post("/admin/models/remove", json={"model": "a"})
     assert resp.status == 404
+
+
+async def test_rm_takes_the_kv_cache_and_the_learned_memory_with_it(tmp_path: Path) -> None:
+    kv_cache = KvCache(tmp_path / "state" / "kv-cache", 64 << 20)
+    learned, learned_ram = LearnedMemory(tmp_path / "state"), \
+        LearnedMemory(tmp_path / "state", RAM_FILE_NAME)
+    async with serve_hub(FakeHub()) as url:
+        client, mgr = await api_on(tmp_path, url, models_dir=tmp_path, kv_cache=kv_cache,
+                                   learned=learned, learned_ram=learned_ram)
+        async with client:
+            a_dir, b_dir = (kv_cache.directory(EngineLayout.for_model(m).instance)
+                            for m in ("a", "b"))
+            for d in (a_dir, b_dir):
+                d.mkdir(parents=True)
+                (d / "slot0.bin").write_bytes(b"kv")
+            learned.record("a-setup", "a", 700)
+            learned_ram.record("a-setup", "a", 900)
+            learned.record("b-setup", "b", 500)
+            resp = await client.post("/admin/models/remove", json={"model": "a"})
+            assert resp.status == 200, await resp.text()
+            assert not a_dir.exists() and (b_dir / "slot0.bin").exists()
+            assert learned.get("a-setup") is None and learned_ram.get("a-setup") is None
+            assert learned.get("b-setup") == 500
+            assert LearnedMemory(tmp_path / "state").get("a-setup") is None   # on disk too
+            await client.app[admin_api.PULLER].close()
+        await mgr.close()
 
 
 async def test_rm_of_a_pulled_model_deletes_its_folder(api: Api) -> None:
