@@ -34,6 +34,7 @@ TOKEN_CREDENTIAL = "hf-token"   # LoadCredential= name (systemd.exec(5))
 # http_get writes (and a cut loses) whole chunks of this size; the library's 10 MiB made a
 # pull's progress move in 10 MiB steps and a resume lose up to 10 MiB
 CHUNK_BYTES = 1024 * 1024
+FRESH_ADDRESSES = 3
 
 
 def hub_token(environ: dict[str, str] | None = None) -> str | None:
@@ -78,20 +79,33 @@ class HuggingFaceHub:
 
     def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
                  resume_from: int, cancel: threading.Event) -> None:
-        """Append the file's bytes after the resume_from already in out; raises Cancelled
-        once cancel is set, OSError when writing fails (a full disk)."""
-        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+        """Append the file's bytes after the resume_from already in out; raises
+        PullCancelled once cancel is set, OSError when writing fails (a full disk).
+
+        The CDN's address is signed for a while (an hour on the hub): a download that
+        outlives it, or a cut after it, is answered 403 there, and the hub is asked for a
+        fresh address, from the bytes there are (FRESH_ADDRESSES times at most)."""
+        from huggingface_hub import constants, errors, get_hf_file_metadata, hf_hub_url
         from huggingface_hub.file_download import http_get
         from huggingface_hub.utils import build_hf_headers, disable_progress_bars
         disable_progress_bars()   # progress is the gateway's events, not a bar on stderr
         constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)
+        sink = cast(BinaryIO, _Sink(out, cancel))
         with _translated(repo, file.path):
             url = hf_hub_url(repo, file.path, revision=commit, endpoint=self.endpoint)
-            meta = get_hf_file_metadata(url, token=self._token, endpoint=self.endpoint,
-                                        retry_on_errors=True)
-            http_get(meta.location, cast(BinaryIO, _Sink(out, cancel)), resume_size=resume_from,
-                     headers=build_hf_headers(token=self._token),
-                     expected_size=file.size, displayed_filename=file.name)
+            for attempt in range(FRESH_ADDRESSES + 1):
+                meta = get_hf_file_metadata(url, token=self._token, endpoint=self.endpoint,
+                                            retry_on_errors=True)
+                try:
+                    http_get(meta.location, sink, resume_size=out.tell(),
+                             headers=build_hf_headers(token=self._token),
+                             expected_size=file.size, displayed_filename=file.name)
+                    return
+                except errors.HfHubHTTPError as e:
+                    status = e.response.status_code if e.response is not None else None
+                    if status not in (403, 410) or meta.location == url \
+                            or attempt == FRESH_ADDRESSES:
+                        raise
 
 
 class _Sink:

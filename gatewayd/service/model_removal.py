@@ -44,6 +44,8 @@ async def remove_model(name: str, *, force: bool, engines: EngineManager, puller
         return Removed(model=name, paths=(), freed_bytes=0, cancelled_pull=True) \
             if state is not None else await remove_model(
                 name, force=force, engines=engines, puller=puller, rescan=rescan)
+    if engines.catalog.find(name) is None and puller.discard_unfinished(name):
+        return Removed(model=name, paths=(), freed_bytes=0, cancelled_pull=True)
     model = engines.catalog.resolve(name)
     config = engines.config
     if any(m.name == model.id for m in config.models):

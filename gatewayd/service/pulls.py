@@ -12,7 +12,9 @@ On disk, under models_dir (the gateway's own; the catalog skips dot-folders):
 
 A file is verified against the hub's SHA-256 (LFS) or git blob id before it leaves
 blobs/; a mismatch discards it. A full disk discards the pull's partial bytes (the space
-is what was missing); an unreachable hub keeps them, for the next try.
+is what was missing); any other failure (the hub unreachable, an error answer) keeps
+them and the record, for the next try: a pull again, or the next start (`rm NAME` drops
+them). A record whose repository or file is gone is dropped at that start.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.errors import (
     ChecksumMismatch,
     GatewayError,
-    HubUnreachable,
+    HubFileNotFound,
+    HubRepoNotFound,
     InsufficientStorage,
     ModelDownloading,
     ModelExists,
+    ModelSourceInvalid,
     PullError,
     PullNotPossible,
 )
@@ -58,6 +62,8 @@ from gatewayd.core.pull import (
 )
 
 log = logging.getLogger("gatewayd.pull")
+# what a pull that could not resume will never get past: its bytes are deleted
+GONE = (HubRepoNotFound, HubFileNotFound, ModelSourceInvalid)
 PULL_DIR = ".pull"
 SOURCE_FILE = ".source.json"
 PROGRESS_S = 0.5          # how often a running pull's progress is published
@@ -236,6 +242,8 @@ class Puller:
             except GatewayError as e:
                 log.warning("the unfinished pull %s could not resume: %s", record_path.stem,
                             e.message)
+                if isinstance(e, GONE):   # it never will: its bytes go
+                    self._discard_record(models_dir, record_path.stem)
 
     async def close(self) -> None:
         """The gateway stops: running downloads stop where they are (resumed at the next
@@ -286,8 +294,9 @@ class Puller:
                                        f"{models_dir}: {e.strerror or e}"))
             self._fail(state, error)
         except GatewayError as e:
-            # an unreachable hub keeps what arrived: the next pull (or start) resumes it
-            keep_partial = isinstance(e, HubUnreachable)
+            # what arrived is kept for the next try (pull again, or the next start): it is
+            # checked when whole; bytes that failed their check are gone already
+            keep_partial = not isinstance(e, ChecksumMismatch)
             self._fail(state, e)
         except Exception as e:
             log.exception("pulling %s failed", state.name)
@@ -421,7 +430,27 @@ class Puller:
         state = pull.state
         (folder / f"{state.name}.json").write_text(json.dumps({
             "name": state.name, "source": state.source, "commit": state.commit,
-            "mmproj": mmproj}) + "\n")
+            "mmproj": mmproj, "parts": [self._part_path(models_dir, f).name
+                                        for f in pull.selection.files]}) + "\n")
+
+    def discard_unfinished(self, name: str) -> bool:
+        """A pull that ended without its model (failed, or the gateway stopped): its
+        record and bytes deleted (rm of a name that is not a model yet)."""
+        models_dir = self._models_dir()
+        if models_dir is None or name in self._active or \
+                not (models_dir / PULL_DIR / f"{name}.json").exists():
+            return False
+        self._discard_record(models_dir, name)
+        return True
+
+    def _discard_record(self, models_dir: Path, name: str) -> None:
+        folder = models_dir / PULL_DIR
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            for part in json.loads((folder / f"{name}.json").read_text()).get("parts", []):
+                if isinstance(part, str) and "/" not in part and part.endswith(".part"):
+                    (folder / "blobs" / part).unlink(missing_ok=True)
+        shutil.rmtree(folder / name, ignore_errors=True)
+        self._forget_record(models_dir, name)
 
     def _forget_record(self, models_dir: Path, name: str) -> None:
         (models_dir / PULL_DIR / f"{name}.json").unlink(missing_ok=True)

@@ -29,6 +29,7 @@ from gatewayd.core.errors import (
     InsufficientStorage,
     ModelDownloading,
     ModelExists,
+    PullError,
 )
 from gatewayd.core.pull import PullState, RemoteFile
 from gatewayd.service.pulls import PULL_DIR, SOURCE_FILE, Puller
@@ -343,3 +344,60 @@ async def test_a_failed_source_pull_answers_with_its_error(rig: Rig) -> None:
     puller = rig.puller(catalog=Catalog([model], {}))
     with pytest.raises(ChecksumMismatch):
         await asyncio.wait_for(puller.ensure(model, wait_s=DEADLINE_S), DEADLINE_S)
+
+
+async def test_an_expired_cdn_address_is_asked_for_again(rig: Rig) -> None:
+    """The hub's CDN addresses are signed for a while: a cut after that (here about a
+    second: the stand-in's expiry is in whole seconds) is answered 403 at the same address,
+    and the pull asks the hub for a fresh one."""
+    rig.hub.publish(REPO, FILES)
+    rig.hub.cdn_ttl_s = 1.2
+    rig.hub.throttle_bps = MIB
+    rig.hub.cut_after["Tiny-Q8_0.gguf"] = 2 * MIB     # 2 s in: the address has expired
+    puller = rig.puller()
+    state = await finished(puller, await puller.pull(f"{REPO}:Q8_0"))
+    assert state.state == "done", state.error
+    assert (rig.models / "Tiny-Q8_0" / "Tiny-Q8_0.gguf").read_bytes() == FILES["Tiny-Q8_0.gguf"]
+    assert rig.hub.gets[-1] == ("Tiny-Q8_0.gguf", f"bytes={2 * MIB}-")
+
+
+class _HubFailsAfter:
+    """A partial file whose hub answers 500 after `room` bytes."""
+
+    def __init__(self, out: BinaryIO, room: int) -> None:
+        self._out, self._room = out, room
+
+    def write(self, chunk: bytes) -> int:
+        if len(chunk) > self._room:
+            raise PullError("the hub answered 500 for org/Tiny-GGUF/Tiny-Q8_0.gguf")
+        self._room -= len(chunk)
+        return self._out.write(chunk)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
+class FailingHub(HuggingFaceHub):
+    def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
+                 resume_from: int, cancel: threading.Event) -> None:
+        super().download(repo, commit, file, _HubFailsAfter(out, MIB),  # type: ignore[arg-type]
+                         resume_from, cancel)
+
+
+async def test_a_hub_failure_keeps_the_bytes_for_the_next_try_or_rm(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    failing = rig.puller(client=FailingHub(endpoint=rig.url))
+    state = await finished(failing, await failing.pull(f"{REPO}:Q8_0"))
+    assert state.state == "failed" and state.error is not None
+    assert state.error["code"] == "pull_failed"
+    assert "Tiny-Q8_0.json" in rig.leftovers()        # kept: the next try resumes
+    again = rig.puller()
+    resumed = await again.pull(f"{REPO}:Q8_0")
+    assert resumed.resumed_bytes == MIB
+    assert (await finished(again, resumed)).state == "done"
+    assert rig.hub.gets[-1] == ("Tiny-Q8_0.gguf", f"bytes={MIB}-")
+    # and a failed pull that nobody tries again: rm of its name takes its bytes away
+    rig.hub.publish("org/Other-GGUF", {"Other-Q8_0.gguf": data(3 * MIB, 5)})
+    state = await finished(failing, await failing.pull("org/Other-GGUF"))
+    assert state.state == "failed" and rig.leftovers()
+    assert failing.discard_unfinished("Other-Q8_0") and rig.leftovers() == []
