@@ -322,9 +322,9 @@ class Puller:
         part = self._part_path(models_dir, file)
         lock = self._blob_locks.setdefault(part.name, asyncio.Lock())
         async with lock:   # two names pulling one file must not append to one part file
-            await asyncio.to_thread(self._download, pull, file, part)
+            await _in_daemon_thread(self._download, pull, file, part)
             pull.state.state = "verifying"
-            await asyncio.to_thread(_verify, part, file)
+            await _in_daemon_thread(_verify, part, file)
             os.chmod(part, 0o644)   # the engines (another user) read it; UMask=0077
             os.replace(part, target)
             pull.state.state = "downloading"
@@ -469,6 +469,35 @@ class Puller:
 
     def _event(self, state: PullState) -> None:
         self._publish({"type": "pull", **state.describe()})
+
+
+async def _in_daemon_thread(fn: Callable[..., None], *args: Any) -> None:
+    """fn(*args) in a thread of its own that does not hold the process up when the
+    gateway stops (asyncio's executor joins its threads at the loop's end: a download
+    stalled on the network would hold the stop for its read timeouts and retries, past
+    systemd's TimeoutStopSec). A cancelled pull's thread ends at its next chunk."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        try:
+            fn(*args)
+            outcome: BaseException | None = None
+        except BaseException as e:   # handed to the awaiting task, whatever it is
+            outcome = e
+        with contextlib.suppress(RuntimeError):   # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name="llm-gateway pull", daemon=True).start()
+    await done
 
 
 def _verify(path: Path, file: RemoteFile) -> None:

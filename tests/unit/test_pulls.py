@@ -401,3 +401,32 @@ async def test_a_hub_failure_keeps_the_bytes_for_the_next_try_or_rm(rig: Rig) ->
     state = await finished(failing, await failing.pull("org/Other-GGUF"))
     assert state.state == "failed" and rig.leftovers()
     assert failing.discard_unfinished("Other-Q8_0") and rig.leftovers() == []
+
+
+async def test_a_stalled_download_does_not_hold_the_gateways_stop(rig: Rig) -> None:
+    """The download's thread is blocked reading a stalled hub (a chunk a minute): the
+    gateway's loop still ends at once after its pulls are closed (asyncio's executor would
+    join such a thread, holding the stop past systemd's TimeoutStopSec)."""
+    rig.hub.publish(REPO, FILES)
+    rig.hub.throttle_bps = 1024
+    started = threading.Event()
+
+    async def gateway_run() -> None:
+        puller = Puller(hub=HuggingFaceHub(endpoint=rig.url), models_dir=lambda: rig.models,
+                        catalog=Catalog([], {}), rescan=lambda: asyncio.sleep(0),
+                        publish=lambda e: None)
+        state = await puller.pull(f"{REPO}:Q8_0")
+        while not rig.hub.downloads["Tiny-Q8_0.gguf"]:
+            await asyncio.sleep(0.01)
+        started.set()
+        assert state.state == "downloading"
+        await puller.close()
+
+    loop_thread = threading.Thread(target=asyncio.run, args=(gateway_run(),), daemon=True)
+    loop_thread.start()
+    await until(started.is_set, "the download under way")
+    ended = asyncio.get_running_loop().time() + 5.0
+    await until(lambda: not loop_thread.is_alive(), "the gateway's loop ended")
+    assert asyncio.get_running_loop().time() < ended, "the stop waited for the download"
+    assert "Tiny-Q8_0.json" in rig.leftovers()      # its bytes kept for the next start
+    rig.hub.throttle_bps = None   # the orphaned thread reads on, sees its cancel, and ends
