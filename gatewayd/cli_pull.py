@@ -66,6 +66,11 @@ def run_pull(args: argparse.Namespace, call: Call, follow: Follow,
               f"`llm-gateway rm {pull['model']}` stops it", file=sys.stderr)
         return 130
     drawer.end()
+    if pull["state"] not in FINAL:   # the feed ended: the gateway stopped
+        print(f"llm-gateway: the gateway stopped while pulling {pull['model']}: it goes on "
+              "from the bytes it has when the gateway starts again (`llm-gateway pulls`)",
+              file=sys.stderr)
+        return 1
     if pull["state"] != "done":
         error = pull.get("error") or {}
         print(f"llm-gateway: pulling {pull['model']} {pull['state']}: "

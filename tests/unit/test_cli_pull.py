@@ -126,3 +126,10 @@ def test_rm_and_pulls_through_the_cli(monkeypatch: pytest.MonkeyPatch,
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "removed M (its engine stopped): 5.0 MiB freed"
     assert out[1].endswith("failed: gone")
+
+
+def test_a_gateway_that_stops_mid_pull_is_said_so(capsys: pytest.CaptureFixture[str]) -> None:
+    gw = Gateway(pull("downloading", 0), [pull("downloading", 30 * MIB),
+                                           {"type": "shutdown"}])
+    assert cli_pull.run_pull(args(), gw.call, gw.follow, io.StringIO()) == 1
+    assert "the gateway stopped while pulling M-Q4_K_M" in capsys.readouterr().err
