@@ -254,7 +254,9 @@ class Snapshot:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         state = GaugeMetricFamily("llm_gateway_engine_state",
                                   "1 for the engine's current state", labels=["model", "state"])
-        restarts = CounterMetricFamily("llm_gateway_engine_restarts",
+        # not llm_gateway_engine_restarts (the gateway's own count, by reason): one name
+        # twice in an exposition is a scrape Prometheus refuses whole
+        restarts = CounterMetricFamily("llm_gateway_engine_unit_restarts",
                                        "systemd's NRestarts of the engine's unit", labels=["model"])
         in_flight = GaugeMetricFamily("llm_gateway_requests_in_flight",
                                       "Requests an engine is serving", labels=["model"])

@@ -47,7 +47,7 @@ def test_snapshot_figures_and_absent_accounting() -> None:
     assert m[("llm_gateway_engine_memory_bytes", a)] == 1 << 30
     assert m[("llm_gateway_engine_cpu_seconds_total", a)] == 2.5
     assert ("llm_gateway_engine_memory_bytes", b) not in m       # unknown is absent, not 0
-    assert m[("llm_gateway_engine_restarts_total", a)] == 1
+    assert m[("llm_gateway_engine_unit_restarts_total", a)] == 1
     assert m[("llm_gateway_requests_in_flight", a)] == 2
     assert m[("llm_gateway_queue_depth", a)] == 3
     assert m[("llm_gateway_engine_state", (("model", "b"), ("state", "loading")))] == 1
@@ -143,3 +143,12 @@ def test_short_of_ram_is_a_rejection_like_short_of_gpu_memory() -> None:
     m = _samples(metrics.render(Snapshot()))
     for code in ("insufficient_memory", "insufficient_gpu"):
         assert m[("llm_gateway_rejected_total", (("model", "a"), ("reason", code)))] == 1
+
+
+def test_no_family_is_exported_twice() -> None:
+    """Prometheus refuses a whole scrape where a name has a second TYPE line."""
+    snapshot = Snapshot(max_engines=2, engines=[EngineFigures("a", "ready", restarts=1)])
+    text = GatewayMetrics().render(snapshot)
+    types = [line.split()[2] for line in text.decode().splitlines()
+             if line.startswith("# TYPE")]
+    assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
