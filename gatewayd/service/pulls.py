@@ -152,7 +152,7 @@ class Puller:
             state.done_bytes = state.resumed_bytes
             pull = _Pull(state=state, selection=selection, spec=spec)
             self._failures.pop(selection.name, None)
-            self._record(models_dir, pull, mmproj=mmproj)
+            self._record(models_dir, pull, mmproj=mmproj, for_model=for_model)
             self._active[selection.name] = pull
         pull.task = asyncio.get_running_loop().create_task(self._run(models_dir, pull))
         log.info("pulling %s from %s at %s: %s (%s)", selection.name, spec, listing.commit[:12],
@@ -234,7 +234,8 @@ class Puller:
                 spec = PullSpec.parse(record["source"])
                 source = str(PullSpec(repo=spec.repo, revision=record["commit"],
                                       file=spec.file, quant=spec.quant))
-                await self.pull(source, name=record["name"], mmproj=bool(record["mmproj"]))
+                await self.pull(source, name=record["name"], mmproj=bool(record["mmproj"]),
+                                for_model=bool(record.get("for_model")))
                 log.info("resumed the pull of %s", record["name"])
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("%s: not a pull record (%s); removed", record_path, e)
@@ -424,13 +425,14 @@ class Puller:
         except OSError:
             return 0
 
-    def _record(self, models_dir: Path, pull: _Pull, *, mmproj: bool) -> None:
+    def _record(self, models_dir: Path, pull: _Pull, *, mmproj: bool,
+                for_model: bool) -> None:
         folder = models_dir / PULL_DIR
         folder.mkdir(mode=0o700, exist_ok=True)
         state = pull.state
         (folder / f"{state.name}.json").write_text(json.dumps({
             "name": state.name, "source": state.source, "commit": state.commit,
-            "mmproj": mmproj, "parts": [self._part_path(models_dir, f).name
+            "mmproj": mmproj, "for_model": for_model, "parts": [self._part_path(models_dir, f).name
                                         for f in pull.selection.files]}) + "\n")
 
     def discard_unfinished(self, name: str) -> bool:

@@ -430,3 +430,20 @@ async def test_a_stalled_download_does_not_hold_the_gateways_stop(rig: Rig) -> N
     assert asyncio.get_running_loop().time() < ended, "the stop waited for the download"
     assert "Tiny-Q8_0.json" in rig.leftovers()      # its bytes kept for the next start
     rig.hub.throttle_bps = None   # the orphaned thread reads on, sees its cancel, and ends
+
+
+async def test_a_configured_sources_pull_resumes_after_a_restart_too(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.throttle_bps = 2 * MIB
+    model = sourced("tiny", f"{REPO}:Q8_0", rig.models)
+    first = rig.puller(catalog=Catalog([model], {}))
+    with pytest.raises(ModelDownloading):
+        await first.ensure(model, wait_s=0.5)
+    await first.close()                   # the gateway stops mid-download
+    rig.hub.throttle_bps = None
+    second = rig.puller(catalog=Catalog([model], {}))   # its name is its own model's
+    await second.resume_unfinished()
+    resumed = second.active("tiny")
+    assert resumed is not None and resumed.resumed_bytes > 0
+    assert (await finished(second, resumed)).state == "done", resumed.error
+    assert (rig.models / "tiny" / "Tiny-Q8_0.gguf").read_bytes() == FILES["Tiny-Q8_0.gguf"]
