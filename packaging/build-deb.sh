@@ -37,6 +37,8 @@ install -Dm644 packaging/polkit/50-llm-gateway.rules \
 install -Dm644 packaging/gateway.toml "$STAGE/etc/llm-gateway/gateway.toml"
 install -Dm644 README.md "$STAGE/usr/share/doc/llm-gateway/README.md"
 install -Dm644 docs/design.md "$STAGE/usr/share/doc/llm-gateway/design.md"
+install -Dm644 packaging/grafana/llm-gateway.json \
+    "$STAGE/usr/share/doc/llm-gateway/grafana/llm-gateway.json"
 mkdir -p "$STAGE/usr/bin"
 ln -s "$PREFIX/venv/bin/llm-gateway" "$STAGE/usr/bin/llm-gateway"
 

@@ -77,6 +77,8 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     # it pulls in) are for the tests
     site = box.shell("ls /usr/lib/llm-gateway/venv/lib/python3*/site-packages").split()
     assert not {"gguf", "numpy"} & set(site), site
+    board = json.loads(box.shell("cat /usr/share/doc/llm-gateway/grafana/llm-gateway.json"))
+    assert board["title"] == "llm-gateway" and board["panels"]
     # a user's setup: an engine binary and a model where the default config looks
     box.shell(f"install -m755 {llama} /usr/local/bin/llama-server && "
               f"install -o llm-gateway -m644 {models}/tiny-alpha.gguf /var/lib/llm-gateway/models/ "
