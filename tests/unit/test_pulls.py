@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from gatewayd.adapters.hub import HuggingFaceHub
+from gatewayd.adapters.hub import HuggingFaceHub, hub_token
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import ModelConfig
 from gatewayd.core.errors import (
@@ -447,3 +447,12 @@ async def test_a_configured_sources_pull_resumes_after_a_restart_too(rig: Rig) -
     assert resumed is not None and resumed.resumed_bytes > 0
     assert (await finished(second, resumed)).state == "done", resumed.error
     assert (rig.models / "tiny" / "Tiny-Q8_0.gguf").read_bytes() == FILES["Tiny-Q8_0.gguf"]
+
+
+def test_the_token_comes_from_the_services_credential_else_hf_token(tmp_path: Path) -> None:
+    (tmp_path / "hf-token").write_text("hf_from_credential\n")
+    assert hub_token({"CREDENTIALS_DIRECTORY": str(tmp_path), "HF_TOKEN": "hf_env"}) \
+        == "hf_from_credential"
+    assert hub_token({"CREDENTIALS_DIRECTORY": str(tmp_path / "none"),
+                      "HF_TOKEN": "hf_env"}) == "hf_env"
+    assert hub_token({}) is None
