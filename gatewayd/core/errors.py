@@ -47,6 +47,7 @@ class GatewayError(Exception):
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
     headers: Mapping[str, str] = {}   # sent with the error (WWW-Authenticate)
+    closes_connection: ClassVar[bool] = False   # the connection cannot carry another request
 
     def __init__(self, message: str, *, param: str | None = None,
                  retry_after: int | None = None, **extra: Any) -> None:
@@ -235,6 +236,15 @@ class OriginNotAllowed(GatewayError):
 class UnsupportedMediaType(GatewayError):
     """A JSON endpoint sent another content type (a web form's, text/plain...)."""
     status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
+class BadFraming(GatewayError):
+    """A request whose body's length cannot be known (RFC 9112 6.3: a Transfer-Encoding
+    whose last coding is not chunked): refused, and its connection closed, since where
+    its body ends (and the next request begins) is anyone's guess."""
+
+    status, type, code = 400, "invalid_request_error", "bad_framing"
+    closes_connection = True
 
 
 class HeadersTooLarge(GatewayError):

@@ -38,6 +38,7 @@ from gatewayd.core.auth import ADMIN, INFERENCE, ApiKey, KeyRing, presented_key
 from gatewayd.core.errors import (
     AdminNotAllowed,
     AdminNotPublic,
+    BadFraming,
     HeadersTooLarge,
     HostNotAllowed,
     OriginNotAllowed,
@@ -94,6 +95,7 @@ def check_access(request: web.Request) -> Matched | None:
     access = request.app.get(ACCESS)
     if access is None:
         return None
+    _check_framing(request)
     _check_head_size(request)
     transport = request.transport
     sockname = transport.get_extra_info("sockname") if transport is not None else None
@@ -147,6 +149,20 @@ def check_access(request: web.Request) -> Matched | None:
     if route.body is not Body.NONE and request.body_exists:
         _check_content_type(request, route.body)
     return matched
+
+
+def _check_framing(request: web.Request) -> None:
+    """Before anything else, Host included: a body whose length cannot be known. aiohttp's
+    parser refuses a Transfer-Encoding that does not end in chunked, except an empty one,
+    which it takes as no body at all, where RFC 9112 6.3 says 400 and close."""
+    fields = request.headers.getall("Transfer-Encoding", ())
+    if not fields:
+        return
+    codings = [c.strip(" \t").lower() for field in fields for c in field.split(",")
+               if c.strip(" \t")]
+    if not codings or codings[-1] != "chunked":
+        raise BadFraming("Transfer-Encoding must end with chunked: the body's length cannot "
+                         "be known otherwise (RFC 9112 6.3)")
 
 
 def _check_head_size(request: web.Request) -> None:

@@ -54,8 +54,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             headers["Retry-After"] = str(e.retry_after)
         if not _for_admin(request):
             _withhold_engine_logs(e)
-        return web.json_response(_in_dialect(e, request.path), status=e.status,
-                                 headers=headers)
+        response = web.json_response(_in_dialect(e, request.path), status=e.status,
+                                     headers=headers)
+        if e.closes_connection:
+            response.force_close()
+        return response
     except web.HTTPException as e:
         if e.status < 400:
             raise

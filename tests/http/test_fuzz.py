@@ -530,6 +530,14 @@ async def gw(tmp_path: Path) -> AsyncIterator[Front]:
     (b"Host", HOST), (b"Content-Type", b"application/json"), (b"Connection", b"Upgrade"),
     (b"Upgrade", b"h2c"), (b"Expect", b"100-continue"), (b"Origin", b"null"),
     (b"Content-Length", b"1047935")), body=(Long(b"\x00", 1047935),)))
+# an empty Transfer-Encoding: aiohttp's parser takes it as no body; RFC 9112 6.3 says 400
+# and close, before the Host is even looked at (auth._check_framing; seed 1125923522)
+@example(req=Request(b"POST", b"http://" + HOST + b"/v1/chat/completions", fields=(
+    (b"Host", b"evil.example"), (b"Connection", b"close"), (b"TRANSFER-ENCODING", b"")),
+    body=()))
+@example(req=Request(b"POST", b"/v1/chat/completions", fields=(
+    (b"Host", HOST), (b"Transfer-Encoding", b" , "), (b"Content-Type", b"application/json")),
+    body=()))
 # a stream to an HTTP/1.0 client asking for keep-alive never ended: the gateway kept the
 # connection open after it (middleware.close_unframed)
 @example(req=Request(b"POST", b"http://" + HOST + b"/v1/chat/completions", b"1.0", fields=(
