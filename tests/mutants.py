@@ -840,7 +840,7 @@ PULL_API_T = "tests/http/test_pull_api.py::"
 PULLS = (
     Mutant("pull-unverified", "a pulled file is checked against the hub's hash before it "
            "lands", "gatewayd/service/pulls.py",
-           "            await asyncio.to_thread(_verify, part, file)\n",
+           "            await _in_daemon_thread(_verify, part, file)\n",
            "            pass\n",
            tests=(PULLS_T + "test_a_corrupt_file_is_refused_and_nothing_is_left",)),
     Mutant("pull-restarts-at-zero", "a pull resumes at the bytes it has",
