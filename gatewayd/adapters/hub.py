@@ -68,34 +68,38 @@ class HuggingFaceHub:
             RemoteFile(path=s.rfilename, size=int(s.size or (s.lfs.size if s.lfs else 0)),
                        sha256=s.lfs.sha256 if s.lfs else None, git_sha1=s.blob_id)
             for s in info.siblings or [])
-        return RepoListing(repo=repo, commit=info.sha, files=files, gated=bool(info.gated))
+        return RepoListing(repo=repo, commit=info.sha, files=files)
 
     def probe(self, repo: str, commit: str, file: RemoteFile) -> None:
-        from huggingface_hub import get_hf_file_metadata, hf_hub_url
         with _translated(repo, file.path):
-            get_hf_file_metadata(hf_hub_url(repo, file.path, revision=commit,
-                                            endpoint=self.endpoint),
-                                 token=self._token, endpoint=self.endpoint)
+            self._metadata(repo, commit, file)
+
+    def _metadata(self, repo: str, commit: str, file: RemoteFile) -> Any:
+        """The hub's HEAD of the file: its size, hash and (LFS) CDN address."""
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+        return get_hf_file_metadata(
+            hf_hub_url(repo, file.path, revision=commit, endpoint=self.endpoint),
+            token=self._token, endpoint=self.endpoint, retry_on_errors=True)
 
     def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
-                 resume_from: int, cancel: threading.Event) -> None:
-        """Append the file's bytes after the resume_from already in out; raises
-        PullCancelled once cancel is set, OSError when writing fails (a full disk).
+                 cancel: threading.Event) -> None:
+        """Append the rest of the file's bytes to out (its position is what it has);
+        raises PullCancelled once cancel is set, OSError when writing fails (a full disk).
 
         The CDN's address is signed for a while (an hour on the hub): a download that
         outlives it, or a cut after it, is answered 403 there, and the hub is asked for a
         fresh address, from the bytes there are (FRESH_ADDRESSES times at most)."""
-        from huggingface_hub import constants, errors, get_hf_file_metadata, hf_hub_url
+        from huggingface_hub import constants, errors, hf_hub_url
         from huggingface_hub.file_download import http_get
         from huggingface_hub.utils import build_hf_headers, disable_progress_bars
         disable_progress_bars()   # progress is the gateway's events, not a bar on stderr
         constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)
         sink = cast(BinaryIO, _Sink(out, cancel))
         with _translated(repo, file.path):
+            # (a file the hub serves itself, not through the CDN: no address to renew)
             url = hf_hub_url(repo, file.path, revision=commit, endpoint=self.endpoint)
             for attempt in range(FRESH_ADDRESSES + 1):
-                meta = get_hf_file_metadata(url, token=self._token, endpoint=self.endpoint,
-                                            retry_on_errors=True)
+                meta = self._metadata(repo, commit, file)
                 try:
                     http_get(meta.location, sink, resume_size=out.tell(),
                              headers=build_hf_headers(token=self._token),

@@ -223,7 +223,8 @@ class HubClient(Protocol):
         ...
 
     def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
-                 resume_from: int, cancel: threading.Event) -> None:
-        """Append the file's bytes after the resume_from already in out; PullCancelled
-        once cancel is set, OSError when writing fails (a full disk)."""
+                 cancel: threading.Event) -> None:
+        """Append the rest of the file's bytes to out (opened for appending: its position
+        is what it has); PullCancelled once cancel is set, OSError when writing fails (a
+        full disk)."""
         ...

@@ -105,7 +105,6 @@ class RepoListing:
     repo: str
     commit: str
     files: tuple[RemoteFile, ...]
-    gated: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +126,13 @@ class Selection:
 
 def is_mmproj(path: str) -> bool:
     return path.rsplit("/", 1)[-1].casefold().startswith("mmproj")
+
+
+def split_of(file_name: str) -> tuple[str, int, int] | None:
+    """A split GGUF's stem, part and count: Big-Q8_0-00002-of-00003.gguf is
+    ("Big-Q8_0", 2, 3); None for a file in one piece."""
+    m = _SPLIT.match(file_name)
+    return None if m is None else (m["stem"], int(m["part"]), int(m["count"]))
 
 
 def _groups(files: Iterable[RemoteFile]) -> dict[str, tuple[RemoteFile, ...]]:
@@ -278,9 +284,6 @@ class RateMeter:
 
 def eta_seconds(remaining: int, rate: float | None) -> float | None:
     return None if not rate or rate <= 0 else remaining / rate
-
-
-PULL_STATES = ("resolving", "downloading", "verifying", "done", "failed", "cancelled")
 
 
 @dataclass

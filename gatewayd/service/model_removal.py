@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gatewayd.core.engines import EngineState
 from gatewayd.core.errors import ModelInUse, ModelNotRemovable
+from gatewayd.core.pull import split_of
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.pulls import Puller
 
@@ -39,12 +40,10 @@ class Removed:
 
 async def remove_model(name: str, *, force: bool, engines: EngineManager, puller: Puller,
                        rescan: Callable[[], Awaitable[object]]) -> Removed:
-    if puller.active(name) is not None:   # not in the catalog yet: its pull is stopped
-        state = await puller.cancel(name)
-        return Removed(model=name, paths=(), freed_bytes=0, cancelled_pull=True) \
-            if state is not None else await remove_model(
-                name, force=force, engines=engines, puller=puller, rescan=rescan)
-    if engines.catalog.find(name) is None and puller.discard_unfinished(name):
+    # a model still being pulled (not in the catalog yet), or whose pull failed: its pull
+    # stopped and its bytes deleted
+    if await puller.cancel(name) is not None or (
+            engines.catalog.find(name) is None and puller.discard_unfinished(name)):
         return Removed(model=name, paths=(), freed_bytes=0, cancelled_pull=True)
     model = engines.catalog.resolve(name)
     config = engines.config
@@ -87,11 +86,10 @@ def _owned_paths(path: Path | None, models_dir: Path | None) -> list[Path] | Non
     if folder != root:
         return None
     parts = [path]
-    stem = path.name.removesuffix(".gguf")
-    if stem.endswith("-00001-of-" + stem[-5:]) and stem[-5:].isdigit():
-        base, count = stem[: -len("-00001-of-00000")], stem[-5:]
-        parts += [p for p in sorted(path.parent.glob(f"{base}-*-of-{count}.gguf"))
-                  if p != path]
+    if (split := split_of(path.name)) is not None:
+        stem, _, count = split
+        parts += [p for p in sorted(path.parent.glob("*.gguf")) if p != path
+                  and (other := split_of(p.name)) is not None and other[::2] == (stem, count)]
     return parts
 
 

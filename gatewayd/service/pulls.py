@@ -83,7 +83,6 @@ class DiskUsage(Protocol):
 class _Pull:
     state: PullState
     selection: Selection
-    spec: PullSpec
     cancel: threading.Event = field(default_factory=threading.Event)
     task: asyncio.Task[None] | None = None
 
@@ -150,7 +149,7 @@ class Puller:
                               started=self._clock(), resumed_bytes=self._on_disk(
                                   models_dir, selection.name, selection.files))
             state.done_bytes = state.resumed_bytes
-            pull = _Pull(state=state, selection=selection, spec=spec)
+            pull = _Pull(state=state, selection=selection)
             self._failures.pop(selection.name, None)
             self._record(models_dir, pull, mmproj=mmproj, for_model=for_model)
             self._active[selection.name] = pull
@@ -339,8 +338,7 @@ class Puller:
                 have = 0
             if have == file.size:
                 return
-            self._hub.download(pull.state.repo, pull.state.commit, file, out, have,
-                               pull.cancel)
+            self._hub.download(pull.state.repo, pull.state.commit, file, out, pull.cancel)
 
     def _land(self, models_dir: Path, staging: Path, pull: _Pull) -> None:
         state = pull.state

@@ -76,7 +76,7 @@ async def until_done(c: Client, name: str) -> dict[str, Any]:
     while True:
         pulls = (await (await c.get("/admin/pulls")).json())["pulls"]
         mine = [p for p in pulls if p["model"] == name]
-        if mine and mine[0]["state"] not in ("resolving", "downloading", "verifying"):
+        if mine and mine[0]["state"] not in ("downloading", "verifying"):
             found: dict[str, Any] = mine[0]
             return found
         assert asyncio.get_running_loop().time() < deadline, pulls
@@ -257,3 +257,14 @@ async def test_the_first_request_for_a_configured_source_pulls_it_then_is_answer
             assert resp.status == 200, await resp.text()
             assert gw.engines.catalog.resolve("c").path == tmp_path / "c" / "Tiny-Q4_K_M.gguf"
             assert [r.path for r in gw.fakes["c"].requests] == ["/v1/chat/completions"]
+
+
+def test_rm_of_a_split_model_in_models_dir_takes_all_its_parts(tmp_path: Path) -> None:
+    from gatewayd.service.model_removal import _owned_paths
+    parts = [tmp_path / f"Big-Q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    others = [tmp_path / "Big-Q8_0-00001-of-00002.gguf", tmp_path / "Big-Q4_0.gguf"]
+    for p in (*parts, *others):
+        p.write_bytes(b"GGUF")
+    assert _owned_paths(parts[0], tmp_path) == parts
+    assert _owned_paths(others[1], tmp_path) == [others[1]]
+    assert _owned_paths(parts[0], tmp_path / "elsewhere") is None

@@ -234,9 +234,8 @@ class _FullAfter:
 
 class FillingDisk(HuggingFaceHub):
     def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
-                 resume_from: int, cancel: threading.Event) -> None:
-        super().download(repo, commit, file, _FullAfter(out, MIB), resume_from,  # type: ignore[arg-type]
-                         cancel)
+                 cancel: threading.Event) -> None:
+        super().download(repo, commit, file, _FullAfter(out, MIB), cancel)  # type: ignore[arg-type]
 
 
 async def test_a_disk_that_fills_mid_download_leaves_nothing_and_says_so(rig: Rig) -> None:
@@ -379,9 +378,8 @@ class _HubFailsAfter:
 
 class FailingHub(HuggingFaceHub):
     def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
-                 resume_from: int, cancel: threading.Event) -> None:
-        super().download(repo, commit, file, _HubFailsAfter(out, MIB),  # type: ignore[arg-type]
-                         resume_from, cancel)
+                 cancel: threading.Event) -> None:
+        super().download(repo, commit, file, _HubFailsAfter(out, MIB), cancel)  # type: ignore[arg-type]
 
 
 async def test_a_hub_failure_keeps_the_bytes_for_the_next_try_or_rm(rig: Rig) -> None:
