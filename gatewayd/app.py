@@ -31,7 +31,7 @@ from gatewayd.adapters.health import UnixHealthProbe
 from gatewayd.adapters.host_memory import MemInfo
 from gatewayd.adapters.host_names import own_host_names
 from gatewayd.adapters.hub import HuggingFaceHub, hub_token
-from gatewayd.adapters.journal import Journalctl
+from gatewayd.adapters.journal import Journalctl, Journals
 from gatewayd.adapters.kv_cache import KvCache
 from gatewayd.adapters.learned_memory import RAM_FILE_NAME, LearnedMemory
 from gatewayd.adapters.listener import Listener, bind_tcp
@@ -56,7 +56,7 @@ from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
-from gatewayd.http import admin_api, openai_api, pull_api
+from gatewayd.http import admin_api, console_api, openai_api, pull_api
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
 from gatewayd.http.drain import ABANDON_GRACE_S, OPEN_REQUESTS, OpenRequests, drain, track_requests
 from gatewayd.http.middleware import (
@@ -271,7 +271,8 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     app[admin_api.RELOADER] = reloader = Reloader(
         read=lambda: read_config(config.source), engines=engines, dispatcher=dispatcher,
         apply=apply, notify=app[NOTIFIER].notify,
-        read_models=lambda: (engines.config, load_catalog(engines.config)))
+        read_models=lambda: (engines.config, load_catalog(engines.config)),
+        publish=hub.publish)
     app[admin_api.PULLER] = puller = Puller(
         hub=HuggingFaceHub(token=hub_token()), models_dir=lambda: engines.config.models_dir,
         catalog=engines.catalog, rescan=reloader.rescan_models, publish=hub.publish)
@@ -330,6 +331,8 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app[SHUTDOWN] = Shutdown()
     app[NOTIFIER] = notifier or Notifier()
     app[admin_api.EVENTS] = EventHub()
+    app[admin_api.JOURNALS] = Journals()
+    app.on_shutdown.append(_end_journal_follows)
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(front_door)
     app.on_startup.append(_collector_after_start)
@@ -338,8 +341,15 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app.on_response_prepare.append(close_unframed)
     admin_api.add_routes(app)
     pull_api.add_routes(app)
+    console_api.add_routes(app)
     openai_api.add_routes(app)   # last: it ends with the catch-all proxy route
     return app
+
+
+async def _end_journal_follows(app: web.Application) -> None:
+    """Every journal follow's journalctl ended and reaped before the app goes (the stop
+    above began it; an app stopped otherwise, as in tests, ends them here)."""
+    await app[admin_api.JOURNALS].aclose()
 
 
 def browser_policy(config: GatewayConfig) -> BrowserPolicy:
@@ -421,6 +431,7 @@ async def _serve(config: GatewayConfig) -> None:
     notifier.stopping()
     notifier.stop_watchdog()   # systemd does not watch a stopping service
     app[admin_api.EVENTS].close()   # event followers are not answers to wait for
+    app[admin_api.JOURNALS].close()   # nor journal follows: their journalctl ends now
     await stop_serving(app, runner, listener, admin_listener, config.shutdown_timeout_s)
     if admin_path is not None:
         with contextlib.suppress(OSError):

@@ -25,7 +25,8 @@ from gatewayd import __version__, cli_pull
 from gatewayd.adapters.config_file import load_config
 from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
-from gatewayd.core.figures import duration_text, size_text
+from gatewayd.core.figures import duration_text, latency_text, size_text
+from gatewayd.core.series import DEFAULT_WINDOW, WINDOWS
 
 API_KEY_ENV = "LLM_GATEWAY_API_KEY"
 ADMIN_SOCKET_ENV = "LLM_GATEWAY_ADMIN_SOCKET"
@@ -66,7 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     for verb in ("start", "stop"):
         p = sub.add_parser(verb, help=f"{verb} a model's engine")
         p.add_argument("model")
-    sub.add_parser("events", help="follow engine state changes and queue depths (Ctrl-C ends)")
+    p = sub.add_parser("events", help="follow engine state changes, evictions, reloads and "
+                                      "queue depths (Ctrl-C ends)")
+    p.add_argument("--since", help="first the events the gateway kept since then (the last "
+                                   "24 h at most): e.g. 30m, 2h, 1d, or epoch seconds")
+    p.add_argument("--no-follow", action="store_true",
+                   help="print the kept events (all of them without --since) and exit")
+    p = sub.add_parser("stats", help="calls per model over the last 15m, 1h or 24h: errors, "
+                                     "rejected, latency, time to first token, tokens/s")
+    p.add_argument("--window", choices=list(WINDOWS), default=DEFAULT_WINDOW)
+    p.add_argument("--model")
     p = sub.add_parser("records", help="call records, newest first")
     p.add_argument("--model")
     p.add_argument("--endpoint", help="e.g. /v1/messages")
@@ -74,9 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status", type=int)
     p.add_argument("--outcome", choices=["ok", "error", "disconnected", "engine_failed"])
     p.add_argument("-n", "--limit", type=int, default=50)
-    p = sub.add_parser("logs", help="an engine's journal")
-    p.add_argument("model")
+    p = sub.add_parser("logs", help="an engine's journal, or the gateway's own (--gateway)")
+    p.add_argument("model", nargs="?")
+    p.add_argument("--gateway", action="store_true", help="the gateway's own journal")
     p.add_argument("-n", "--lines", type=int, default=50)
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="then each line as it is written (Ctrl-C ends)")
+    p.add_argument("--grep", help="only lines that contain this text (any case)")
     cli_pull.add_commands(sub)
     p = sub.add_parser("key", help="API keys ([auth] keys_file)")
     keys = p.add_subparsers(dest="key_command", metavar="KEY_COMMAND", required=True)
@@ -202,7 +216,9 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         out = call(url, "POST", "/admin/reload")
         show(args, out, lambda: reload_lines(out))
     elif args.command == "events":
-        follow_events(url, as_json=args.json)
+        follow_events(url, as_json=args.json,
+                      since=since_epoch(args.since) if args.since else None,
+                      follow=not args.no_follow)
     elif args.command == "pull":
         return cli_pull.run_pull(args, lambda *a: call(url, *a), lambda: events(url))
     elif args.command == "pulls":
@@ -228,11 +244,61 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         show(args, out, lambda: table(out["records"], [
             "time", "model", "endpoint", "status", "outcome", "prompt_tokens",
             "completion_tokens", "latency_ms", "ttft_ms", "stream"]))
+    elif args.command == "stats":
+        params = {"window": args.window, **({"model": args.model} if args.model else {})}
+        out = call(url, "GET", "/admin/series?" + urllib.parse.urlencode(params))
+        show(args, out, lambda: stats_lines(out))
     elif args.command == "logs":
-        query = urllib.parse.urlencode({"model": args.model, "lines": args.lines})
-        out = call(url, "GET", f"/admin/engines/logs?{query}")
-        show(args, out, lambda: out["lines"])
+        logs(url, args)
     return 0
+
+
+def logs(url: str, args: argparse.Namespace) -> None:
+    """An engine's journal (MODEL) or the gateway's own (--gateway): the last lines, and with
+    -f each new one as it is written (until Ctrl-C or the gateway stops)."""
+    if (args.model is None) == (not args.gateway):
+        raise CliError("give a model, or --gateway for the gateway's own journal")
+    params: dict[str, Any] = {"lines": args.lines}
+    if args.model is not None:
+        params["model"] = args.model
+    if args.grep:
+        params["grep"] = args.grep
+    path = "/admin/logs" if args.gateway else "/admin/engines/logs"
+    if not args.follow:
+        out = call(url, "GET", f"{path}?{urllib.parse.urlencode(params)}")
+        show(args, out, lambda: out["lines"])
+        return
+    params["follow"] = 1
+    with contextlib.suppress(KeyboardInterrupt):
+        for event in sse(url, f"{path}?{urllib.parse.urlencode(params)}"):
+            if "line" in event:
+                print(json.dumps(event) if args.json else event["line"], flush=True)
+            elif event.get("type") == "shutdown":
+                print("llm-gateway: the gateway is stopping", file=sys.stderr)
+            elif event.get("type") == "end":
+                print(f"llm-gateway: {event.get('reason', 'the journal follow ended')}",
+                      file=sys.stderr)
+
+
+def stats_lines(out: dict[str, Any]) -> list[str]:
+    """/admin/series's totals: a line for the window, then a row per model (the calls
+    that named none last)."""
+    totals = out["totals"]
+    calls = sum(t["calls"] for t in totals)
+    if not calls:
+        return [f"no calls in the last {out['window']}"]
+    errors, rejected = (sum(t[k] for t in totals) for k in ("errors", "rejected"))
+    rows = [{"model": t["model"] or "(no model)", "calls": t["calls"], "errors": t["errors"],
+             "rejected": t["rejected"],
+             **{column: None if t[key] is None else latency_text(t[key]) for column, key in (
+                 ("p50", "latency_p50_ms"), ("p95", "latency_p95_ms"),
+                 ("ttft_p50", "ttft_p50_ms"))},
+             "tokens/s": None if t["tokens_per_s"] is None else f"{t['tokens_per_s']:.1f}"}
+            for t in totals]
+    return [f"last {out['window']}: {calls} calls, {errors} errors, {rejected} rejected "
+            "(429/503: not admitted)",
+            *table(rows, ["model", "calls", "errors", "rejected", "p50", "p95", "ttft_p50",
+                          "tokens/s"])]
 
 
 def check(args: argparse.Namespace, config: Any) -> int:
@@ -445,21 +511,54 @@ def model_lines(models: list[dict[str, Any]]) -> list[str]:
               for m in models if m.get("header_error"))]
 
 
-def follow_events(url: str, *, as_json: bool) -> None:
+def follow_events(url: str, *, as_json: bool, since: float | None = None,
+                  follow: bool = True) -> None:
+    """since: the kept events from then first; follow=False: the kept events only (all
+    of them without since)."""
+    def out(event: dict[str, Any]) -> None:
+        print(json.dumps(event) if as_json else describe_event(event), flush=True)
     try:
-        for event in events(url):
-            print(json.dumps(event) if as_json else describe_event(event), flush=True)
+        if not follow:
+            for event in history(url, since):
+                out(event)
+            return
+        live = events(url)
+        # the feed is followed first (its snapshot came: the gateway holds its events for
+        # us), then the history read: nothing falls between the two; what both have is
+        # printed once
+        first = next(live, None)
+        last_ts = float("-inf")
+        if since is not None:
+            for event in history(url, since):
+                out(event)
+                last_ts = max(last_ts, event.get("ts", last_ts))
+        if first is not None:
+            out(first)
+        for event in live:
+            if event.get("ts", float("inf")) > last_ts:
+                out(event)
     except KeyboardInterrupt:
         pass
 
 
+def history(url: str, since: float | None) -> list[dict[str, Any]]:
+    query = f"?{urllib.parse.urlencode({'since': since})}" if since is not None else ""
+    out: list[dict[str, Any]] = call(url, "GET", f"/admin/events/history{query}")["events"]
+    return out
+
+
 def events(url: str) -> Iterator[dict[str, Any]]:
     """/admin/events as they come (the snapshot first); ends when the gateway stops."""
-    with _exchange(url, "GET", "/admin/events", timeout=3600) as resp:
+    return sse(url, "/admin/events")
+
+
+def sse(url: str, path: str) -> Iterator[dict[str, Any]]:
+    """An event stream of the admin API, each event's data as JSON, as they come."""
+    with _exchange(url, "GET", path, timeout=3600) as resp:
         if resp.status != 200:
-            _refused(resp, "GET", "/admin/events")
+            _refused(resp, "GET", path)
         for raw in resp:
-            line = raw.decode().strip()
+            line = raw.decode(errors="replace").strip()
             if line.startswith("data: "):
                 yield json.loads(line[6:])
 
@@ -468,12 +567,24 @@ def describe_event(event: dict[str, Any]) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(event.get("ts", time.time())))
     if event["type"] == "engine":
         reason = f" ({event['reason']})" if event.get("reason") else ""
+        if event.get("load_s") is not None:
+            reason = f" (in {event['load_s']:.1f}s)"
         return f"{when} {event['model']}: {event['from']} -> {event['state']}{reason}"
     if event["type"] == "queue":
         return f"{when} {event['model']}: {event['depth']} waiting"
     if event["type"] == "snapshot":
         running = ", ".join(f"{e['model']} {e['state']}" for e in event["engines"]) or "none"
         return f"{when} engines: {running}"
+    if event["type"] == "reload":
+        if not event.get("ok"):
+            return f"{when} reload refused: {event.get('error')}"
+        changes = event.get("changes") or {}
+        said = "; ".join(f"{k}: {', '.join(v)}" for k, v in changes.items() if v)
+        return f"{when} reloaded: {said or 'nothing changed'}"
+    if event["type"] == "pull" and event.get("state") in ("done", "failed", "cancelled"):
+        error = (event.get("error") or {}).get("message")
+        return f"{when} pull {event.get('model')}: {event['state']}" \
+            + (f" ({error})" if error else "")
     return json.dumps(event)
 
 

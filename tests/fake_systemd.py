@@ -147,7 +147,8 @@ class FakeSystemd:
                 await asyncio.sleep(0.01)
             return
         reason = self.stop_reason(u.model_id)
-        if (serving := self.in_flight(u.model_id)) and reason in ("evicted", "idle_ttl"):
+        if (serving := self.in_flight(u.model_id)) and reason is not None \
+                and reason.split(" ", 1)[0] in ("evicted", "idle_ttl"):
             self.violations.append(f"{reason} {unit} while it serves {serving} request(s)")
         self.stopping.add(unit)
         delay = self.held_back.pop(u.model_id, None)

@@ -42,6 +42,8 @@ KNOWN_ENDPOINTS = frozenset({
 REJECTIONS = frozenset({"concurrency_limit", "queue_full", "engine_limit_reached",
                         "insufficient_gpu", "insufficient_memory", "model_not_loaded",
                         "no_engine_ready", "engine_busy"})
+# an eviction's stop reason says more after its first word ("evicted for 'b' (...)"):
+# the label is the first word, a closed set
 EVICTION_REASONS = frozenset({"evicted", "idle_ttl"})
 # llm_gateway_bounded's `bound` label of a call refused or cut off by a bound, by its
 # error code (the bounds counted elsewhere come with the scrape's Snapshot)
@@ -190,8 +192,9 @@ class GatewayMetrics:
         elif new.state is EngineState.FAILED and model in self._started:
             self.starts.inc((model, "failed"))
             self._started.pop(model, None)
-        elif new.state is EngineState.STOPPING and stop_reason in EVICTION_REASONS:
-            self.evictions.inc((stop_reason,))
+        elif new.state is EngineState.STOPPING and stop_reason is not None \
+                and (kind := stop_reason.split(" ", 1)[0]) in EVICTION_REASONS:
+            self.evictions.inc((kind,))
 
     # -- a scrape ------------------------------------------------------------------------
 

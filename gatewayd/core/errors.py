@@ -265,6 +265,25 @@ class QueueFull(GatewayError):
     status, type, code = 503, "server_error", "queue_full"
 
 
+class TooManyLogFollows(GatewayError):
+    """A journal follow (?follow=1) past the most that may run at once: each is a
+    journalctl process, held as long as its client stays."""
+
+    status, type, code = 429, "rate_limit_error", "too_many_log_follows"
+
+
+class NotASystemdUnit(GatewayError):
+    """The gateway's own journal asked for where it does not run as a systemd unit."""
+
+    status, type, code = 409, "invalid_request_error", "not_a_systemd_unit"
+
+
+class JournalUnavailable(GatewayError):
+    """journalctl could not be run (not installed, not allowed)."""
+
+    status, type, code = 503, "server_error", "journal_unavailable"
+
+
 class ConfigError(GatewayError):
     """The configuration is wrong; the message names the key and the fix."""
 

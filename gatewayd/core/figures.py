@@ -23,3 +23,15 @@ def duration_text(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def latency_text(ms: float) -> str:
+    """A call's latency: 3.2 ms, 412 ms, 7.9 s, then as durations (3m12s)."""
+    # each step where the one before would round up to the next's first figure
+    if ms < 9.95:
+        return f"{ms:.1f} ms"
+    if ms < 999.5:
+        return f"{ms:.0f} ms"
+    if ms < 59_950:
+        return f"{ms / 1000:.1f} s"
+    return duration_text(ms / 1000)

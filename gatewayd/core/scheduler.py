@@ -26,7 +26,7 @@ deciding again.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gatewayd.core.budget import still_to_load_mib
 from gatewayd.core.engines import EngineState, holds_place
@@ -98,6 +98,9 @@ class Evict:
 
     model_id: str
     reason: str
+    # the shortage alone ("max_engines reached", "needs 300 MiB of GPU memory, 100 MiB
+    # free"), for the victim's stop reason; the decision is the same whatever its words
+    why: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     places_short = free_places <= 0
     limit = "engine_limit" if places_short else "gpu_memory" if gpu_short else "ram"
     why = ("max_engines reached" if places_short else
-           f"needs {need_mib} MiB, {free_mib} MiB free" if gpu_short else
+           f"needs {need_mib} MiB of GPU memory, {free_mib} MiB free" if gpu_short else
            f"needs {ram_need_mib} MiB of RAM, {ram_free_mib} MiB free")
     # short of GPU memory, only an engine on the chosen devices frees what is missing;
     # every engine holds RAM
@@ -172,7 +175,7 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     victims = sorted((u for u in candidates if u.why_not_evictable() is None),
                      key=lambda u: u.last_used)
     if victims:
-        return Evict(victims[0].model_id, f"making room for {model_id}: {why}")
+        return Evict(victims[0].model_id, f"making room for {model_id}: {why}", why=why)
     if any(u.draining for u in candidates):
         return Wait("an engine is finishing its requests to make room")
     if any(u.state in (EngineState.STOPPING,) for u in candidates):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,14 @@ from gatewayd.adapters import records
 from gatewayd.adapters.engine_wire.errors import EngineConnectionError
 from gatewayd.adapters.engine_wire.exchange import exchange
 from gatewayd.adapters.events import EventHub
+from gatewayd.adapters.journal import Journals
 from gatewayd.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.adapters.metrics import EngineFigures, Snapshot
-from gatewayd.core import placement, scheduler
+from gatewayd.core import logs, placement, scheduler
 from gatewayd.core.budget import MIB
 from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
-from gatewayd.core.errors import GpuUnavailable, InvalidRequest
+from gatewayd.core.errors import GpuUnavailable, InvalidRequest, NotASystemdUnit
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.http import openai_api
 from gatewayd.http.proxy import NATIVE_RELAY
@@ -39,9 +42,11 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 EVENTS = web.AppKey("events", EventHub)
 RELOADER = web.AppKey("reloader", Reloader)
 PULLER = web.AppKey("puller", Puller)
+JOURNALS = web.AppKey("journals", Journals)
 HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
 MAX_LOG_LINES = 10_000
+FOLLOW_LINES = 50     # a follow's last lines before the new ones, unless ?lines= says
 
 
 def add_routes(app: web.Application) -> None:
@@ -53,8 +58,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/engines/start", start_engine)
     app.router.add_post("/admin/engines/stop", stop_engine)
     app.router.add_get("/admin/engines/logs", engine_logs)
+    app.router.add_get("/admin/logs", gateway_logs)
     app.router.add_get("/admin/records", call_records)
     app.router.add_get("/admin/events", follow_events)
+    app.router.add_get("/admin/events/history", event_history)
     app.router.add_get("/admin/metrics", metrics)
     app.router.add_post("/admin/reload", reload_config)
 
@@ -63,7 +70,20 @@ def add_routes(app: web.Application) -> None:
 # would be imported on the socket-activated start's path (docs/benchmarks.md, "Figures
 # behind choices in the code"), and the package is always installed as files (its
 # preloaded wait is a library LD_PRELOAD must find on disk)
-STATUS_PAGE = Path(__file__).with_name("status_page.html").read_bytes()
+def _page() -> bytes:
+    """The page with its scripts inlined (one request, and the scripts stay files of their
+    own, which ESLint and node's unit tests read: tests/js)."""
+    here = Path(__file__).parent
+    page = (here / "status_page.html").read_bytes()
+    for name in ("console_core.js", "console_page.js"):
+        tag = f'<script src="{name}"></script>'.encode()
+        if tag not in page:
+            raise RuntimeError(f"status_page.html does not load {name}")
+        page = page.replace(tag, b"<script>\n" + (here / name).read_bytes() + b"</script>")
+    return page
+
+
+STATUS_PAGE = _page()
 
 
 async def status_page(request: web.Request) -> web.Response:
@@ -107,8 +127,11 @@ async def list_engines(request: web.Request) -> web.Response:
     uses = _uses(request)
     rows = []
     mgr.read_ram()
+    vram = mgr.vram_held() if mgr.has_gpu() else {}
     for engine in mgr.engines():
         row = engine_json(mgr, engine, await mgr.info(engine))
+        # measured on the GPU (NVML, per process): the console's bars set it beside the need
+        row["vram_mib"] = vram.get(engine.model_id)
         use = uses.get(engine.model_id)
         row["in_flight"], row["queued"] = (use.in_flight, use.queued) if use else (0, 0)
         rows.append(row)
@@ -133,19 +156,90 @@ async def stop_engine(request: web.Request) -> web.Response:
     return web.json_response({"engine": engine_json(mgr, engine, None)})
 
 
-async def engine_logs(request: web.Request) -> web.Response:
+async def engine_logs(request: web.Request) -> web.StreamResponse:
+    """An engine's journal: its last lines (?lines=N, default 100); with ?follow=1 an event
+    stream, the last lines (default 50) then each one as it is written; ?grep=TEXT keeps
+    the lines that contain TEXT (any case)."""
     mgr = request.app[ENGINES]
     name = request.query.get("model")
     if not name:
         raise InvalidRequest("give the model: ?model=NAME", param="model")
+    follow = _follow_asked(request)
+    lines = _log_lines(request, FOLLOW_LINES if follow else 100)
+    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
+    keep = logs.line_filter(request.query.get("grep"))
+    if follow:   # the unit from the engine or the catalog, never the query's text
+        return await _follow_log(request, *mgr.log_unit(model_id), lines, keep)
+    return web.json_response({"model": model_id, "lines": [
+        line for line in await mgr.logs(model_id, lines) if keep(line)]})
+
+
+async def gateway_logs(request: web.Request) -> web.StreamResponse:
+    """The gateway's own journal, as engine_logs gives an engine's: where it runs as a
+    systemd unit (else 409 not_a_systemd_unit)."""
+    journals = request.app[JOURNALS]
+    follow = _follow_asked(request)
+    lines = _log_lines(request, FOLLOW_LINES if follow else 100)
+    keep = logs.line_filter(request.query.get("grep"))
+    own = journals.own_unit()
+    if own is None:
+        raise NotASystemdUnit("the gateway is not running as a systemd unit: its log is its "
+                              "standard error")
+    if follow:
+        return await _follow_log(request, own.unit, own.manager, lines, keep)
+    found = await journals.tail(own.unit, own.manager, lines)
+    return web.json_response({"unit": own.unit, "lines": [ln for ln in found if keep(ln)]})
+
+
+def _follow_asked(request: web.Request) -> bool:
+    value = request.query.get("follow", "0")
+    if value not in ("0", "1", "true", "false"):
+        raise InvalidRequest("follow is 1 or 0", param="follow")
+    return value in ("1", "true")
+
+
+def _log_lines(request: web.Request, default: int) -> int:
     try:
-        lines = int(request.query.get("lines", "100"))
+        lines = int(request.query.get("lines", str(default)))
     except ValueError:
         raise InvalidRequest("lines must be a number", param="lines") from None
     if not 0 < lines <= MAX_LOG_LINES:
         raise InvalidRequest(f"lines must be 1..{MAX_LOG_LINES}", param="lines")
-    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
-    return web.json_response({"model": model_id, "lines": await mgr.logs(model_id, lines)})
+    return lines
+
+
+async def _follow_log(request: web.Request, unit: str, manager: str, lines: int,
+                      keep: Callable[[str], bool]) -> web.StreamResponse:
+    """SSE: one event per journal line, {"line": "..."}, the last `lines` then each one as
+    it is written; {"type": "shutdown"} last when the gateway stops, {"type": "end"} if
+    journalctl ends by itself. The journalctl process ends when the client goes away."""
+    if request.method == "HEAD":   # the head only: no journalctl for it
+        return web.Response(headers=SSE_HEADERS)
+    journals = request.app[JOURNALS]
+    follow = await journals.follow(unit, manager, lines)   # 429 past the bound: no stream
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await response.prepare(request)
+        while True:
+            try:
+                line = await asyncio.wait_for(follow.line(), HEARTBEAT_S)
+            except TimeoutError:   # (the line being read stays for the next read)
+                await response.write(b": keep-alive\n\n")
+                continue
+            if line is None:
+                await follow.end()   # reaped: its exit status is known
+                end = {"type": "shutdown"} if journals.closed else {
+                    "type": "end", "reason": f"journalctl ended (exit status "
+                                             f"{follow.exit_status})"}
+                await response.write(sse_event({**end, "ts": time.time()}))
+                break
+            if keep(line):
+                await response.write(sse_event({"line": line}))
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        await follow.end()
+    return response
 
 
 async def call_records(request: web.Request) -> web.Response:
@@ -290,7 +384,9 @@ def _gpu_memory(request: web.Request) -> dict[str, Any]:
 
 
 def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) -> None:
-    """Engine state changes as events: starting, ready, failed (reason), stopped (why)."""
+    """Engine state changes as events: starting, ready (load_s: from its start or restart),
+    failed and restarting (reason), stopping and stopped (why; evicted_for: the model an
+    eviction made room for)."""
     if old.state is new.state:
         return
     event: dict[str, Any] = {"type": "engine", "model": new.model_id, "state": new.state.value,
@@ -300,7 +396,33 @@ def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) 
         event["reason"] = new.failure.reason
     elif new.state in (EngineState.STOPPING, EngineState.STOPPED):
         event["reason"] = mgr.stop_reasons.get(new.model_id, "stopped outside the gateway")
+        if (evicted_for := mgr.evicted_for.get(new.model_id)) is not None:
+            event["evicted_for"] = evicted_for
+    elif new.state is EngineState.READY \
+            and (load_s := mgr.load_seconds(new.model_id)) is not None:
+        event["load_s"] = round(load_s, 3)
     hub.publish(event)
+
+
+async def event_history(request: web.Request) -> web.Response:
+    """The events kept for the window (adapters/events: engines, evictions, reloads, pulls'
+    ends; no queue depths), oldest first; ?since=EPOCH, ?limit=N (the newest N)."""
+    hub = request.app[EVENTS]
+    q = request.query
+    try:
+        since = float(q["since"]) if "since" in q else None
+    except ValueError:
+        raise InvalidRequest("since must be epoch seconds", param="since") from None
+    if since is not None and not math.isfinite(since):
+        raise InvalidRequest("since must be epoch seconds", param="since")
+    try:
+        limit = int(q["limit"]) if "limit" in q else None
+    except ValueError:
+        raise InvalidRequest("limit must be a number", param="limit") from None
+    if limit is not None and not 0 < limit <= hub.keep_max:
+        raise InvalidRequest(f"limit must be 1..{hub.keep_max}", param="limit")
+    return web.json_response({"events": hub.history(since, limit), "kept_s": hub.keep_s,
+                              "kept_max": hub.keep_max})
 
 
 async def follow_events(request: web.Request) -> web.StreamResponse:
@@ -358,6 +480,7 @@ def engine_json(mgr: EngineManager, engine: Engine, info: EngineUnitInfo | None
         "memory_bytes": memory,
         "adopted": engine.adopted,
         "gpus": list(engine.devices),
+        "holds_place": engine.holds_place,   # counts against max_engines
         "failure": engine.failure.describe() if engine.failure else None,
         "ram_bytes": ram.current_bytes if ram else None,
         "ram_peak_bytes": ram.peak_bytes if ram else None,

@@ -101,6 +101,7 @@ class EngineLifecycle:
         self._in_lifecycle: dict[str, int] = {}     # operations holding or awaiting the lock
         self._tasks: set[asyncio.Task[None]] = set()
         self.stop_reasons: dict[str, str] = {}   # why each engine was last stopped
+        self.evicted_for: dict[str, str] = {}    # the model each last eviction made room for
         self._readiness = Readiness(health, load_timeout_s=config.load_timeout_s, clock=clock,
                                     engine=registry.get, on_ready=self._on_ready,
                                     on_timeout=self._on_load_timeout,
@@ -132,6 +133,7 @@ class EngineLifecycle:
         async with self._lifecycle(model.id):
             where = self._capacity.admit(model, force=force)
             self.stop_reasons.pop(model.id, None)
+            self.evicted_for.pop(model.id, None)
             layout = self._units.layout(model.id)
             self._capacity.note_start(model.id)
             self._registry.register(Engine(model.id, layout.unit, layout.socket,
@@ -174,11 +176,17 @@ class EngineLifecycle:
         limit = self._config.load_timeout_s + READY_GRACE_S if timeout is None else timeout
         return await self._registry.wait_ready(model_id, limit)
 
-    async def stop(self, model_id: str, *, reason: str = "requested") -> Engine:
-        """Stop a model's engine; returns once its unit is stopped and gone."""
+    async def stop(self, model_id: str, *, reason: str = "requested",
+                   evicted_for: str | None = None) -> Engine:
+        """Stop a model's engine; returns once its unit is stopped and gone. evicted_for:
+        the model an eviction makes room for (the events say it)."""
         engine = self._registry.get(model_id)
         if engine is None:
             raise EngineNotRunning(f"no engine for {model_id!r} is running", model=model_id)
+        if evicted_for is None:
+            self.evicted_for.pop(model_id, None)
+        else:   # before the stopping mark: its event names the model
+            self.evicted_for[model_id] = evicted_for
         self._desired.remove(model_id)   # not running at the next boot either
         log.info("stopping %s (%s): %s", model_id, engine.unit, reason)
         was_ready = engine.state is EngineState.READY

@@ -118,6 +118,16 @@ class EngineManager:
         """Why each engine was last stopped."""
         return self._lifecycle.stop_reasons
 
+    @property
+    def evicted_for(self) -> Mapping[str, str]:
+        """The model each engine's last stop, an eviction, made room for."""
+        return self._lifecycle.evicted_for
+
+    def load_seconds(self, model_id: str) -> float | None:
+        """How long the engine's last way to ready took, from its start (or systemd's
+        restart) to ready; None where the gateway did not see it begin (adopted)."""
+        return self._registry.load_seconds(model_id)
+
     # -- start / stop, and what systemd says --------------------------------------------
 
     async def start(self, model_id: str, *, wait: bool = True, force: bool = False) -> Engine:
@@ -126,8 +136,9 @@ class EngineManager:
     async def wait_ready(self, model_id: str, timeout: float | None = None) -> Engine:
         return await self._lifecycle.wait_ready(model_id, timeout)
 
-    async def stop(self, model_id: str, *, reason: str = "requested") -> Engine:
-        return await self._lifecycle.stop(model_id, reason=reason)
+    async def stop(self, model_id: str, *, reason: str = "requested",
+                   evicted_for: str | None = None) -> Engine:
+        return await self._lifecycle.stop(model_id, reason=reason, evicted_for=evicted_for)
 
     async def kill_unresponsive(self, model_id: str, main_pid: int, silent_s: float) -> None:
         await self._lifecycle.kill_unresponsive(model_id, main_pid, silent_s)
@@ -235,7 +246,12 @@ class EngineManager:
         return await self._lifecycle.info(engine.unit)
 
     async def logs(self, model_id: str, lines: int) -> list[str]:
+        return await self._logs.tail(self.log_unit(model_id)[0], lines)
+
+    def log_unit(self, model_id: str) -> tuple[str, str]:
+        """The unit whose journal is the model's engine's (its engine's, else the one its
+        next start makes), and the manager that runs it ("system" or "user")."""
         engine = self._registry.get(model_id)
         unit = engine.unit if engine else self._units.layout(
             configured(self.catalog, model_id).id).unit
-        return await self._logs.tail(unit, lines)
+        return unit, self._units.manager

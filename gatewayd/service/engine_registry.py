@@ -47,6 +47,10 @@ class EngineRegistry:
         self._waiters: dict[str, list[asyncio.Future[Engine]]] = {}
         self._failures: dict[str, tuple[int, float]] = {}   # model -> (in a row, retry at)
         self._state_since: dict[str, float] = {}   # model -> when it entered its state
+        # model -> when its way to ready began (a start, or systemd's restart), and how
+        # long the last one took
+        self._coming_since: dict[str, float] = {}
+        self._load_s: dict[str, float] = {}
         self.last_release: float | None = None   # when an engine last gave up its place
 
     # -- queries ---------------------------------------------------------------------
@@ -170,9 +174,15 @@ class EngineRegistry:
             self._clock(), info.active_state if info else None,
             main_pid=info.main_pid if info else 0, n_restarts=info.n_restarts if info else 0))
 
+    def load_seconds(self, model_id: str) -> float | None:
+        """Seconds from the start (or systemd's restart) to ready, of the engine's last
+        way to ready; None if the gateway did not see it begin (an adopted engine)."""
+        return self._load_s.get(model_id)
+
     def _changed(self, old: Engine, new: Engine) -> None:
         if old.holds_place and not new.holds_place:
             self.last_release = self._clock()   # its GPU memory shows as free a bit later
+        self._time_load(old, new)
         if new.state is EngineState.READY:
             self._failures.pop(new.model_id, None)
         elif new.state is EngineState.FAILED and old.state is not EngineState.FAILED:
@@ -185,6 +195,23 @@ class EngineRegistry:
             self._log_transition(old, new)
         if self._react is not None:
             self._react(old, new)
+
+    def _time_load(self, old: Engine, new: Engine) -> None:
+        """Before the subscribers hear of it: a ready event carries its load time."""
+        if new.state is old.state:
+            return
+        model_id = new.model_id
+        if new.state in COMING_STATES and old.state not in COMING_STATES:
+            self._coming_since[model_id] = self._clock()
+            self._load_s.pop(model_id, None)
+        elif new.state is EngineState.READY:
+            since = self._coming_since.pop(model_id, None)
+            if since is None:
+                self._load_s.pop(model_id, None)
+            else:
+                self._load_s[model_id] = self._clock() - since
+        elif new.state not in COMING_STATES:
+            self._coming_since.pop(model_id, None)
 
     def _log_transition(self, old: Engine, new: Engine) -> None:
         now = self._clock()

@@ -200,8 +200,9 @@ class Loader:
                         await asyncio.sleep(LOOK_AGAIN_S)
                         continue
                     return
-                case scheduler.Evict(victim, reason):
-                    await self._evict(victim, reason, room_for=need)
+                case scheduler.Evict(victim, reason, why):
+                    await self._evict(victim, reason, room_for=need, evicted_for=model.id,
+                                      why=why)
                 case scheduler.Drain(victim, reason):
                     log.info("draining %s (%s)", victim, reason)
                     self._turns.use(victim).draining_for = model.id
@@ -246,7 +247,8 @@ class Loader:
                                 retry_after=5, held_by=held,
                                 prefix=f"not enough GPU memory within {wait_s:g}s: ")
 
-    async def _evict(self, victim: str, reason: str, room_for: int | None = None) -> None:
+    async def _evict(self, victim: str, reason: str, room_for: int | None = None, *,
+                     evicted_for: str | None = None, why: str = "") -> None:
         """Stop the victim; then wait (up to MEMORY_SETTLE_S) until its memory shows as free
         or room_for MiB are free, whichever comes first: room enough already (a count-only
         eviction, or a victim whose process was gone before its stop: stopped behind our
@@ -254,7 +256,8 @@ class Loader:
         before = self._room()
         log.info("evicting %s (%s)", victim, reason)
         try:
-            await self._engines.stop(victim, reason="evicted")
+            await self._engines.stop(victim, reason=eviction_reason(victim, evicted_for, why),
+                                     evicted_for=evicted_for)
         except EngineNotRunning:
             pass
         except GatewayError as e:
@@ -299,6 +302,18 @@ class Loader:
             victims = sorted((u for u in holders if u.why_not_evictable() is None),
                              key=lambda u: u.last_used)
             if victims:
-                await self._evict(victims[0].model_id, "more engines than max_engines")
+                await self._evict(victims[0].model_id, "more engines than max_engines",
+                                  why="more engines than max_engines")
             else:
                 await self._changes.wait(deadline)
+
+
+def eviction_reason(victim: str, evicted_for: str | None, why: str) -> str:
+    """A victim's stop reason, what the events and the log say: always "evicted" first
+    (the metrics' reason), then for whom and why, e.g. "evicted for 'b' (needs 300 MiB of
+    GPU memory, 120 MiB free; 'a' least recently used)". Victims are chosen among the
+    engines that serve nobody, least recently used first."""
+    if evicted_for is None:
+        return f"evicted ({why})" if why else "evicted"
+    because = f"{why}; " if why else ""
+    return f"evicted for {evicted_for!r} ({because}{victim!r} least recently used)"

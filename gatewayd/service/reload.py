@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig
@@ -32,7 +33,8 @@ class Reloader:
     def __init__(self, *, read: ReadConfig, engines: EngineManager, dispatcher: Dispatcher,
                  apply: Callable[[GatewayConfig], Awaitable[None]] | None = None,
                  notify: Callable[[str], None] = lambda _: None,
-                 read_models: ReadConfig | None = None) -> None:
+                 read_models: ReadConfig | None = None,
+                 publish: Callable[[dict[str, Any]], None] = lambda _: None) -> None:
         self._read = read
         # models_dir read again under the configuration in force (a pull landed, a model
         # was removed): the file's edits wait for a reload the user asks for
@@ -41,6 +43,7 @@ class Reloader:
         self._dispatcher = dispatcher
         self._apply = apply          # the adapters' share of the new settings
         self._notify = notify        # sd_notify
+        self._publish = publish      # the event feed: a reload is a point on its timeline
         self._lock = asyncio.Lock()  # one reload at a time
         self._pending: dict[str, asyncio.Task[None]] = {}   # model -> restart/stop when idle
 
@@ -52,10 +55,12 @@ class Reloader:
                 plan = await self._reload()
                 log.info("configuration reloaded: %s", plan.describe())
                 status = f"reloaded: {plan.describe()}"
+                self._publish({"type": "reload", "ok": True, "changes": plan.as_json()})
                 return plan
             except ConfigInvalid as e:
                 log.error("%s", e.message)
                 status = f"reload refused: {e.message}"
+                self._publish({"type": "reload", "ok": False, "error": e.message})
                 raise
             finally:
                 self._notify(f"READY=1\nSTATUS={status}")

@@ -697,10 +697,11 @@ async def test_events_follow_autoload_queue_and_eviction(tmp_path: Path) -> None
         assert {e["model"] for e in seen[0]["engines"]} == {"a", "b"}
         depths = [e["depth"] for e in seen if e["type"] == "queue"]
         assert max(depths) == 3 and depths[-1] == 0, depths  # three waited, then none
-        states = [(e["model"], e["state"], e.get("reason")) for e in seen
-                  if e["type"] == "engine"]
-        assert ("a", "stopping", "evicted") in states and ("a", "stopped", "evicted") in states
-        assert [s for m, s, _ in states if m == "c"] == ["starting", "loading", "ready"]
+        states = [(e["model"], e["state"], e.get("reason"), e.get("evicted_for"))
+                  for e in seen if e["type"] == "engine"]
+        why = "evicted for 'c' (max_engines reached; 'a' least recently used)"
+        assert ("a", "stopping", why, "c") in states and ("a", "stopped", why, "c") in states
+        assert [s for m, s, _, _ in states if m == "c"] == ["starting", "loading", "ready"]
 
 
 async def _follow_until(resp: aiohttp.ClientResponse, seen: list[dict[str, Any]],

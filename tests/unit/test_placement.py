@@ -68,7 +68,7 @@ def test_short_of_memory_the_victim_is_on_the_chosen_device() -> None:
     usages = [ready("a", ("GPU-0",), 1.0), ready("b", ("GPU-1",), 2.0)]
     decision = plan_start("c", usages, max_engines=4, need_mib=500, free_mib=100,
                           devices=frozenset({"GPU-1"}))
-    assert decision == Evict("b", "making room for c: needs 500 MiB, 100 MiB free")
+    assert decision == Evict("b", "making room for c: needs 500 MiB of GPU memory, 100 MiB free")
     # short of places, any engine will do: the least recently used
     decision = plan_start("c", usages, max_engines=2, need_mib=500, free_mib=100,
                           devices=frozenset({"GPU-1"}))
