@@ -121,6 +121,7 @@ async def browser_page(width: int = 1100, height: int = 800) -> AsyncIterator[Pa
     proc = await asyncio.create_subprocess_exec(
         chromium_path(), "--headless=new", "--no-sandbox", "--disable-gpu",
         "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+        "--hide-scrollbars",   # the whole width is the page (screenshots, phone widths)
         "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     session = aiohttp.ClientSession()

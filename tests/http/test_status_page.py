@@ -8,7 +8,6 @@ image."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,6 @@ from tests.unit.test_pulls import FILES, REPO
 from tests.unit.test_ram_budget import FakeHost, FakeMeter
 
 pytestmark = pytest.mark.slow
-
-DOCS_SHOT = Path(__file__).resolve().parents[2] / "docs" / "status-page.png"
-
 
 def state_of(model: str) -> str:
     return (f"(document.querySelector('#engines tr[data-model={json.dumps(model)}] .state') "
@@ -69,18 +65,18 @@ async def test_status_page_shows_engines_and_follows_them_live(tmp_path: Path) -
             await page.wait_for("document.getElementById('facts').textContent"
                                 ".includes('parked: b')", what="b's parked unit", timeout=20)
             assert await page.evaluate("window.sameDocument") is True     # never reloaded
-            # the journal, on demand
+            # the journal, on demand: followed live (tests/http/test_console.py reads it)
             await page.evaluate("[...document.querySelectorAll('#engines tr[data-model=\"a\"] "
                                 "button')].find(b => b.textContent === 'logs').click()")
-            await page.wait_for("!document.getElementById('logs').hidden", what="the journal")
+            await page.wait_for("document.getElementById('log-source').value === 'a' && "
+                                "document.getElementById('log-state').textContent"
+                                ".includes('a')", what="a's journal followed")
             shot = await page.screenshot(tmp_path / "status.png")
             width, height = png_size(shot)
             assert width == 1100 and height >= 400 and shot.stat().st_size > 10_000
             assert page.errors == []
         rows = await gw.records(1)
         assert {r["endpoint"] for r in rows} == {"/v1/chat/completions"}  # the page calls no engine
-        if DOCS_SHOT.parent.is_dir() and not DOCS_SHOT.exists():
-            shutil.copy(shot, DOCS_SHOT)   # the picture in the docs (refresh: delete it)
 
 
 async def test_status_page_draws_a_download_as_it_arrives(

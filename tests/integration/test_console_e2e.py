@@ -1,0 +1,84 @@
+"""The console in headless Chromium against the real gateway in the test container: real
+llama-server engines as systemd units, their journals in the container's journald, the
+records in SQLite. After traffic the charts carry its figures, the memory bars match
+/admin/status, a forced eviction shows on the timeline with its reason, the playground
+streams an answer from a real engine, and the live log shows a line its engine wrote after
+the page began following it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.browser import browser_page
+from tests.http.test_console import drawn, play
+from tests.integration.conftest import GatewayFactory
+
+pytestmark = [pytest.mark.systemd, pytest.mark.engine, pytest.mark.slow]
+
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+
+
+def run(coro: object) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_console_against_real_engines(gateway_factory: GatewayFactory) -> None:
+    gw = gateway_factory(max_engines=1)
+    for _ in range(2):
+        status, body = gw.api("POST", "/v1/chat/completions", {"model": "tiny-alpha", **CHAT})
+        assert status == 200, body
+    # one place: beta's call evicts alpha (the timeline must say so, and for whom)
+    status, body = gw.api("POST", "/v1/chat/completions", {"model": "tiny-beta", **CHAT})
+    assert status == 200, body
+    run(_drive(gw.url))
+
+
+async def _drive(url: str) -> None:
+    async with browser_page() as page:
+        await page.goto(f"{url}/admin/")
+        await page.wait_for("document.getElementById('live').textContent === 'live'",
+                            what="the event feed")
+        # the charts: 3 calls in the hour's buckets (per minute: calls / 1)
+        points = "svg[data-chart=requests] circle"
+        await page.wait_for(f"document.querySelectorAll({json.dumps(points)}).length >= 2",
+                            what="the requests chart", timeout=30)
+        alpha = sum(float(v) for v in await drawn(page, f"{points}[data-line=tiny-alpha]"))
+        beta = sum(float(v) for v in await drawn(page, f"{points}[data-line=tiny-beta]"))
+        assert (alpha, beta) == (2, 1)
+        latency = await drawn(page, "svg[data-chart=latency] circle[data-line=p95]")
+        assert latency and all(float(v) > 0 for v in latency)
+
+        # memory: the RAM bar's engine is beta, at what /admin/engines measured
+        status = await page.evaluate("fetch('/admin/status').then(r => r.json())")
+        engines = await page.evaluate("fetch('/admin/engines').then(r => r.json())")
+        beta_engine = next(e for e in engines["engines"] if e["model"] == "tiny-beta")
+        if status["ram_memory_mib"] is not None and beta_engine["ram_bytes"] is not None:
+            await page.wait_for("!!document.querySelector('[data-memory=ram] "
+                                ".seg[data-label=tiny-beta]')", what="beta's RAM")
+        assert await drawn(page, ".place:not(.empty)", "place") == ["tiny-beta"]
+        assert await page.evaluate("document.querySelectorAll('.place').length") == 1
+
+        # the timeline: alpha evicted for beta
+        evicted = "#marks li[data-kind=evicted][data-model=tiny-alpha]"
+        await page.wait_for(f"!!document.querySelector('{evicted}')", what="alpha's eviction")
+        text = await page.evaluate(f"document.querySelector('{evicted}').textContent")
+        assert "evicted for 'tiny-beta'" in text, text
+
+        # live logs: follow beta's journal, then make its engine write (a request)
+        await page.evaluate("void followLogs('tiny-beta')")
+        await page.wait_for("document.getElementById('log-state').dataset.following "
+                            "=== 'tiny-beta'", what="the follow under way")
+        # llama-server logs "prompt eval time" once per request: beta's first is among
+        # the journal's last lines; the playground's must arrive as it is written
+        count = ("document.getElementById('log-lines').textContent"
+                 ".split('prompt eval time').length - 1")
+        before = await page.wait_for(f"{count} >= 1 && {count}", what="the journal's tail")
+        answer = await play(page, "tiny-beta")   # the playground: streamed from llama-server
+        assert answer["state"] == "done", answer
+        assert answer["out"].strip() and "TTFT" in answer["figures"], answer
+        await page.wait_for(f"{count} > {before}", what="a line written after the follow "
+                            "began", timeout=20)
+        assert page.errors == []
