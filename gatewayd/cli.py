@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gatewayd import __version__, cli_pull
+from gatewayd import __version__, cli_play, cli_pull
 from gatewayd.adapters.config_file import load_config
 from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="then each line as it is written (Ctrl-C ends)")
     p.add_argument("--grep", help="only lines that contain this text (any case)")
     cli_pull.add_commands(sub)
+    cli_play.add_commands(sub)
     p = sub.add_parser("key", help="API keys ([auth] keys_file)")
     keys = p.add_subparsers(dest="key_command", metavar="KEY_COMMAND", required=True)
     p = keys.add_parser("new", help="make a key: prints it (once) and its [keys.NAME] table "
@@ -250,6 +251,12 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         show(args, out, lambda: stats_lines(out))
     elif args.command == "logs":
         logs(url, args)
+    elif args.command in ("chat", "embed", "transcribe"):
+        try:
+            return cli_play.run(args, lambda method, path, data, kind: _exchange(
+                url, method, path, data, timeout=600, content_type=kind))
+        except cli_play.PlayError as e:
+            raise CliError(str(e)) from None
     return 0
 
 
@@ -610,10 +617,11 @@ def call(url: str, method: str, path: str, body: Any = None, *, text: bool = Fal
 
 @contextlib.contextmanager
 def _exchange(url: str, method: str, path: str, data: bytes | None = None, *,
-              timeout: float) -> Iterator[http.client.HTTPResponse]:
+              timeout: float, content_type: str = "application/json"
+              ) -> Iterator[http.client.HTTPResponse]:
     """One request to the gateway at url: http://HOST:PORT, or unix:PATH (its admin
     socket). Sends $LLM_GATEWAY_API_KEY (an admin key, where keys are on) if set."""
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": content_type}
     if key := os.environ.get(API_KEY_ENV):
         headers["Authorization"] = f"Bearer {key}"
     conn: http.client.HTTPConnection

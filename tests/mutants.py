@@ -879,8 +879,53 @@ PULLS = (
            tests=(PULL_API_T + "test_rm_refuses_a_running_model_unless_forced",)),
 )
 
+# the console's figures and feeds (issue 40): what the charts, the timeline and the live
+# logs are made of
+SERIES_T = "tests/unit/test_series.py::"
+EVENTS_T = "tests/unit/test_event_history.py::"
+LOGS_T = "tests/http/test_events_and_logs.py::"
+CONSOLE = (
+    Mutant("series-503-not-rejected", "a 503 (no room, downloading) is a rejection, not "
+           "an error", "gatewayd/core/series.py",
+           "REJECTED_STATUSES: tuple[int, ...] = (429, 503)",
+           "REJECTED_STATUSES: tuple[int, ...] = (429,)",
+           tests=(SERIES_T + "test_rejected_and_errors_are_apart",)),
+    Mutant("series-bound-in-next-bin", "a latency exactly on a bound is in that bound's bin",
+           "gatewayd/adapters/record_series.py",
+           'return (f"CASE WHEN {column} <= {LATENCY_BOUNDS_MS[mid]} THEN',
+           'return (f"CASE WHEN {column} < {LATENCY_BOUNDS_MS[mid]} THEN',
+           tests=(SERIES_T + "test_calls_land_in_their_bucket_and_bin",)),
+    Mutant("events-keep-queue-depths", "queue depths are live only: they would push the "
+           "evictions out of the kept window", "gatewayd/adapters/events.py",
+           '    if kind == "queue":\n        return False\n',
+           '    if kind == "queue":\n        return True\n',
+           tests=(EVENTS_T + "test_queue_depths_and_pull_progress_go_to_followers_but_are_"
+                  "not_kept",)),
+    Mutant("eviction-forgets-for-whom", "an eviction's events name the model it made room "
+           "for", "gatewayd/service/engine_lifecycle.py",
+           "            self.evicted_for[model_id] = evicted_for\n",
+           "            self.evicted_for.pop(model_id, None)\n",
+           tests=(LOGS_T + "test_the_history_says_who_was_evicted_for_whom_and_how_long_"
+                  "loads_took",)),
+    Mutant("console-quantile-off-a-bin", "the page's percentile interpolates inside the "
+           "bin that holds the rank", "gatewayd/http/console_core.js",
+           "        const lower = i === 0 ? 0 : bounds[i - 1];\n",
+           "        const lower = i === 0 ? 0 : bounds[i];\n",
+           tests=("tests/test_console_js.py::test_the_pages_computations",)),
+    Mutant("console-average-of-models", "the overall figures add every model's histograms",
+           "gatewayd/http/console_core.js",
+           "      if (model !== undefined && row.model !== model) continue;\n",
+           "      if (row.model !== model) continue;\n",
+           tests=("tests/test_console_js.py::test_the_pages_computations",)),
+    Mutant("log-follows-unbounded", "at most MAX_FOLLOWS journalctl processes at once",
+           "gatewayd/adapters/journal.py",
+           "        if self.following >= self.limit:\n",
+           "        if self.following > self.limit:\n",
+           tests=(LOGS_T + "test_at_most_eight_follows_and_the_ninth_is_refused",)),
+)
+
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
-           + ANY_ENGINE + PULLS)
+           + ANY_ENGINE + PULLS + CONSOLE)
 
 
 def copy_tree(dest: Path) -> None:

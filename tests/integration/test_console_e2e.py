@@ -2,41 +2,54 @@
 llama-server engines as systemd units, their journals in the container's journald, the
 records in SQLite. After traffic the charts carry its figures, the memory bars match
 /admin/status, a forced eviction shows on the timeline with its reason, the playground
-streams an answer from a real engine, and the live log shows a line its engine wrote after
-the page began following it."""
+streams an answer from a real engine and shows an embedding's size, and the live log shows
+a line its engine wrote after the page began following it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.browser import browser_page
 from tests.http.test_console import drawn, play
 from tests.integration.conftest import GatewayFactory
+from tests.integration.gateway_helpers import toml_str
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine, pytest.mark.slow]
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 
 
-def run(coro: object) -> None:
-    asyncio.run(coro)  # type: ignore[arg-type]
-
-
-def test_console_against_real_engines(gateway_factory: GatewayFactory) -> None:
-    gw = gateway_factory(max_engines=1)
+def test_console_against_real_engines(gateway_factory: GatewayFactory,
+                                      tiny_models: dict[str, Path]) -> None:
+    gw = gateway_factory(max_engines=1, extra=(
+        f"[models.embed]\npath = {toml_str(str(tiny_models['gamma']))}\n"
+        'kind = "embedding"\nthreads = 1\n'))
     for _ in range(2):
         status, body = gw.api("POST", "/v1/chat/completions", {"model": "tiny-alpha", **CHAT})
         assert status == 200, body
     # one place: beta's call evicts alpha (the timeline must say so, and for whom)
     status, body = gw.api("POST", "/v1/chat/completions", {"model": "tiny-beta", **CHAT})
     assert status == 200, body
-    run(_drive(gw.url))
+    dimensions = asyncio.run(_drive(gw.url))
+    # the vector the playground measured is the engine's: the same call, made here
+    status, body = gw.api("POST", "/v1/embeddings", {"model": "embed", "input": "hello"})
+    assert status == 200, body
+    assert dimensions == len(body["data"][0]["embedding"]) > 0
+    # the playground from a terminal: the same engines, streamed
+    proc = gw.cli("chat", "tiny-beta", "hello", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and ", 4 tokens, " in proc.stderr, proc.stderr
+    proc = gw.cli("embed", "embed", "hello")
+    assert proc.returncode == 0 and proc.stdout.startswith(f"{dimensions} dimensions: ["), \
+        proc.stdout + proc.stderr
 
 
-async def _drive(url: str) -> None:
+async def _drive(url: str) -> int:
+    """What the page shows, checked as it goes; the embedding's size it showed."""
     async with browser_page() as page:
         await page.goto(f"{url}/admin/")
         await page.wait_for("document.getElementById('live').textContent === 'live'",
@@ -81,4 +94,8 @@ async def _drive(url: str) -> None:
         assert answer["out"].strip() and "TTFT" in answer["figures"], answer
         await page.wait_for(f"{count} > {before}", what="a line written after the follow "
                             "began", timeout=20)
+        # an embedding model: the playground shows the vector's size
+        embedded = await play(page, "embed")
+        assert embedded["state"] == "done" and embedded["mode"] == "embedding", embedded
         assert page.errors == []
+        return int(embedded["figures"]["dimensions"].split()[1])
