@@ -98,6 +98,7 @@ $("#key-form").onsubmit = (ev) => {
   $("#error").textContent = "";
   refresh();
   follow();
+  refreshCharts().catch(showError);
   loadPlayground();
 };
 
@@ -240,7 +241,8 @@ function memoryBox(kind, title, detail, bar, names) {
     return el("span", {}, swatch, `${p.label} ${mib(p.amount)}`
       + (p.estimated ? " (est.)" : p.need != null ? ` / need ${mib(p.need)}` : ""));
   });
-  return el("div", { class: "membox", "data-memory": kind },
+  return el("div", { class: "membox", "data-memory": kind,
+    "data-total-mib": String(Math.round(bar.total)), "data-free-mib": String(Math.round(bar.free)) },
     el("div", { class: "title" }, el("span", {}, title),
       el("span", { class: "hint" }, `${mib(bar.used)} used of ${mib(bar.total)}, `
         + `${mib(bar.free)} free${bar.overfull ? " (over-full: estimates exceed the total)" : ""}`)),

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gatewayd.core.auth import digest, parse_keys
 from gatewayd.core.config import Backend, ModelKind
 from tests import console_shots
 from tests.browser import Page, browser_page, png_size
@@ -234,6 +235,38 @@ async def test_live_logs_follow_a_journal_filter_it_and_end_it(tmp_path: Path,
             await page.wait_for("document.getElementById('log-state').textContent.includes("
                                 "'not running as a systemd unit')", what="the gateway's log")
             assert page.errors == []
+
+
+async def test_with_keys_the_tabs_key_draws_the_console_and_plays_what_it_may(
+        tmp_path: Path) -> None:
+    """Keys on: the admin key in the tab reads the series, the history and the logs; the
+    playground lists what the same key may call (an admin-only key: nothing, and says so)."""
+    ring = parse_keys({"keys": {
+        "ops": {"sha256": digest("k-ops"), "scopes": ["admin", "inference"], "models": ["a"]},
+        "watch": {"sha256": digest("k-watch"), "scopes": ["admin"]}}}, "test")
+    async for gw in _gateway(tmp_path, ("a",), api_keys=ring):
+        async with browser_page() as page:
+            await page.goto(str(gw.client.make_url("/admin/")))
+            for key in ("k-watch", "k-ops"):
+                await page.wait_for("!document.getElementById('key-form').hidden",
+                                    what="the key form")
+                await page.evaluate(
+                    f"document.getElementById('key').value = {json.dumps(key)}; "
+                    "document.getElementById('key-form').requestSubmit()")
+                await page.wait_for("document.getElementById('charts').dataset.window "
+                                    "=== '1h'", what="the charts, read with the key")
+                if key == "k-watch":
+                    await page.wait_for("document.getElementById('play-kind').textContent"
+                                        ".startsWith('no models for this key')",
+                                        what="the playground's refusal")
+                    await page.evaluate("sessionStorage.clear(); "
+                                        "document.getElementById('key-form').hidden = false")
+            await page.wait_for("[...document.querySelectorAll('#play-model option')]"
+                                ".map(o => o.value).join() === 'a'", what="the key's models")
+            answer = await play(page, "a")
+            assert answer["state"] == "done" and answer["out"].startswith(" w0"), answer
+            rows = await gw.records(1)
+            assert rows[0]["api_key"] == "ops" and rows[0]["model"] == "a"
 
 
 async def test_the_screenshot_script_makes_both_pictures(tmp_path: Path) -> None:
