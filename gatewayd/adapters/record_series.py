@@ -15,8 +15,8 @@ while the writer thread goes on appending):
    hold them (core.series.rank_plan), so SQLite sorts only those bins' values and picks
    the ranks, instead of ranking the whole window.
 
-The definitions (rejected, errors, tokens/s ...) are core.series's; the SQL here says
-the same in SQL, and tests/unit/test_series.py holds the two to each other.
+The definitions (rejected, errors, tokens/s ...) are in core.series's docstring;
+tests/unit/test_series.py computes them again record by record and holds this SQL to them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 A window (15m, 1h, 24h) is cut into buckets of step_s seconds; the records adapter
 (adapters/record_series) groups the calls of each (bucket, model) in SQL, and this module
-turns its cells into the answer of GET /admin/series. The page merges the histograms
+turns its cells into the answer of GET /admin/series. The definitions below are what the
+SQL says; tests/unit/test_series.py computes them again record by record and holds the
+SQL to them. The page merges the histograms
 itself (over models, over buckets) and reads percentiles from them, so each cell carries
 counts per latency bin, not percentiles; the window's own percentiles (`totals`) are exact,
 ranked in SQL.
@@ -28,7 +30,6 @@ What the page shows, word for word:
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,30 +98,6 @@ def bucket_index(ts: float, start: int, step_s: int) -> int:
     return math.floor((ts - start) / step_s)
 
 
-def bin_index(value_ms: float, bounds: tuple[int, ...] = LATENCY_BOUNDS_MS) -> int:
-    """The histogram bin of a value: the first bound >= it (len(bounds) above them all)."""
-    return bisect_left(bounds, value_ms)
-
-
-def is_rejected(status: int) -> bool:
-    return status in REJECTED_STATUSES
-
-
-def is_error(status: int, outcome: str) -> bool:
-    if is_rejected(status):
-        return False
-    return status >= 400 or outcome != "ok"
-
-
-def counts_tokens(status: int, completion_tokens: int | None) -> bool:
-    """Whether a call's tokens and generation time go into tokens/s."""
-    return status == 200 and (completion_tokens or 0) > 0
-
-
-def generation_ms(latency_ms: float, ttft_ms: float | None) -> float:
-    return latency_ms - (ttft_ms or 0.0)
-
-
 def rank(percent: int, n: int) -> int:
     """The nearest rank (1-based) of a percentile among n sorted values: ceil(p * n),
     in integers (0.95 * n in floats can land a hair above a whole number)."""
@@ -174,6 +151,14 @@ class Cell:
     latency: list[int] = field(default_factory=lambda: [0] * BINS)
     ttft: list[int] = field(default_factory=lambda: [0] * BINS)
 
+    def add_counts(self, other: Cell) -> None:
+        """Another cell's counts and generation figures added to these (not its bins)."""
+        self.calls += other.calls
+        self.errors += other.errors
+        self.rejected += other.rejected
+        self.tokens_out += other.tokens_out
+        self.gen_ms += other.gen_ms
+
     def as_json(self) -> dict[str, Any]:
         return {"model": self.model, "bucket": self.bucket, "calls": self.calls,
                 "errors": self.errors, "rejected": self.rejected,
@@ -194,12 +179,7 @@ def answer(f: Frame, cells: list[Cell], ranked: Ranked) -> dict[str, Any]:
     cells = sorted(cells, key=lambda c: (c.bucket, order(c.model)))
     per_model: dict[str | None, Cell] = {}
     for c in cells:
-        t = per_model.setdefault(c.model, Cell(c.model, -1))
-        t.calls += c.calls
-        t.errors += c.errors
-        t.rejected += c.rejected
-        t.tokens_out += c.tokens_out
-        t.gen_ms += c.gen_ms
+        per_model.setdefault(c.model, Cell(c.model, -1)).add_counts(c)
     totals = []
     for model in sorted(per_model, key=order):
         t = per_model[model]

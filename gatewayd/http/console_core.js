@@ -153,11 +153,14 @@ const ConsoleCore = (() => {
   // --- memory bars -------------------------------------------------------------------------
 
   // Segments of a bar of `total`: each holder's amount (measured where measured, else the
-  // estimate, flagged), then `other` (held by something else), then what is free. Widths in
-  // percent of total, never past 100 in all: an over-full bar is scaled down and says so.
-  function memoryBar(total, holders, other) {
+  // estimate, flagged), then "other": what of `inUse` (what the device or the host says is
+  // in use) the measured holders do not account for; then what is free. Widths in percent
+  // of total, never past 100 in all: an over-full bar is scaled down and says so.
+  function memoryBar(total, holders, inUse) {
     const parts = holders.map((h) => ({ label: h.label, amount: Math.max(0, h.amount),
       estimated: !!h.estimated, need: h.need ?? null, kind: "engine" }));
+    const measured = parts.filter((p) => !p.estimated).reduce((a, p) => a + p.amount, 0);
+    const other = Math.max(0, inUse - measured);
     if (other > 0) parts.push({ label: "other", amount: other, kind: "other" });
     const used = parts.reduce((a, p) => a + p.amount, 0);
     const free = Math.max(0, total - used);

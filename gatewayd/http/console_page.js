@@ -251,36 +251,32 @@ function memoryBox(kind, title, detail, bar, names) {
       detail ? el("span", {}, detail) : null));
 }
 
+// an engine's share of a bar: what it holds as measured (MiB), else its need, flagged
+function share(e, measuredMib, needMib, split = 1) {
+  return { label: e.model, amount: (measuredMib ?? needMib ?? 0) / split,
+    estimated: measuredMib == null, need: needMib };
+}
+
 function renderMemory() {
   if (!gwStatus) return;
   const names = models.map((m) => m.id);
   const boxes = [];
   for (const d of gwStatus.gpu_devices || []) {
-    const on = engines.filter((e) => (d.engines || []).includes(e.model));
-    const holders = on.map((e) => {
-      const share = Math.max(1, (e.gpus || []).length || 1);
-      const measured = e.vram_mib != null ? e.vram_mib / share : null;
-      return { label: e.model, amount: measured ?? (e.vram_need_mib || 0) / share,
-        estimated: measured == null, need: e.vram_need_mib };
-    });
-    const measured = holders.filter((h) => !h.estimated).reduce((a, h) => a + h.amount, 0);
+    // an engine over several devices: its per-process VRAM (and need) split evenly
+    const holders = engines.filter((e) => (d.engines || []).includes(e.model))
+      .map((e) => share(e, e.vram_mib, e.vram_need_mib, Math.max(1, (e.gpus || []).length)));
     boxes.push(memoryBox(`gpu-${d.index}`, `GPU ${d.index}: ${d.name}`, null,
-      C.memoryBar(d.total, holders, Math.max(0, d.total - d.free - measured)), names));
+      C.memoryBar(d.total, holders, d.total - d.free), names));
   }
   if (gwStatus.gpu_error) boxes.push(el("p", { class: "reason" }, `GPU: ${gwStatus.gpu_error}`));
   const ram = gwStatus.ram_memory_mib;
   if (ram) {
-    const holders = engines.filter((e) => e.holds_place !== false).map((e) => {
-      const measured = e.ram_bytes != null ? e.ram_bytes / 1048576 : null;
-      return { label: e.model, amount: measured ?? (e.ram_need_mib || 0),
-        estimated: measured == null, need: e.ram_need_mib };
-    });
-    const measured = holders.filter((h) => !h.estimated).reduce((a, h) => a + h.amount, 0);
-    const other = Math.max(0, ram.total_mib - ram.available_mib - measured);
+    const holders = engines.filter((e) => e.holds_place !== false).map((e) => share(
+      e, e.ram_bytes != null ? e.ram_bytes / 1048576 : null, e.ram_need_mib));
     boxes.push(memoryBox("ram", "RAM", `free for engines ${mib(ram.free_for_planning_mib)}`
       + ` (reserve ${mib(ram.reserve_mib)}` + (ram.budget_mib != null
         ? `, budget ${mib(ram.budget_mib)}` : "") + ")",
-    C.memoryBar(ram.total_mib, holders, other), names));
+    C.memoryBar(ram.total_mib, holders, ram.total_mib - ram.available_mib), names));
   }
   const placed = engines.filter((e) => e.holds_place);
   const places = [];

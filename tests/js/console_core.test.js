@@ -104,8 +104,10 @@ test("plot: x by time, y by value over a round top; a null breaks the line", () 
 });
 
 test("memory bar: holders, other, free; an over-full bar is scaled and says so", () => {
+  // 350 in use: a's measured 250 and 100 held by something else (b's estimate is no
+  // measurement of what is in use)
   const bar = C.memoryBar(1000, [{ label: "a", amount: 250 }, { label: "b", amount: 250,
-    estimated: true, need: 300 }], 100);
+    estimated: true, need: 300 }], 350);
   assert.deepEqual(bar.parts.map((p) => [p.label, p.width]),
     [["a", 25], ["b", 25], ["other", 10], ["free", 40]]);
   assert.equal(bar.parts[1].estimated, true);

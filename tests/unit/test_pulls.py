@@ -214,17 +214,18 @@ async def test_space_is_checked_before_a_byte_is_fetched(rig: Rig) -> None:
     assert rig.hub.downloads["Tiny-Q8_0.gguf"] == 0 and rig.leftovers() == []
 
 
-class _FullAfter:
-    """A partial file on a disk that fills after `room` bytes."""
+class _BreaksAfter:
+    """A partial file that takes `room` bytes (of a chunk, what fits, as a full disk
+    does), then raises what the test gives (a full disk, a failing hub)."""
 
-    def __init__(self, out: BinaryIO, room: int) -> None:
-        self._out, self._room = out, room
+    def __init__(self, out: BinaryIO, room: int, error: Exception) -> None:
+        self._out, self._room, self._error = out, room, error
 
     def write(self, chunk: bytes) -> int:
         if len(chunk) > self._room:
             self._out.write(chunk[: self._room])
             self._room = 0
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise self._error
         self._room -= len(chunk)
         return self._out.write(chunk)
 
@@ -232,15 +233,23 @@ class _FullAfter:
         return getattr(self._out, name)
 
 
-class FillingDisk(HuggingFaceHub):
+class BreakingHub(HuggingFaceHub):
+    """The real client, its download breaking with `error` after 1 MiB."""
+
+    def __init__(self, error: Exception, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._error = error
+
     def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
                  cancel: threading.Event) -> None:
-        super().download(repo, commit, file, _FullAfter(out, MIB), cancel)  # type: ignore[arg-type]
+        super().download(repo, commit, file, _BreaksAfter(out, MIB, self._error),  # type: ignore[arg-type]
+                         cancel)
 
 
 async def test_a_disk_that_fills_mid_download_leaves_nothing_and_says_so(rig: Rig) -> None:
     rig.hub.publish(REPO, FILES)
-    puller = rig.puller(client=FillingDisk(endpoint=rig.url))
+    puller = rig.puller(client=BreakingHub(
+        OSError(errno.ENOSPC, "No space left on device"), endpoint=rig.url))
     state = await finished(puller, await puller.pull(f"{REPO}:Q8_0"))
     assert state.state == "failed" and state.error is not None
     assert state.error["code"] == "insufficient_storage"
@@ -360,31 +369,10 @@ async def test_an_expired_cdn_address_is_asked_for_again(rig: Rig) -> None:
     assert rig.hub.gets[-1] == ("Tiny-Q8_0.gguf", f"bytes={2 * MIB}-")
 
 
-class _HubFailsAfter:
-    """A partial file whose hub answers 500 after `room` bytes."""
-
-    def __init__(self, out: BinaryIO, room: int) -> None:
-        self._out, self._room = out, room
-
-    def write(self, chunk: bytes) -> int:
-        if len(chunk) > self._room:
-            raise PullError("the hub answered 500 for org/Tiny-GGUF/Tiny-Q8_0.gguf")
-        self._room -= len(chunk)
-        return self._out.write(chunk)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._out, name)
-
-
-class FailingHub(HuggingFaceHub):
-    def download(self, repo: str, commit: str, file: RemoteFile, out: BinaryIO,
-                 cancel: threading.Event) -> None:
-        super().download(repo, commit, file, _HubFailsAfter(out, MIB), cancel)  # type: ignore[arg-type]
-
-
 async def test_a_hub_failure_keeps_the_bytes_for_the_next_try_or_rm(rig: Rig) -> None:
     rig.hub.publish(REPO, FILES)
-    failing = rig.puller(client=FailingHub(endpoint=rig.url))
+    failing = rig.puller(client=BreakingHub(
+        PullError("the hub answered 500 for org/Tiny-GGUF/Tiny-Q8_0.gguf"), endpoint=rig.url))
     state = await finished(failing, await failing.pull(f"{REPO}:Q8_0"))
     assert state.state == "failed" and state.error is not None
     assert state.error["code"] == "pull_failed"

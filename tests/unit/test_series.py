@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,31 @@ from gatewayd.core.errors import InvalidRequest
 from gatewayd.core.series import BINS, LATENCY_BOUNDS_MS, Frame
 
 HOUR = series.WINDOWS["1h"]
+
+
+# --- the definitions (core/series.py's docstring), one call at a time: the reference the
+# SQL is held to, written here from the words, not from the code they check
+
+def bin_index(value_ms: float) -> int:
+    """The histogram bin of a value: the first bound >= it (len(bounds) above them all)."""
+    return bisect_left(LATENCY_BOUNDS_MS, value_ms)
+
+
+def is_rejected(status: int) -> bool:
+    return status in (429, 503)
+
+
+def is_error(status: int, outcome: str) -> bool:
+    return not is_rejected(status) and (status >= 400 or outcome != "ok")
+
+
+def counts_tokens(status: int, completion_tokens: int | None) -> bool:
+    """Whether a call's tokens and generation time go into tokens/s."""
+    return status == 200 and (completion_tokens or 0) > 0
+
+
+def generation_ms(latency_ms: float, ttft_ms: float | None) -> float:
+    return latency_ms - (ttft_ms or 0.0)
 
 
 # --- the pure part ---------------------------------------------------------------------
@@ -48,42 +74,7 @@ def test_a_frame_starts_on_a_multiple_of_its_step_and_ends_with_now(
     assert series.bucket_index(f.start + f.step_s, f.start, f.step_s) == 1
 
 
-def test_a_value_on_a_bound_is_in_that_bounds_bin() -> None:
-    assert len(LATENCY_BOUNDS_MS) == 30 and BINS == 31
-    assert list(LATENCY_BOUNDS_MS) == sorted(set(LATENCY_BOUNDS_MS))
-    for i, bound in enumerate(LATENCY_BOUNDS_MS):
-        assert series.bin_index(bound) == i
-        assert series.bin_index(bound + 0.001) == i + 1
-        assert series.bin_range(i)[1] == bound
-    assert [series.bin_index(v) for v in (0, -3, 0.5, 1.0, 1.5, 300_000.5, 1e9)] == [
-        0, 0, 0, 0, 1, 30, 30]
-    assert series.bin_range(0) == (None, 1) and series.bin_range(30) == (300_000, None)
-
-
-@pytest.mark.parametrize(("status", "outcome", "rejected", "error"), [
-    (200, "ok", False, False),
-    (200, "disconnected", False, True),     # a stream the client left
-    (200, "engine_failed", False, True),    # an engine that failed mid-stream
-    (0, "disconnected", False, True),       # left before any answer
-    (429, "error", True, False),            # over max_concurrency
-    (503, "error", True, False),            # queue full, no place, downloading ...
-    (503, "disconnected", True, False),
-    (404, "error", False, True),
-    (400, "error", False, True),
-    (502, "engine_failed", False, True),
-    (500, "error", False, True),
-])
-def test_rejected_and_errors_are_apart(status: int, outcome: str, rejected: bool,
-                                       error: bool) -> None:
-    assert series.is_rejected(status) is rejected
-    assert series.is_error(status, outcome) is error
-
-
-def test_tokens_per_second_counts_only_answers_with_tokens() -> None:
-    assert series.counts_tokens(200, 10) and not series.counts_tokens(200, 0)
-    assert not series.counts_tokens(200, None) and not series.counts_tokens(500, 10)
-    assert series.generation_ms(1200.0, 200.0) == 1000.0
-    assert series.generation_ms(1200.0, None) == 1200.0
+def test_tokens_per_second() -> None:
     assert series.tokens_per_s(50, 1000.0) == 50.0
     assert series.tokens_per_s(0, 1000.0) is None and series.tokens_per_s(5, 0.0) is None
 
@@ -178,6 +169,48 @@ def test_calls_land_in_their_bucket_and_bin(tmp_path: Path) -> None:
     assert record_series.read(path, f, "nobody")["series"] == []
 
 
+def test_a_value_on_a_bound_is_in_that_bounds_bin(tmp_path: Path) -> None:
+    assert len(LATENCY_BOUNDS_MS) == 30 and BINS == 31
+    assert list(LATENCY_BOUNDS_MS) == sorted(set(LATENCY_BOUNDS_MS))
+    assert series.bin_range(0) == (None, 1) and series.bin_range(30) == (300_000, None)
+    f = series.frame(HOUR, T0)
+    values = [v for bound in LATENCY_BOUNDS_MS for v in (bound, bound + 0.001)]
+    values += [0, 0.5, 1e9]
+    path = tmp_path / "records.db"   # one model per value: its own histogram
+    write(path, [call(T0 - 1, model=str(i), latency_ms=v) for i, v in enumerate(values)])
+    bins = {int(c["model"]): c["latency"].index(1) for c in record_series.read(path, f)["series"]}
+    assert [bins[i] for i in range(len(values))] == [bin_index(v) for v in values]
+    for i, bound in enumerate(LATENCY_BOUNDS_MS):
+        assert bins[2 * i] == i and bins[2 * i + 1] == i + 1 and series.bin_range(i)[1] == bound
+
+
+CASES = [   # (status, outcome): (rejected, error)
+    ((200, "ok"), (False, False)),
+    ((200, "disconnected"), (False, True)),     # a stream the client left
+    ((200, "engine_failed"), (False, True)),    # an engine that failed mid-stream
+    ((0, "disconnected"), (False, True)),       # left before any answer
+    ((429, "error"), (True, False)),            # over max_concurrency
+    ((503, "error"), (True, False)),            # queue full, no place, downloading ...
+    ((503, "disconnected"), (True, False)),
+    ((404, "error"), (False, True)),
+    ((400, "error"), (False, True)),
+    ((502, "engine_failed"), (False, True)),
+    ((500, "error"), (False, True)),
+]
+
+
+def test_rejected_and_errors_are_apart(tmp_path: Path) -> None:
+    path = tmp_path / "records.db"   # one model per case
+    write(path, [call(T0 - 1, model=str(i), status=status, outcome=outcome)
+                 for i, ((status, outcome), _) in enumerate(CASES)])
+    cells = {int(c["model"]): c for c in record_series.read(path, series.frame(HOUR, T0))
+             ["series"]}
+    assert [(bool(cells[i]["rejected"]), bool(cells[i]["errors"]))
+            for i in range(len(CASES))] == [want for _, want in CASES]
+    assert [(is_rejected(st), is_error(st, out)) for (st, out), _ in CASES] == \
+        [want for _, want in CASES]   # the reference says the same
+
+
 def test_tokens_per_second_and_exact_percentiles_on_a_known_set(tmp_path: Path) -> None:
     f = series.frame(series.WINDOWS["15m"], T0)
     path = tmp_path / "records.db"
@@ -215,7 +248,7 @@ def test_a_missing_records_file_is_an_empty_series(tmp_path: Path) -> None:
 
 
 def reference(rows: list[CallRecord], f: Frame) -> dict[str, Any]:
-    """The answer computed record by record from core.series's definitions alone."""
+    """The answer computed record by record from the definitions above."""
     cells: dict[tuple[int, str | None], series.Cell] = {}
     values: dict[str | None, dict[str, list[float]]] = {}
     for r in rows:
@@ -224,16 +257,16 @@ def reference(rows: list[CallRecord], f: Frame) -> dict[str, Any]:
         key = (series.bucket_index(r.ts, f.start, f.step_s), r.model)
         c = cells.setdefault(key, series.Cell(r.model, key[0]))
         c.calls += 1
-        c.errors += series.is_error(r.status, r.outcome)
-        c.rejected += series.is_rejected(r.status)
-        if series.counts_tokens(r.status, r.completion_tokens):
+        c.errors += is_error(r.status, r.outcome)
+        c.rejected += is_rejected(r.status)
+        if counts_tokens(r.status, r.completion_tokens):
             c.tokens_out += r.completion_tokens or 0
-            c.gen_ms += series.generation_ms(r.latency_ms, r.ttft_ms)
-        c.latency[series.bin_index(r.latency_ms)] += 1
+            c.gen_ms += generation_ms(r.latency_ms, r.ttft_ms)
+        c.latency[bin_index(r.latency_ms)] += 1
         v = values.setdefault(r.model, {"latency": [], "ttft": []})
         v["latency"].append(r.latency_ms)
         if r.ttft_ms is not None:
-            c.ttft[series.bin_index(r.ttft_ms)] += 1
+            c.ttft[bin_index(r.ttft_ms)] += 1
             v["ttft"].append(r.ttft_ms)
     ranked: series.Ranked = {
         model: {m: {p: sorted(xs)[series.rank(p, len(xs)) - 1] for p in series.PERCENTILES}
