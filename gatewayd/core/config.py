@@ -122,9 +122,11 @@ class ModelConfig:
 
     @property
     def listens_on_port(self) -> bool:
-        """An openai server told a TCP port ({port}), not a unix socket ({socket})."""
-        return any(match.group(1) == "port" for arg in self.command
-                   for match in _PLACEHOLDER.finditer(arg))
+        """An openai server told a TCP port ({port}), not a unix socket ({socket}): in
+        its command or its env (llama-server's LLAMA_ARG_PORT={port}), as the check of
+        the configuration counts it (_command) and the launcher fills it."""
+        return any(match.group(1) == "port" for text in (*self.command, *self.env.values())
+                   for match in _PLACEHOLDER.finditer(text))
 
 
 @dataclass(frozen=True)

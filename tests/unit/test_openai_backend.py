@@ -87,6 +87,22 @@ def test_a_tcp_server_runs_behind_the_launcher_in_a_network_of_its_own() -> None
     assert "PrivateNetwork" not in props(model, system=True, private_network=False)
 
 
+def test_a_port_told_only_through_env_is_a_tcp_server_too() -> None:
+    # llama-server reads LLAMA_ARG_PORT: the check counted env's {port}, the unit did
+    # not, and the literal "{port}" reached the server, which restarted to its limit
+    model = openai_model(command=["/usr/bin/llama-server", "-m", "{model_path}"],
+                         env={"LLAMA_ARG_PORT": "{port}", "LLAMA_ARG_HOST": "127.0.0.1"},
+                         path="/models/tiny.gguf")
+    assert model.config.listens_on_port and listens_on_tcp(model)
+    layout = EngineLayout.for_model("srv")
+    spec = transient_spec(model, layout, "/usr/bin/llama-server", system=True)
+    assert spec.argv[1:3] == ["-m", "gatewayd.engine_launch"]   # the launcher fills it
+    assert spec.environment["LLAMA_ARG_PORT"] == "{port}"
+    assert props(model, system=True)["PrivateNetwork"] == [("b", True)]
+    assert template_settings(model, EngineLayout.for_model("srv", template=True),
+                             "/usr/bin/llama-server")["tcp"] is True
+
+
 def test_the_template_runs_a_tcp_server_behind_the_launcher_and_a_socket_one_as_is() -> None:
     layout = EngineLayout.for_model("srv", template=True)
     tcp = template_settings(openai_model(command=TCP, path="/m.gguf"), layout, "/opt/py")
