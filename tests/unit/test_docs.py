@@ -47,3 +47,26 @@ def test_design_names_every_module_under_its_layer() -> None:
         if f"`{path.stem}`" not in bullets.get(folder, ""):
             missing.append(f"{path.relative_to(REPO)} (under {folder})")
     assert missing == []
+
+
+def test_the_docs_say_the_need_an_oom_kill_teaches_as_the_code_takes_it() -> None:
+    """learn_oom takes OOM_GROWTH times the largest of the need, the peak and memory_max
+    (the README said "25 % above what it reached", the peak alone)."""
+    from gatewayd.service.engine_capacity import OOM_GROWTH
+    said = f"{OOM_GROWTH:g} \u00d7 the largest of"   # the multiplication sign
+    for doc in (REPO / "README.md", REPO / "docs" / "design.md"):
+        text = " ".join(doc.read_text().split())
+        assert said in text, f"{doc.name} does not say {said!r}"
+        assert "25 % above" not in text
+
+
+def test_the_memory_docs_name_the_load_mode_flag_this_llama_server_takes() -> None:
+    """The llama-server scripts/get_llama_server.sh builds refuses llama.cpp's older
+    --no-mmap (tests/integration/test_llama_flags_real.py runs it): the docs say -lm none
+    and mention --no-mmap only as refused."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert '`"-lm", "none"`' in readme
+    for doc in (REPO / "README.md", REPO / "docs" / "design.md"):
+        for line in doc.read_text().replace("\n", " ").split(". "):
+            if "--no-mmap" in line:
+                assert "refuses" in line, f"{doc.name} recommends --no-mmap: {line!r}"
