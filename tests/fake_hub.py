@@ -120,6 +120,10 @@ class FakeHub:
     cut_after: dict[str, int] = field(default_factory=dict)
     # filenames served with one byte changed (same length), their metadata still true
     corrupt: set[str] = field(default_factory=set)
+    # a hostile (or impersonated) hub: filename -> fields of its listing entry replaced
+    # ({"rfilename": "../x.gguf"}, {"lfs": {"sha256": "/etc/x", ...}}), the bytes as before
+    lies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lie_commit: str | None = None     # the listing's "sha" replaced
     token: str = "hf_test"            # the token a gated repo wants (Authorization: Bearer)
     throttle_bps: int | None = None   # bodies paced to this many bytes a second
     cdn_ttl_s: float = DEFAULT_TTL_S  # a CDN URL's life (negative: handed out expired)
@@ -178,11 +182,11 @@ class FakeHub:
                 if blob.lfs:
                     sibling["lfs"] = {"sha256": blob.sha256, "size": len(blob.data),
                                       "pointerSize": blob.pointer_size}
-            siblings.append(sibling)
+            siblings.append(sibling | self.lies.get(path, {}))
         return web.json_response({
             "_id": hashlib.sha1(repo.id.encode()).hexdigest()[:24],
             "id": repo.id, "modelId": repo.id, "author": repo.id.split("/")[0],
-            "sha": commit.sha, "lastModified": _hub_time(commit.at),
+            "sha": self.lie_commit or commit.sha, "lastModified": _hub_time(commit.at),
             "createdAt": _hub_time(repo.created), "private": False, "disabled": False,
             "gated": "manual" if repo.gated else False, "downloads": 0, "likes": 0,
             "tags": ["gguf"] if any(p.endswith(".gguf") for p in commit.files) else [],

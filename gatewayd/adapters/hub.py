@@ -13,6 +13,7 @@ the service never sees a huggingface_hub or httpx2 exception.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -26,9 +27,14 @@ from gatewayd.core.errors import (
     HubGatedRepo,
     HubRepoNotFound,
     HubUnreachable,
+    ModelSourceInvalid,
     PullError,
+    UnsafePath,
 )
 from gatewayd.core.pull import PullCancelled, RemoteFile, RepoListing
+from gatewayd.core.safe_paths import digest
+
+log = logging.getLogger("gatewayd.pull")
 
 TOKEN_CREDENTIAL = "hf-token"   # LoadCredential= name (systemd.exec(5))
 # http_get writes (and a cut loses) whole chunks of this size; the library's 10 MiB made a
@@ -62,13 +68,20 @@ class HuggingFaceHub:
         with _translated(repo):
             info = HfApi(endpoint=self.endpoint, token=self._token).model_info(
                 repo, revision=revision, files_metadata=True)
-        if not info.sha:
-            raise PullError(f"the hub did not say which commit {repo} is at")
-        files = tuple(
-            RemoteFile(path=s.rfilename, size=int(s.size or (s.lfs.size if s.lfs else 0)),
-                       sha256=s.lfs.sha256 if s.lfs else None, git_sha1=s.blob_id)
-            for s in info.siblings or [])
-        return RepoListing(repo=repo, commit=info.sha, files=files)
+        try:
+            commit = digest(info.sha, what=f"the commit the hub gave for {repo}")
+        except UnsafePath as e:
+            raise PullError(e.message) from e
+        files = []
+        for s in info.siblings or []:
+            try:
+                files.append(RemoteFile(
+                    path=s.rfilename, size=int(s.size or (s.lfs.size if s.lfs else 0)),
+                    sha256=s.lfs.sha256 if s.lfs else None, git_sha1=s.blob_id))
+            except UnsafePath as e:   # the hub's word, not the caller's: left out, said
+                log.warning("%s: a file of the hub's listing is left out: %s", repo,
+                            e.message)
+        return RepoListing(repo=repo, commit=commit, files=tuple(files))
 
     def probe(self, repo: str, commit: str, file: RemoteFile) -> None:
         with _translated(repo, file.path):
@@ -149,6 +162,8 @@ def _translated(repo: str, path: str | None = None) -> Iterator[None]:
         raise HubRepoNotFound(f"{repo}: no such revision ({_first_line(e)})") from e
     except errors.RemoteEntryNotFoundError as e:
         raise HubFileNotFound(f"the hub has no file {what}") from e
+    except errors.HFValidationError as e:   # what it takes for a repo id or revision
+        raise ModelSourceInvalid(f"{what}: {_first_line(e)}", param="source") from e
     except errors.OfflineModeIsEnabled as e:
         raise HubUnreachable("HF_HUB_OFFLINE is set: the gateway may not reach the hub") \
             from e

@@ -337,6 +337,14 @@ class EventTooLarge(AnswerTooLarge):
     code = "event_too_large"
 
 
+class UnsafePath(GatewayError):
+    """A value from outside (a name, a hub's file name or hash) that would not stay one
+    file name under the gateway's own folder: refused, never rewritten
+    (core/safe_paths)."""
+
+    status, type, code = 400, "invalid_request_error", "unsafe_path"
+
+
 class PullError(GatewayError):
     """Getting a model from a hub failed; nothing half-written is left in models_dir."""
 

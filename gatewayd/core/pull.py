@@ -18,6 +18,7 @@ from gatewayd.core.errors import (
     ModelSourceInvalid,
 )
 from gatewayd.core.figures import size_text
+from gatewayd.core.safe_paths import digest, is_part, relative_parts
 
 GIB = 1024 ** 3
 # what a pull leaves free on models_dir's filesystem: records, journals and KV files
@@ -27,16 +28,18 @@ RESERVE_SHARE = 20
 # the quantisation llama.cpp's -hf and Ollama pick when a repository holds several
 DEFAULT_QUANT = "Q4_K_M"
 
-_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
-_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,199}$")
-_FILE = re.compile(r"^(?!/)(?!.*\.\.)[A-Za-z0-9_./+-]{1,255}\.gguf$", re.IGNORECASE)
-_QUANT = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+# matched whole (fullmatch: a pattern's "$" takes a trailing newline too)
+_REPO = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+_REVISION = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_./-]{0,199}")
+_FILE = re.compile(r"(?!/)(?!.*\.\.)[A-Za-z0-9_./+-]{1,255}\.gguf", re.IGNORECASE)
+_QUANT = re.compile(r"[A-Za-z0-9_]{1,32}")
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 # quantisation tags as GGUF publishers write them in file names (for the error that lists
 # a repository's choices)
 _QUANT_TAG = re.compile(r"(?:^|[-._/])((?:I?Q|TQ)\d+(?:_[A-Z0-9]+)*|BF16|F16|F32|MXFP4)"
                         r"(?=[-._/]|$)", re.IGNORECASE)
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+MAX_NAME = 200
 
 
 class PullCancelled(Exception):
@@ -60,23 +63,23 @@ class PullSpec:
             text = f"{owner}/{name}" + (f":{path}" if path else "")
         head, _, choice = text.partition(":")
         repo, at, revision = head.partition("@")
-        if not _REPO.match(repo):
+        if not _REPO.fullmatch(repo):
             raise ModelSourceInvalid(
                 f"{text!r} is not a model source: write ORG/REPO, ORG/REPO:QUANT or "
                 "ORG/REPO:FILE.gguf (e.g. bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M)",
                 param="source")
-        if at and not _REVISION.match(revision):
+        if at and not _REVISION.fullmatch(revision):
             raise ModelSourceInvalid(f"{revision!r} is not a revision (a branch, tag or "
                                      "commit)", param="source")
         spec = cls(repo=repo, revision=revision or None)
         if not choice:
             return spec
         if choice.casefold().endswith(".gguf"):
-            if not _FILE.match(choice):
+            if not _FILE.fullmatch(choice):
                 raise ModelSourceInvalid(f"{choice!r} is not a file path in a repository",
                                          param="source")
             return cls(repo=repo, revision=spec.revision, file=choice)
-        if not _QUANT.match(choice):
+        if not _QUANT.fullmatch(choice):
             raise ModelSourceInvalid(f"{choice!r} is neither a quantisation (Q4_K_M, Q8_0, "
                                      "...) nor a .gguf file", param="source")
         return cls(repo=repo, revision=spec.revision, quant=choice)
@@ -94,6 +97,15 @@ class RemoteFile:
     size: int
     sha256: str | None = None    # Git LFS files (every GGUF on the hub): the content's hash
     git_sha1: str | None = None  # the git blob id: what a small, non-LFS file is checked by
+
+    def __post_init__(self) -> None:
+        # a listing is the hub's word, and its names and hashes become file names here
+        # (models_dir/NAME/<file name>, .pull/blobs/<hash>.part): refused unless safe
+        relative_parts(self.path, what="the hub's file path")
+        for key in ("sha256", "git_sha1"):
+            if (value := getattr(self, key)) is not None:
+                object.__setattr__(self, key, digest(value, what=f"the hub's {key} of "
+                                                     f"{self.path}"))
 
     @property
     def name(self) -> str:
@@ -184,13 +196,13 @@ def model_name(first_file: str) -> str:
     if m := _SPLIT.match(base):
         base = m["stem"]
     base = base.removesuffix(".gguf").removesuffix(".GGUF")
-    name = _NAME_UNSAFE.sub("-", base).strip(".-")
+    name = _NAME_UNSAFE.sub("-", base)[:MAX_NAME].strip(".-")
     return name or "model"
 
 
 def valid_name(name: str) -> str:
     """A name the caller chose: one folder name in models_dir, nothing that escapes it."""
-    if not name or name.startswith(".") or _NAME_UNSAFE.search(name) or len(name) > 200:
+    if not is_part(name) or _NAME_UNSAFE.search(name) or len(name) > MAX_NAME:
         raise ModelSourceInvalid(f"{name!r} cannot name a model here: use letters, digits, "
                                  "'.', '_' and '-', not starting with '.'", param="name")
     return name
@@ -228,7 +240,7 @@ def select(spec: PullSpec, listing: RepoListing, *, mmproj: bool = False,
                 + _choices(listing.repo, matching), param="source")
         chosen = next(iter(matching.values()))
     projector = _projector(listing) if mmproj else None
-    return Selection(name=valid_name(name) if name else model_name(chosen[0].path),
+    return Selection(name=valid_name(name or model_name(chosen[0].path)),
                      weights=chosen, mmproj=projector)
 
 

@@ -60,6 +60,7 @@ from gatewayd.core.pull import (
     eta_seconds,
     select,
 )
+from gatewayd.core.safe_paths import inside, is_part
 
 log = logging.getLogger("gatewayd.pull")
 # what a pull that could not resume will never get past: its bytes are deleted
@@ -261,7 +262,7 @@ class Puller:
 
     async def _run(self, models_dir: Path, pull: _Pull) -> None:
         state = pull.state
-        staging = models_dir / PULL_DIR / state.name
+        staging = inside(models_dir / PULL_DIR, state.name, what="a model's name")
         ticker = asyncio.get_running_loop().create_task(self._tick(models_dir, pull))
         keep_partial = True
         try:
@@ -316,7 +317,7 @@ class Puller:
                      staging: Path) -> None:
         if pull.cancel.is_set():
             raise PullCancelled
-        target = staging / file.name
+        target = inside(staging, file.name, what="the hub's file name")
         if target.exists():
             return   # verified in an earlier run that stopped before the model was whole
         part = self._part_path(models_dir, file)
@@ -415,7 +416,7 @@ class Puller:
 
     def _part_path(self, models_dir: Path, file: RemoteFile) -> Path:
         key = file.sha256 or file.git_sha1 or hashlib.sha256(file.path.encode()).hexdigest()
-        return models_dir / PULL_DIR / "blobs" / f"{key}.part"
+        return inside(models_dir / PULL_DIR / "blobs", f"{key}.part", what="a file's hash")
 
     def _partial_size(self, models_dir: Path, file: RemoteFile) -> int:
         try:
@@ -428,37 +429,46 @@ class Puller:
         folder = models_dir / PULL_DIR
         folder.mkdir(mode=0o700, exist_ok=True)
         state = pull.state
-        (folder / f"{state.name}.json").write_text(json.dumps({
+        self._record_path(models_dir, state.name).write_text(json.dumps({
             "name": state.name, "source": state.source, "commit": state.commit,
             "mmproj": mmproj, "for_model": for_model, "parts": [self._part_path(models_dir, f).name
                                         for f in pull.selection.files]}) + "\n")
 
     def discard_unfinished(self, name: str) -> bool:
         """A pull that ended without its model (failed, or the gateway stopped): its
-        record and bytes deleted (rm of a name that is not a model yet)."""
+        record and bytes deleted (rm of a name that is not a model yet). A name that
+        could not be a pull's (a path, a catalog name with '/') has none."""
         models_dir = self._models_dir()
-        if models_dir is None or name in self._active or \
-                not (models_dir / PULL_DIR / f"{name}.json").exists():
+        if models_dir is None or name in self._active or not is_part(name) or \
+                not self._record_path(models_dir, name).exists():
             return False
         self._discard_record(models_dir, name)
         return True
 
+    def _record_path(self, models_dir: Path, name: str) -> Path:
+        return inside(models_dir / PULL_DIR, f"{name}.json", what="a pull's name")
+
     def _discard_record(self, models_dir: Path, name: str) -> None:
+        if not is_part(name):
+            return   # no pull record names it: nothing of it to delete
         folder = models_dir / PULL_DIR
         with contextlib.suppress(OSError, ValueError, TypeError):
-            for part in json.loads((folder / f"{name}.json").read_text()).get("parts", []):
-                if isinstance(part, str) and "/" not in part and part.endswith(".part"):
-                    (folder / "blobs" / part).unlink(missing_ok=True)
-        shutil.rmtree(folder / name, ignore_errors=True)
+            for part in json.loads(self._record_path(models_dir, name).read_text()
+                                   ).get("parts", []):
+                if is_part(part) and part.endswith(".part"):   # read back: checked again
+                    inside(folder / "blobs", part, what="a partial file").unlink(
+                        missing_ok=True)
+        shutil.rmtree(inside(folder, name, what="a pull's name"), ignore_errors=True)
         self._forget_record(models_dir, name)
 
     def _forget_record(self, models_dir: Path, name: str) -> None:
-        (models_dir / PULL_DIR / f"{name}.json").unlink(missing_ok=True)
+        self._record_path(models_dir, name).unlink(missing_ok=True)
 
     def _discard(self, models_dir: Path, pull: _Pull) -> None:
         for f in pull.selection.files:
             self._part_path(models_dir, f).unlink(missing_ok=True)
-        shutil.rmtree(models_dir / PULL_DIR / pull.state.name, ignore_errors=True)
+        shutil.rmtree(inside(models_dir / PULL_DIR, pull.state.name, what="a model's name"),
+                      ignore_errors=True)
         self._forget_record(models_dir, pull.state.name)
 
     def _fail(self, state: PullState, error: GatewayError) -> None:

@@ -442,3 +442,30 @@ def test_the_token_comes_from_the_services_credential_else_hf_token(tmp_path: Pa
     assert hub_token({"CREDENTIALS_DIRECTORY": str(tmp_path / "none"),
                       "HF_TOKEN": "hf_env"}) == "hf_env"
     assert hub_token({}) is None
+
+
+@pytest.mark.parametrize("lie", [
+    {"lfs": {"sha256": "../../../victim", "size": MIB, "pointerSize": 130}},
+    {"lfs": {"sha256": "/tmp/victim", "size": MIB, "pointerSize": 130}},
+    {"rfilename": "../Tiny-Q4_K_M.gguf"},
+    {"rfilename": "/abs/Tiny-Q4_K_M.gguf"},
+])
+async def test_a_hostile_hub_cannot_choose_a_path(rig: Rig, lie: dict[str, Any]) -> None:
+    """Issue 50: the listing's lfs.sha256 named the partial file unchecked, so a hub could
+    append its bytes to (and, when the check failed, delete) any *.part its user reaches.
+    A listing entry whose name or hash is not safe is left out: the file is not there."""
+    victim = rig.models.parent / "victim.part"
+    victim.write_bytes(b"keep")
+    rig.hub.publish(REPO, FILES)
+    rig.hub.lies["Tiny-Q4_K_M.gguf"] = lie
+    with pytest.raises(HubFileNotFound):
+        await rig.puller().pull(f"{REPO}:Q4_K_M")
+    assert victim.read_bytes() == b"keep"
+    assert rig.leftovers() == [] and not (rig.models / "Tiny-Q4_K_M").exists()
+
+
+async def test_a_hub_that_names_no_commit_is_refused(rig: Rig) -> None:
+    rig.hub.publish(REPO, FILES)
+    rig.hub.lie_commit = "../../main"
+    with pytest.raises(PullError, match="is not a hash"):
+        await rig.puller().pull(f"{REPO}:Q4_K_M")
