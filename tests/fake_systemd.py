@@ -96,6 +96,9 @@ class FakeSystemd:
     def layout(self, model_id: str) -> EngineLayout:
         return EngineLayout.for_model(model_id)
 
+    def check_startable(self, model: Model) -> None:
+        pass   # every fake engine can start
+
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)

@@ -20,7 +20,7 @@ from gatewayd.adapters.systemd import NO_SUCH_UNIT
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engine_units import EngineLayout
-from gatewayd.core.errors import UnitAlreadyActive, UnitOperationFailed
+from gatewayd.core.errors import GatewayError, UnitAlreadyActive, UnitOperationFailed
 from gatewayd.core.ports import (
     DesiredList,
     EngineUnitInfo,
@@ -67,6 +67,8 @@ class FakeUnits:
         self.watchers: list[UnitWatcher] = []
         self.units: dict[str, EngineUnitInfo] = {}         # what a listing shows
         self.fail_start: str | BaseException | None = None   # BaseException: raised as is
+        # model -> what check_startable (and so its start) raises: a missing server, file
+        self.unstartable: dict[str, GatewayError] = {}
         self.refused: list[str] = []                       # what systemd refused, and why
         self.late_s: float | None = None                   # signals arrive this late (opt-in)
         self.next_pid = 100
@@ -99,11 +101,16 @@ class FakeUnits:
 
     # -- UnitControl -----------------------------------------------------------------------
 
+    def check_startable(self, model: Model) -> None:
+        if (error := self.unstartable.get(model.id)) is not None:
+            raise error
+
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
         layout = self.layout(model.id)
         unit = layout.unit
         self.log.append(f"start {model.id}")
+        self.check_startable(model)   # the adapter's start fails on it too
         self.visible_devices[model.id] = visible_devices
         if isinstance(self.fail_start, BaseException):
             raise self.fail_start

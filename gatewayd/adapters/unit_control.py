@@ -115,6 +115,15 @@ class EngineUnitsBase:
         """A reloaded configuration: the engine servers' paths for the starts from now on."""
         self._config = config
 
+    def check_startable(self, model: Model) -> None:
+        binary = resolve_binary(*server_binary(model, self._config))
+        for path in (model.config.path, model.config.mmproj):
+            if path is not None and (why := missing(path)):
+                raise ConfigError(f"{model.id}: {path}: {why}; the engine would have "
+                                  "nothing to load", model=model.id)
+        if self.manager == "system":
+            check_engine_can_read(model, binary)
+
     async def stop_engine(self, unit: str) -> None:
         try:
             await self._sd.stop_unit(unit)
@@ -499,6 +508,18 @@ def check_engine_can_read(model: Model, binary: str) -> None:
             raise ConfigError(f"{model.id}: {name} is not readable by the engine user "
                               f"{ENGINE_USER}: {why}; move it, or give that user read "
                               "access", model=model.id)
+
+
+def missing(path: Path) -> str | None:
+    """Why path is not there (None: it is, or the gateway may not look: the engine's
+    user may, and its own error says more)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "no such file"
+    except OSError:
+        return None
+    return None
 
 
 def share_with_engines(directory: Path, group: str = ENGINE_USER) -> None:

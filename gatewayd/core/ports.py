@@ -47,6 +47,13 @@ class UnitControl(Protocol):
     manager: str     # "system" or "user"
 
     def layout(self, model_id: str) -> EngineLayout: ...
+    def check_startable(self, model: Model) -> None:
+        """Raise what start_engine would fail on before anything runs: the engine server
+        not found or not executable (EngineBinaryMissing), the model's files missing or
+        not readable by the engine's user (ConfigError). Asked before room is made for the
+        engine, so that a start that cannot happen evicts nobody. A few file looks."""
+        ...
+
     async def start_engine(self, model: Model,
                            visible_devices: str | None = None) -> EngineLayout:
         """Start the model's unit (visible_devices: its CUDA_VISIBLE_DEVICES, where

@@ -204,6 +204,11 @@ class EngineManager:
     def check_ram_ceiling(self, model: Model) -> None:
         self._capacity.check_ram_ceiling(model)
 
+    def check_startable(self, model: Model) -> None:
+        """What its start would fail on before anything runs (the engine server missing,
+        its files missing or unreadable): said before room is made for it."""
+        self._units.check_startable(model)
+
     def learn_memory(self) -> list[str]:
         """What ready engines hold now, GPU and RAM, for the next admission of their
         setup: the models whose figure changed."""

@@ -6,7 +6,9 @@ were created (FIFO across models). Each asks the pure scheduler
 (core.scheduler.plan_start) what to do with a fresh snapshot and carries out the
 answer: start; evict one victim and wait for its memory to show as free; mark
 one draining (it is evicted once it serves nobody); or wait for a change. Every
-wait is bounded: eviction_wait_s for room, load_timeout_s for the load.
+wait is bounded: eviction_wait_s for room, load_timeout_s for the load. What can
+be checked of the start before it runs (the engine server, the model's files) is
+checked before the first decision: a start that cannot happen evicts nobody.
 
 A victim is stopped through EngineManager.stop, which serialises it with any
 start of the same model: a victim's own loader can start it again only once
@@ -144,6 +146,7 @@ class Loader:
         deadline = self._clock() + self._config.eviction_wait_s
         give_up = deadline + self._config.load_timeout_s
         engines = self._engines
+        checked = False
         while True:
             if not self._turns.queued(model.id):
                 return   # every client left: nothing to make room for
@@ -172,6 +175,13 @@ class Loader:
                 continue
             if (left := engines.backoff_left(model.id)) > 0:
                 raise engines.failed_error(model.id, retry_after=math.ceil(left))
+            if not checked:   # a start that cannot happen must evict nobody first
+                try:
+                    engines.check_startable(model)
+                except GatewayError as e:
+                    log.warning("%s cannot start: %s", model.id, e.message)
+                    raise
+                checked = True
             where = engines.place(model)
             ram = engines.ram(model)
             usages = self._usages()

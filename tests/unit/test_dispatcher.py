@@ -12,6 +12,7 @@ import pytest
 from gatewayd.core.engines import EngineState
 from gatewayd.core.errors import (
     ConcurrencyLimit,
+    EngineBinaryMissing,
     EngineFailed,
     EngineLimitReached,
     InsufficientGpu,
@@ -246,6 +247,24 @@ async def test_load_failure_reaches_every_waiter(tmp_path: Path) -> None:
     results = await asyncio.gather(*(use(d, "c") for _ in range(5)), return_exceptions=True)
     assert all(isinstance(r, EngineFailed) and "no such file" in r.message for r in results)
     assert units.log == ["start c"]
+
+
+async def test_a_start_that_cannot_happen_evicts_nobody(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """b's engine server is missing: a was evicted for a start that then failed at once."""
+    d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=1)
+    await use(d, "a")
+    units.unstartable["b"] = EngineBinaryMissing(
+        "llama_server = 'llama-server': not found in PATH (/usr/bin)", key="llama_server")
+    with pytest.raises(EngineBinaryMissing, match="not found in PATH"):
+        await use(d, "b")
+    assert units.log == ["start a"]
+    engine = d._engines.get("a")
+    assert engine is not None and engine.state is EngineState.READY
+    assert any("b cannot start: llama_server" in m for m in caplog.messages)
+    units.unstartable.clear()   # fixed: now a makes room for it
+    await use(d, "b")
+    assert units.log == ["start a", "stop llm-engine-a.service", "start b"]
 
 
 async def test_autoload_off(tmp_path: Path) -> None:

@@ -348,3 +348,29 @@ def test_a_preloaded_wait_the_engine_user_cannot_read_is_not_used(
     chain = [("/tmp", 0o41777, 0, 0), ("/tmp/ci", 0o40755, 0, 0), ("/tmp/ci/f", 0o100644, 0, 0)]
     assert "PrivateTmp" in (unreadable_by_engine(chain, None, frozenset()) or "")
     assert unreadable_by_engine(chain, None, frozenset(), bound=True) is None
+
+
+def test_what_a_start_would_fail_on_is_said_before_it(tmp_path: Path) -> None:
+    """check_startable (asked before room is made): the engine server, resolved against
+    PATH, and the model's files; the same words start_engine's own failure says."""
+    from gatewayd.adapters import unit_control
+    from gatewayd.core.errors import ConfigError, EngineBinaryMissing
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(b"GGUF")
+    config = GatewayConfig(state_dir=tmp_path / "state", llama_server=str(server))
+    units = unit_control.TemplateEngineUnits(None, config)  # type: ignore[arg-type]
+    units.manager = "user"   # (the engine user's reach is test_what_the_engine_user...)
+    units.check_startable(_model("m", weights))
+    with pytest.raises(ConfigError, match=r"m: .*/gone\.gguf: no such file"):
+        units.check_startable(_model("m", tmp_path / "gone.gguf"))
+    with pytest.raises(ConfigError, match="no such file"):
+        units.check_startable(_model("m", weights, mmproj=tmp_path / "gone-mmproj.gguf"))
+    server.chmod(0o644)
+    with pytest.raises(EngineBinaryMissing, match="not executable"):
+        units.check_startable(_model("m", weights))
+    units.reconfigure(GatewayConfig(llama_server="no-such-llama-server"))
+    with pytest.raises(EngineBinaryMissing, match="not found in PATH"):
+        units.check_startable(_model("m", weights))
