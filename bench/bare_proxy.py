@@ -12,6 +12,9 @@ on the event loop the gateway runs on (uvloop where installed).
 Socket-activated, it is the floor of the gateway's activation too: Python, aiohttp and
 uvloop imported, an app built, the first request answered (GET /bare/retries, which needs
 no engine), with nothing of the gateway's.
+
+`/bare/refused` is its refusal: aiohttp's own 404 (web.HTTPNotFound), the floor of any
+refusal an aiohttp gateway answers (bench/refusals.py).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def build(socket: str) -> web.Application:
     async def retries(request: web.Request) -> web.Response:
         return web.json_response(counts)
 
+    async def refused(request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
     async def send(session: aiohttp.ClientSession, request: web.Request,
                    body: bytes) -> aiohttp.ClientResponse:
         for attempt in (1, 2):
@@ -93,6 +99,7 @@ def build(socket: str) -> web.Application:
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     app.router.add_get("/bare/retries", retries)
+    app.router.add_route("*", "/bare/refused", refused)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
 

@@ -96,11 +96,12 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def stop_units(engine_units: list[str]) -> None:
-    """This section's units: its proxies and router, then the engines its gateways ran
-    (left running by a stopped gateway, for the next one to adopt)."""
+def stop_units(engine_units: list[str], units: str = UNITS) -> None:
+    """This section's units (units: their pattern): its proxies and router, then the
+    engines its gateways ran (left running by a stopped gateway, for the next one to
+    adopt)."""
     listed = subprocess.run(["systemctl", "list-units", "--plain", "--no-legend", "--all",
-                             UNITS], capture_output=True, text=True, check=False).stdout
+                             units], capture_output=True, text=True, check=False).stdout
     names = [line.split()[0] for line in listed.splitlines() if line.strip()]
     if names:
         subprocess.run(["systemctl", "stop", *names], check=False)

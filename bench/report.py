@@ -148,6 +148,15 @@ def _judge_crossover(f: Figures) -> dict[str, Any]:
             "against": measured, "compare": "", "met": None}
 
 
+def _judge_refusals(f: Figures) -> dict[str, Any]:
+    """The slowest refusal's rate ≥ 0.8 x the bare proxy's 404."""
+    slowest = min((k for k in f if k != "bare"), key=lambda k: f[k])
+    ratio = _ratio(f[slowest], f["bare"])
+    return {"figure": f"{_fmt(f[slowest])}/s ({slowest}, the slowest)",
+            "against": f"bare 404 {_fmt(f['bare'])}/s", "ratio": ratio,
+            "compare": _times(ratio), "met": _met(f, _le(0.8 * f["bare"], f[slowest]))}
+
+
 def _activation(r: dict[str, Any]) -> Figures | None:
     return _all(gateway_ms=_number(r, "footprint", "socket_activation_to_first_answer_ms"),
                 bare_ms=_number(r, "footprint", "bare_socket_activation_to_first_answer_ms"))
@@ -198,6 +207,19 @@ def _parked(r: dict[str, Any]) -> Figures | None:
                    for k in ("parked_0_ms", "parked_4_ms", "saving_pct")})
 
 
+REFUSALS = ("401", "403", "415", "421", "429")
+
+
+def _refusals(r: dict[str, Any]) -> Figures | None:
+    return _all(**{k: _number(r, "refusals", "rates", k, "per_s") for k in REFUSALS},
+                bare=_number(r, "refusals", "rates", "bare_404", "per_s"))
+
+
+def _flooded_p99(r: dict[str, Any]) -> Figures | None:
+    return _all(gateway=_number(r, "refusals", "inference_ms", "flood", "p99"),
+                idle=_number(r, "refusals", "inference_ms", "idle", "p99"))
+
+
 def _crossover(r: dict[str, Any]) -> Figures | None:
     cross = (r.get("agent_loop") or {}).get("crossover")
     if not isinstance(cross, dict):
@@ -230,6 +252,10 @@ GOALS = (
     Goal("ceiling (instant engine)", "gateway req/s ≥ 0.95 x bare",
          _pair_per_path("ceiling", "req_per_s", "bare"),
          _judge_ratio("req/s", "bare", 0.95, higher_is_better=True)),
+    Goal("refusals (401, 403, 415, 421, 429)", "each ≥ 0.8 x bare 404 rate", _refusals,
+         _judge_refusals),
+    Goal("inference p99 during a refusal flood", "≤ 3 x idle p99", _flooded_p99,
+         _judge_ratio("ms", "idle", 3.0)),
     Goal("parked units, realistic model", INFORMATIONAL, _parked, _judge_parked),
     Goal("agent-loop crossover prefix", INFORMATIONAL, _crossover, _judge_crossover),
 )
@@ -335,6 +361,7 @@ def write_report(r: dict[str, Any], out: Path) -> None:
     lines += _realistic_tables(r)
     lines += _agent_tables(r)
     lines += _crowd_tables(r)
+    lines += _refusal_tables(r)
     if r.get("retried"):
         lines += ["", "## Retried once (failed, then measured again)", ""]
         lines += [f"- {x.get('what', '?')}: {x.get('error', '?')}" for x in r["retried"]]
@@ -506,6 +533,39 @@ def _crowd_tables(r: dict[str, Any]) -> list[str]:
         for label, key in (("RSS MiB", "rss_mib"), ("CPU µs/event", "cpu_us_per_event"),
                            ("errors", "errors")):
             lines.append(f"| {label} | {_get(mc, key, 'gateway')} | {_get(mc, key, 'bare')} |")
+    return lines
+
+
+def _refusal_tables(r: dict[str, Any]) -> list[str]:
+    if "refusals" not in r:
+        return []
+    rf = r["refusals"]
+    lines = ["", f"## Refusals (instant fake engine, keys on; {_get(rf, 'connections')} "
+             f"connections x {_get(rf, 'depth')} pipelined requests)", "",
+             "| refusal | per s | spread | ÷ bare 404 | CPU µs/refusal | other statuses |",
+             "|---|---|---|---|---|---|"]
+    bare = _number(rf, "rates", "bare_404", "per_s")
+    for kind in (*REFUSALS, "bare_404"):
+        rate = _number(rf, "rates", kind, "per_s")
+        spread = _get(rf, "rates", kind, "spread")
+        lines.append(
+            f"| {kind.replace('_', ' ')} | {_fmt(rate)} | "
+            f"{'-'.join(_fmt(x) for x in spread) if isinstance(spread, list) else '-'} | "
+            f"{_times(_ratio(rate, bare) if rate is not None and bare else None)} | "
+            f"{_get(rf, 'rates', kind, 'cpu_us_per_refusal')} | "
+            f"{_get(rf, 'rates', kind, 'other_statuses')} |")
+    lines += ["", "| chat (c=1, kept alive) and /v1/models (new connection), ms | p50 | p99 | "
+              "max | n |", "|---|---|---|---|---|"]
+    for key, label in (("inference_ms", "chat"), ("new_connection_ms", "/v1/models, new")):
+        for phase in ("idle", "flood"):
+            lines.append(f"| {label}, {phase} | {_get(rf, key, phase, 'p50')} | "
+                         f"{_get(rf, key, phase, 'p99')} | {_get(rf, key, phase, 'max')} | "
+                         f"{_get(rf, key, phase, 'n')} |")
+    lines += ["", f"the flood meanwhile: {_get(rf, 'flood_during_inference', 'per_s')} "
+              f"refusals/s; the load generator took {_get(rf, 'generator', 'cores')} of a "
+              f"core ({_get(rf, 'generator', 'cpu_us_per_answer')} µs per answer); journal "
+              f"follows held for the 429s: {_get(rf, 'follows_held')} "
+              f"({_get(rf, 'follows_held_at_end')} still open at the end)"]
     return lines
 
 

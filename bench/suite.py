@@ -273,6 +273,8 @@ class Plan:
     slot_rounds: int   # rounds of 16 concurrent streams on a 4-slot engine
     crowd_active: int  # streams open at once beside the idle connections
     crowd_idle: int    # idle keep-alive connections
+    refusal_rounds: int      # rounds of each refusal's flood (and of inference idle/flooded)
+    refusal_seconds: float   # each flood's length
 
 
 # A single stream's rate moves by 2x between streams here (2 cores shared by the engine,
@@ -281,11 +283,13 @@ PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, 
                       starts=12, cycles=4, open_streams=1000, activations=7,
                       real_starts=5, real_cycles=3, agent_turns=9,
                       agent_prefixes=(256, 512, 1024, 2048, 4096), slot_rounds=5,
-                      crowd_active=256, crowd_idle=2000),
+                      crowd_active=256, crowd_idle=2000, refusal_rounds=3,
+                      refusal_seconds=3.0),
          "smoke": Plan(rounds=1, n_seq=20, n_c8=40, n_c64=64, n_ceiling=200, streams=1,
                        starts=1, cycles=1, open_streams=100, activations=2,
                        real_starts=1, real_cycles=1, agent_turns=2, agent_prefixes=(512,),
-                       slot_rounds=1, crowd_active=32, crowd_idle=100)}
+                       slot_rounds=1, crowd_active=32, crowd_idle=100, refusal_rounds=1,
+                       refusal_seconds=1.0)}
 
 
 def tiny_models(work: Path) -> tuple[Path, Path]:
@@ -310,7 +314,7 @@ def cold_model(cold: Path, args: Sequence[str] = ()) -> str:
 
 # The sections a run can be limited to (--only): "tiny" is sections 1-6 on the tiny models;
 # the others set up their own units and stop them when done
-SECTIONS = ("tiny", "realistic", "agent", "crowd")
+SECTIONS = ("tiny", "realistic", "agent", "crowd", "refusals")
 
 
 async def once_more(retried: list[dict[str, str]], what: str,
@@ -348,6 +352,9 @@ async def suite(plan: Plan, work: Path, llama: str, sections: Sequence[str] = SE
     if "crowd" in sections:
         from bench import crowd
         results.update(await crowd.section(plan, work, llama, models, results["retried"]))
+    if "refusals" in sections:
+        from bench import refusals
+        results["refusals"] = await refusals.section(plan, work, results["retried"])
     return results
 
 

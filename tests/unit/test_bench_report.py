@@ -14,7 +14,8 @@ import pytest
 from bench import report
 
 GOALS = [g.goal for g in report.GOALS]
-ACTIVATION, COLD, SWAP, AGENT, SLOTS, STREAM, ADDED, CEILING, PARKED, CROSSOVER = GOALS
+(ACTIVATION, COLD, SWAP, AGENT, SLOTS, STREAM, ADDED, CEILING, REFUSALS, FLOODED, PARKED,
+ CROSSOVER) = GOALS
 
 
 def full() -> dict[str, Any]:
@@ -61,7 +62,25 @@ def full() -> dict[str, Any]:
                          "rss_mib": {"gateway": 80.0, "bare": 70.0},
                          "cpu_us_per_event": {"gateway": 30.0, "bare": 28.0},
                          "errors": {"gateway": 0, "bare": 0}},
+        "refusals": refusals(),
         "seconds": 300.0}
+
+
+def refusals() -> dict[str, Any]:
+    """bench/refusals.py's figures: every refusal above 0.8x the bare 404, p99 flooded
+    under 3x idle."""
+    rates = {k: {"per_s": v, "spread": [v - 100, v + 100], "cpu_us_per_refusal": 90.0,
+                 "other_statuses": 0, "reopened": 0}
+             for k, v in (("401", 4500.0), ("403", 4600.0), ("415", 4400.0), ("421", 4700.0),
+                          ("429", 4300.0), ("bare_404", 5000.0))}
+    return {"connections": 32, "depth": 32, "follows_held": 8, "follows_held_at_end": 8,
+            "rates": rates,
+            "generator": {"cores": 0.3, "cpu_us_per_answer": 40.0},
+            "inference_ms": {"idle": {"n": 900, "p50": 1.0, "p99": 2.0, "max": 3.0},
+                             "flood": {"n": 300, "p50": 3.0, "p99": 5.0, "max": 9.0}},
+            "new_connection_ms": {"idle": {"n": 200, "p50": 1.5, "p99": 3.0, "max": 4.0},
+                                  "flood": {"n": 100, "p50": 4.0, "p99": 8.0, "max": 12.0}},
+            "flood_during_inference": {"per_s": 4200.0, "statuses": {"401": 100}}}
 
 
 def rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -123,6 +142,14 @@ BOUNDARIES = [
     (ADDED, put("warm", "c1", "gateway", "p50_ms", value=1.351), False),
     (CEILING, put("ceiling", "gateway", "req_per_s", value=3800.0), True),
     (CEILING, put("ceiling", "gateway", "req_per_s", value=3799.9), False),
+    # each refusal on its own: the slowest is judged, whichever it is
+    (REFUSALS, put("refusals", "rates", "429", "per_s", value=4000.0), True),
+    (REFUSALS, put("refusals", "rates", "429", "per_s", value=3999.9), False),
+    (REFUSALS, put("refusals", "rates", "403", "per_s", value=3999.9), False),
+    (REFUSALS, put("refusals", "rates", "bare_404", "per_s", value=5375.1), False),
+    (FLOODED, put("refusals", "inference_ms", "flood", "p99", value=6.0), True),
+    (FLOODED, put("refusals", "inference_ms", "flood", "p99", value=6.01), False),
+    (FLOODED, put("refusals", "inference_ms", "idle", "p99", value=1.66), False),
 ]
 
 
@@ -155,6 +182,31 @@ def test_a_figure_missing_within_a_section_is_null() -> None:
     got = rows(r)
     assert got[ACTIVATION]["met"] is None and got[CEILING]["met"] is None
     assert got[COLD]["met"] is True
+
+
+def test_refusals_name_the_slowest() -> None:
+    got = rows(full())
+    assert got[REFUSALS]["figure"] == "4300/s (429, the slowest)"
+    assert got[REFUSALS]["against"] == "bare 404 5000/s" and got[REFUSALS]["ratio"] == 0.86
+    assert got[FLOODED]["figure"] == "5.00 ms" and got[FLOODED]["against"] == "idle 2.00 ms"
+    assert got[FLOODED]["ratio"] == 2.5
+    r = full()
+    r["refusals"]["rates"]["415"]["per_s"] = 1000.0
+    assert rows(r)[REFUSALS]["figure"] == "1000/s (415, the slowest)"
+    del r["refusals"]["rates"]["421"]   # a refusal not measured: the goal is not judged
+    assert rows(r)[REFUSALS]["met"] is None and rows(r)[FLOODED]["met"] is True
+
+
+def test_refusals_median_per_kind_then_the_slowest() -> None:
+    runs = [full(), full(), full()]
+    for run, (r401, r429) in zip(runs, ((1000.0, 5000.0), (5000.0, 1000.0), (4000.0, 4100.0)),
+                                 strict=True):
+        run["refusals"]["rates"]["401"]["per_s"] = r401
+        run["refusals"]["rates"]["429"]["per_s"] = r429
+    got = {row["goal"]: row for row in report.median_verdicts(runs)}[REFUSALS]
+    # medians: 401 4000, 429 4100: the slowest median is 401's, met (0.8x) though each
+    # run's slowest was 1000
+    assert got["figure"] == "4000/s (401, the slowest)" and got["met"] is True
 
 
 def test_no_crossover_is_said_not_nulled() -> None:
@@ -299,10 +351,15 @@ def test_report_of_a_full_run(tmp_path: Path) -> None:
     md = (tmp_path / "results.md").read_text()
     for heading in ("## Verdicts", "## Warm requests", "## Proxy ceiling", "## Streaming",
                     "## Cold start and swap", "## Footprint", "## Realistic model",
-                    "## Agent loop", "## Parallel slots", "## Many clients", "## Retried once"):
+                    "## Agent loop", "## Parallel slots", "## Many clients", "## Refusals",
+                    "## Retried once"):
         assert heading in md
     assert "page cache dropped: not measured (not root)" in md
     assert "- slots, 16 streams: RuntimeError: reset" in md
+    assert "| 429 | 4300 | 4200-4400 | 0.860x | 90.0 | 0 |" in md
+    assert "| bare 404 | 5000 | 4900-5100 | 1.000x | 90.0 | 0 |" in md
+    assert "| chat, flood | 3.0 | 5.0 | 9.0 | 300 |" in md
+    assert "the load generator took 0.3 of a core" in md
     assert (tmp_path / "latency.png").exists()
 
 
