@@ -577,6 +577,11 @@ def describe_event(event: dict[str, Any]) -> str:
         if event.get("load_s") is not None:
             reason = f" (in {event['load_s']:.1f}s)"
         return f"{when} {event['model']}: {event['from']} -> {event['state']}{reason}"
+    if event["type"] == "engine_failure":
+        cause = (event.get("cause") or {}).get("text")
+        last = (event.get("log_tail") or [""])[-1]
+        return (f"{when} {event['model']}: {event['state']}: {event.get('reason')}"
+                + (f" ({cause})" if cause else "") + (f"; its log ends: {last}" if last else ""))
     if event["type"] == "queue":
         return f"{when} {event['model']}: {event['depth']} waiting"
     if event["type"] == "snapshot":

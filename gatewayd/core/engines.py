@@ -27,6 +27,8 @@ import signal
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from gatewayd.core.logs import FailureCause, failure_cause
+
 CLD_EXITED, CLD_KILLED, CLD_DUMPED = 1, 2, 3
 
 
@@ -68,9 +70,22 @@ class Failure:
     memory: tuple[tuple[str, int | None], ...] = ()
 
     def describe(self) -> dict[str, object]:
+        cause = self.cause
         return {"reason": self.reason, "exit_code": self.exit_code, "signal": self.signal,
+                "cause": None if cause is None else {"code": cause.code, "text": cause.text},
                 "log_tail": list(self.log_tail),
                 **({"out_of_memory": True, **dict(self.memory)} if self.out_of_memory else {})}
+
+    @property
+    def cause(self) -> FailureCause | None:
+        """What its last journal lines (or systemd's exit status) say, in a fixed sentence
+        a caller may be told (core/logs.failure_cause); None: nothing known."""
+        return failure_cause(self.log_tail, self.exit_code)
+
+    def said(self) -> str:
+        """The reason, and its cause where one is known."""
+        cause = self.cause
+        return self.reason if cause is None else f"{self.reason} ({cause.text})"
 
     @property
     def oom_kill_said(self) -> bool:

@@ -1,10 +1,10 @@
 """Reading journals, the pure part: which systemd unit the gateway runs as (read from its
-cgroup), and which lines a follow passes on (its grep). The journal itself is read by
-adapters/journal."""
+cgroup), which lines a follow passes on (its grep), and what a failed engine's last lines
+say (failure_cause). The journal itself is read by adapters/journal."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -55,3 +55,57 @@ def line_filter(grep: str | None) -> Callable[[str], bool]:
         return lambda line: True
     needle = grep.casefold()
     return lambda line: needle in line.casefold()
+
+
+@dataclass(frozen=True)
+class FailureCause:
+    """What a failed engine's last journal lines say, as one of a closed set: a code and
+    a fixed sentence, never the lines' own words (they may hold other clients' prompts,
+    paths, the host's details: the inference caller is told this, the admin the lines)."""
+    code: str
+    text: str
+
+
+# (code, what the caller is told, phrases of a line that say it, in any case): the first
+# cause any line says wins, so the more specific come first
+FAILURE_CAUSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("wrong_port", "its server listens on another TCP port than the one its {port} says",
+     ("the port its command's {port} says",)),
+    ("no_loopback", "loopback is down in its private network namespace",
+     ("engine_launch: loopback is down",)),
+    ("bad_argument", "its server refused its command line (an unknown or invalid argument)",
+     ("error: invalid argument", "error while handling argument", "unrecognized argument",
+      "unknown argument")),
+    ("gpu_out_of_memory", "it ran out of GPU memory",
+     ("cudamalloc failed", "cuda error: out of memory", "erroroutofdevicememory",
+      "cuda out of memory")),
+    ("model_load", "its server could not load the model",
+     ("failed to load model", "error loading model", "cannot load the model",
+      "failed to initialize whisper context", "unable to load model")),
+    ("address_in_use", "the address its server was told to listen on is taken",
+     ("address already in use", "couldn't bind")),
+    ("missing_module", "its server's Python lacks a module it imports",
+     ("modulenotfounderror",)),
+    ("permission_denied", "its server was denied access to a file or device",
+     ("permission denied",)),
+)
+# systemd's own exit statuses (systemd.exec(5), "Process Exit Codes"): the unit's process
+# was never the server, as systemd could not set it up
+SYSTEMD_EXIT_STATUSES: dict[int, str] = {
+    200: "CHDIR", 203: "EXEC", 204: "MEMORY", 216: "GROUP", 217: "USER",
+    218: "CAPABILITIES", 219: "CGROUP", 225: "NETWORK", 226: "NAMESPACE",
+    228: "SECCOMP", 232: "ADDRESS_FAMILIES", 233: "RUNTIME_DIRECTORY", 243: "CREDENTIALS",
+}
+
+
+def failure_cause(lines: Sequence[str], exit_code: int | None = None) -> FailureCause | None:
+    """The cause a failed engine's last lines (and its exit status) say; None: none known."""
+    if exit_code is not None and 200 <= exit_code <= 243:
+        name = SYSTEMD_EXIT_STATUSES.get(exit_code, str(exit_code))
+        return FailureCause("systemd_exec", f"systemd could not set up its process (exit "
+                                            f"status {exit_code}/{name}, systemd.exec(5))")
+    folded = [line.casefold() for line in lines]
+    for code, text, phrases in FAILURE_CAUSES:
+        if any(p in line for line in folded for p in phrases):
+            return FailureCause(code, text)
+    return None

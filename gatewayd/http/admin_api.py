@@ -388,6 +388,7 @@ def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) 
     failed and restarting (reason), stopping and stopped (why; evicted_for: the model an
     eviction made room for)."""
     if old.state is new.state:
+        publish_failure_logs(hub, old, new)
         return
     event: dict[str, Any] = {"type": "engine", "model": new.model_id, "state": new.state.value,
                              "from": old.state.value, "unit": new.unit,
@@ -402,6 +403,21 @@ def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) 
             and (load_s := mgr.load_seconds(new.model_id)) is not None:
         event["load_s"] = round(load_s, 3)
     hub.publish(event)
+
+
+def publish_failure_logs(hub: EventHub, old: Engine, new: Engine) -> None:
+    """A failed or restarting engine's journal lines, once read (a little after its state
+    event): `engine_failure` with its reason, cause and log_tail, when its first lines
+    come or they say another cause (not at each re-read: the events are kept 24 h)."""
+    failure = new.failure
+    if failure is None or not failure.log_tail or new.state not in (
+            EngineState.FAILED, EngineState.RESTARTING):
+        return
+    before = old.failure
+    if before is not None and before.log_tail and before.cause == failure.cause:
+        return
+    hub.publish({"type": "engine_failure", "model": new.model_id, "state": new.state.value,
+                 "unit": new.unit, **failure.describe()})
 
 
 async def event_history(request: web.Request) -> web.Response:

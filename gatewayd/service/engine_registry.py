@@ -89,7 +89,10 @@ class EngineRegistry:
                 memory="ram", required_mib=dict(failure.memory).get("required_mib"),
                 free_mib=dict(failure.memory).get("free_mib"),
                 memory_max_mib=dict(failure.memory).get("memory_max_mib"))
-        return EngineFailed(f"engine for {model_id!r} failed: {reason}. "
+        # with its cause (a fixed sentence, core/logs.failure_cause): the caller learns
+        # why without the journal's lines, which only the admin API gives
+        return EngineFailed(f"engine for {model_id!r} failed: "
+                            f"{failure.said() if failure else reason}. "
                             f"Logs: journalctl -u {engine.unit}", retry_after=retry_after,
                             model=model_id, unit=engine.unit,
                             failure=failure.describe() if failure else None)
@@ -256,7 +259,7 @@ class EngineRegistry:
         why = ""
         if engine is not None and engine.restarting and engine.failure is not None:
             # the wait ran out while systemd restarted it: say why it is restarting
-            why = (f": systemd is restarting it ({engine.failure.reason}; restarted "
+            why = (f": systemd is restarting it ({engine.failure.said()}; restarted "
                    f"{engine.restarts} time(s)). Logs: journalctl -u {engine.unit}")
         return EngineFailed(f"the engine for {model_id!r} was not ready within {limit:g}s"
                             f"{why}", model=model_id)

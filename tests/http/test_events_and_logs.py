@@ -108,6 +108,26 @@ async def test_the_history_says_who_was_evicted_for_whom_and_how_long_loads_took
             assert resp.status == 400 and error["param"] == param, error
 
 
+async def test_a_failed_engines_lines_and_cause_are_on_the_timeline(tmp_path: Path) -> None:
+    """The state event comes at the failure; its journal lines (the fake journal's) a
+    little later, once read: an engine_failure event with them and the cause they say,
+    once (not at each re-read of the tail)."""
+    async for gw in _gateway(tmp_path, ()):
+        gw.units.fail_start = "no such file"
+        resp = await gw.client.post("/v1/chat/completions", json=chat("b"))
+        assert resp.status == 502
+        await asyncio.sleep(0.6)   # past failure_logs' first re-read
+        events = (await (await gw.client.get("/admin/events/history")).json())["events"]
+        failures = [e for e in events if e["type"] == "engine_failure"]
+        assert len(failures) == 1, failures
+        failure = failures[0]
+        assert failure["model"] == "b" and failure["state"] == "failed"
+        assert failure["log_tail"][-1] == "last line"
+        assert failure["cause"]["code"] == "model_load"
+        assert "(its server could not load the model); its log ends: last line" in \
+            cli.describe_event(failure)
+
+
 async def test_reloads_are_on_the_timeline(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "gateway.toml"

@@ -391,10 +391,16 @@ async def test_finding_6_inference_callers_learn_nothing_beyond_their_models(
         resp = await gw.client.post("/v1/chat/completions", json=chat("b"), headers=only_b)
         body = await resp.json()
         assert resp.status >= 500 and "log_tail" not in json.dumps(body), body
+        # ... with the cause its lines say, in a fixed sentence (the fake journal's
+        # "error loading model"), not their words
+        assert body["error"]["failure"]["cause"]["code"] == "model_load", body
+        assert "its server could not load the model" in body["error"]["message"]
+        assert "llm-engine-b.service: error loading model" not in json.dumps(body)
         engines = await (await gw.client.get(
             "/admin/engines", headers={"Authorization": f"Bearer {OPS}"})).json()
         failed = [e for e in engines["engines"] if e["model"] == "b"]
         assert failed and failed[0]["failure"]["log_tail"], engines
+        assert failed[0]["failure"]["cause"]["code"] == "model_load"
 
 
 async def test_an_oversized_head_is_a_431_in_the_callers_dialect(
