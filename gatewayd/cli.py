@@ -312,8 +312,8 @@ def check(args: argparse.Namespace, config: Any) -> int:
     """The configuration parsed (main did that), then its models: names, files, headers.
     A missing engine server is reported but not fatal: the other models would serve."""
     from gatewayd.adapters.model_files import load_catalog
-    from gatewayd.adapters.unit_control import resolve_binary
-    from gatewayd.core.engine_units import server_binary
+    from gatewayd.adapters.unit_control import manager_can_configure_networks, resolve_binary
+    from gatewayd.core.engine_units import listens_on_tcp, server_binary
     from gatewayd.core.errors import EngineBinaryMissing
 
     catalog = load_catalog(config)
@@ -323,6 +323,14 @@ def check(args: argparse.Namespace, config: Any) -> int:
             resolve_binary(*binary)
         except EngineBinaryMissing as e:
             warnings.append(e.message)
+    tcp = [m.id for m in catalog if listens_on_tcp(m)]
+    if tcp and not manager_can_configure_networks():
+        warnings.append(
+            f"{', '.join(tcp)}: TCP engines (whisper, openai servers told {{port}}) get no "
+            "private network namespace here: systemd (PID 1) lacks CAP_NET_ADMIN (a "
+            "container sharing the host's network?). A root gateway's engines listen on a "
+            "loopback port of this host (39000-39999), where any local user can reach "
+            "them; llm-engine@ units (the package) refuse to start instead")
     out = {"ok": True, "config": str(config.source) if config.source else None,
            "models": catalog.ids, "warnings": warnings}
     show(args, out, lambda: [

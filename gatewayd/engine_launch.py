@@ -116,14 +116,19 @@ def await_listener(server: subprocess.Popen[bytes], port: int, *,
         if ports and since is None:
             since = time.monotonic()
         if since is not None and time.monotonic() - since >= grace_s:
-            others = ", ".join(str(p) for p in sorted(ports))
-            name = os.path.basename(str(server.args[0]))   # type: ignore[index]
-            return (f"engine_launch: {name} listens on TCP port {others}, not on {port}, "
-                    "the port its command's {port} says; it cannot be reached. Pass {port} "
-                    "where the server takes its port (and 127.0.0.1 or 0.0.0.0 as its host)")
+            return wrong_port(server, ports, port)
         # often while a small model loads, seldom through a big one's minutes
         time.sleep(min(every_s * (1 + time.monotonic() - began), 0.5))
     return None
+
+
+def wrong_port(server: subprocess.Popen[bytes], ports: set[int], port: int) -> str:
+    """What the launcher says of a server that listens on ports, not on port."""
+    others = ", ".join(str(p) for p in sorted(ports))
+    name = os.path.basename(str(server.args[0]))   # type: ignore[index]
+    return (f"engine_launch: {name} listens on TCP port {others}, not on {port}, "
+            "the port its command's {port} says; it cannot be reached. Pass {port} "
+            "where the server takes its port (and 127.0.0.1 or 0.0.0.0 as its host)")
 
 
 def socket_inodes(pid: int) -> set[str]:
@@ -163,18 +168,36 @@ def choose_fallback_port(socket_path: str) -> int:
 
 
 def wait_exclusive_listener(server: subprocess.Popen[bytes], port: int,
-                            timeout: float = 600) -> None:
-    """Until the server listens on port; fail if anyone else listens there too."""
+                            timeout: float = 600, *,
+                            grace_s: float = WRONG_PORT_GRACE_S) -> str | None:
+    """Until the server listens on port; fail if anyone else listens there too. In the
+    host's namespace other listeners are not the server's: its own sockets (its main
+    process's) that listen on other ports and, grace_s later, still not on ours say it
+    was not told {port}, as await_listener says it in a private namespace: the reason is
+    returned (a server whose listening is done by a child process is not seen here)."""
     deadline = time.monotonic() + timeout
+    since: float | None = None
     while time.monotonic() < deadline and server.poll() is None:
         listeners = listening_tcp(port)
+        mine = socket_inodes(server.pid)
         if listeners:
-            ours = listeners & socket_inodes(server.pid)
+            ours = listeners & mine
             if ours and ours != listeners:
                 raise SystemExit(f"engine_launch: another process also listens on port {port}")
             if ours:
-                return
+                return None
+        elsewhere = {listened for listened, inode in listeners_of(mine) if listened != port}
+        if elsewhere and since is None:
+            since = time.monotonic()
+        if since is not None and time.monotonic() - since >= grace_s:
+            return wrong_port(server, elsewhere, port)
         time.sleep(0.05)
+    return None
+
+
+def listeners_of(inodes: set[str]) -> list[tuple[int, str]]:
+    """The listening TCP sockets among these socket inodes: (port, inode)."""
+    return [(port, inode) for port, inode in listeners() if inode in inodes] if inodes else []
 
 
 def proxyd() -> str:
@@ -215,7 +238,8 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
     with port_lock(socket_path) if not private else contextlib.nullcontext():
         if not private:
             port = choose_fallback_port(socket_path)
-            print(f"engine_launch: no private network namespace; using 127.0.0.1:{port}",
+            print(f"engine_launch: no private network namespace; using 127.0.0.1:{port} "
+                  "of the host's network, where any local user can reach the server",
                   flush=True)
         argv = [a.replace("{port}", str(port)) for a in server_argv]
         # an openai model's env values may say {port} too
@@ -225,9 +249,10 @@ def run(socket_path: str, port: int, server_argv: Sequence[str]) -> int:
         # when a client closed early, taking the engine down (seen in CI)
         server = subprocess.Popen(argv, env=env, restore_signals=False)
         children.append(server)
-        if not private:
-            wait_exclusive_listener(server, port)
-    if private and (wrong := await_listener(server, port)) is not None:
+        wrong = wait_exclusive_listener(server, port) if not private else None
+    if private:
+        wrong = await_listener(server, port)
+    if wrong is not None:
         print(wrong, flush=True)
         stop_children()
         with contextlib.suppress(subprocess.TimeoutExpired):

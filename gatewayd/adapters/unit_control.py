@@ -259,6 +259,10 @@ class TransientEngineUnits(EngineUnitsBase):
         if await self._wake_parked(model, layout, visible_devices):
             return layout
         spec = self._specs(model, layout)(visible_devices)
+        if not self.private_network and listens_on_tcp(model):
+            log.warning("%s: its server listens on a loopback port of this host's network "
+                        "(no private network namespace: PID 1 lacks CAP_NET_ADMIN), where "
+                        "any local user can reach it", model.id)
         await self._start(layout.unit, lambda: self._sd.start_transient(spec))
         return layout
 

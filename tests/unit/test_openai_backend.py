@@ -241,3 +241,54 @@ def test_the_backend_is_named_in_the_models_description() -> None:
     assert model.backend is Backend.OPENAI
     assert model.describe()["backend"] == "openai" and model.describe()["path"] is None
     assert model.names == frozenset({"srv"})
+
+
+def test_check_says_where_a_port_server_would_get_no_private_network(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """PID 1 without CAP_NET_ADMIN (a container sharing the host's network, as the demo
+    runs): a {port} server would listen on a port of the host; check says so, not only
+    the gateway's log at its start."""
+    from gatewayd import cli
+    from gatewayd.adapters import unit_control
+    config = tmp_path / "gateway.toml"
+    config.write_text('[models.srv]\nbackend = "openai"\n'
+                      'command = ["/bin/true", "--uds", "{socket}"]\n'
+                      '[models.tcp]\nbackend = "openai"\ncommand = ["/bin/true"]\n'
+                      'env = { LLAMA_ARG_PORT = "{port}" }\n')
+    monkeypatch.setattr(unit_control, "manager_can_configure_networks", lambda: True)
+    assert cli.main(["--config", str(config), "check"]) == 0
+    assert "warning" not in capsys.readouterr().out
+    monkeypatch.setattr(unit_control, "manager_can_configure_networks", lambda: False)
+    assert cli.main(["--config", str(config), "check"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: tcp: TCP engines" in out and "any local user can reach" in out
+    assert "srv" not in out.split("warning:")[1]   # a {socket} server needs no network
+
+
+async def test_a_port_servers_start_without_a_private_network_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from gatewayd.adapters import unit_control
+    from gatewayd.core.config import GatewayConfig
+
+    class Started:
+        def __init__(self) -> None:
+            self.specs: list[Any] = []
+
+        async def start_transient(self, spec: Any) -> str:
+            self.specs.append(spec)
+            return "/job/1"
+
+    monkeypatch.setattr(unit_control, "manager_can_configure_networks", lambda: False)
+    config = GatewayConfig(state_dir=tmp_path / "state", parked_engines=0)
+    systemd = Started()
+    units = unit_control.TransientEngineUnits(
+        systemd, config, manager="system", run_root=str(tmp_path))  # type: ignore[arg-type]
+    monkeypatch.setattr(unit_control, "check_engine_can_read", lambda model, binary: None)
+    caplog.set_level("WARNING")
+    await units.start_engine(openai_model(command=["/bin/true", "--uds", "{socket}"]))
+    assert "any local user can reach it" not in caplog.text
+    await units.start_engine(openai_model("tcp", command=["/bin/true", "--port", "{port}"]))
+    assert "tcp: its server listens on a loopback port of this host's network" in caplog.text
+    assert "PrivateNetwork" not in dict((n, v) for n, _, v in systemd.specs[-1].properties())
