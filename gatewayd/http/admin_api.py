@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,9 @@ from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GpuUnavailable, InvalidRequest, NotASystemdUnit
 from gatewayd.core.ports import EngineUnitInfo
+from gatewayd.core.query import FOLLOW_LINES
 from gatewayd.http import openai_api
+from gatewayd.http.auth import query_of
 from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
@@ -45,8 +46,6 @@ PULLER = web.AppKey("puller", Puller)
 JOURNALS = web.AppKey("journals", Journals)
 HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
-MAX_LOG_LINES = 10_000
-FOLLOW_LINES = 50     # a follow's last lines before the new ones, unless ?lines= says
 
 
 def add_routes(app: web.Application) -> None:
@@ -161,13 +160,14 @@ async def engine_logs(request: web.Request) -> web.StreamResponse:
     stream, the last lines (default 50) then each one as it is written; ?grep=TEXT keeps
     the lines that contain TEXT (any case)."""
     mgr = request.app[ENGINES]
-    name = request.query.get("model")
+    q = query_of(request)
+    name = q.get("model")
     if not name:
         raise InvalidRequest("give the model: ?model=NAME", param="model")
-    follow = _follow_asked(request)
-    lines = _log_lines(request, FOLLOW_LINES if follow else 100)
+    follow = q.get("follow", False)
+    lines = q.get("lines", FOLLOW_LINES if follow else 100)
     model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
-    keep = logs.line_filter(request.query.get("grep"))
+    keep = logs.line_filter(q.get("grep"))
     if follow:   # the unit from the engine or the catalog, never the query's text
         return await _follow_log(request, *mgr.log_unit(model_id), lines, keep)
     return web.json_response({"model": model_id, "lines": [
@@ -178,9 +178,10 @@ async def gateway_logs(request: web.Request) -> web.StreamResponse:
     """The gateway's own journal, as engine_logs gives an engine's: where it runs as a
     systemd unit (else 409 not_a_systemd_unit)."""
     journals = request.app[JOURNALS]
-    follow = _follow_asked(request)
-    lines = _log_lines(request, FOLLOW_LINES if follow else 100)
-    keep = logs.line_filter(request.query.get("grep"))
+    q = query_of(request)
+    follow = q.get("follow", False)
+    lines = q.get("lines", FOLLOW_LINES if follow else 100)
+    keep = logs.line_filter(q.get("grep"))
     own = journals.own_unit()
     if own is None:
         raise NotASystemdUnit("the gateway is not running as a systemd unit: its log is its "
@@ -189,23 +190,6 @@ async def gateway_logs(request: web.Request) -> web.StreamResponse:
         return await _follow_log(request, own.unit, own.manager, lines, keep)
     found = await journals.tail(own.unit, own.manager, lines)
     return web.json_response({"unit": own.unit, "lines": [ln for ln in found if keep(ln)]})
-
-
-def _follow_asked(request: web.Request) -> bool:
-    value = request.query.get("follow", "0")
-    if value not in ("0", "1", "true", "false"):
-        raise InvalidRequest("follow is 1 or 0", param="follow")
-    return value in ("1", "true")
-
-
-def _log_lines(request: web.Request, default: int) -> int:
-    try:
-        lines = int(request.query.get("lines", str(default)))
-    except ValueError:
-        raise InvalidRequest("lines must be a number", param="lines") from None
-    if not 0 < lines <= MAX_LOG_LINES:
-        raise InvalidRequest(f"lines must be 1..{MAX_LOG_LINES}", param="lines")
-    return lines
 
 
 async def _follow_log(request: web.Request, unit: str, manager: str, lines: int,
@@ -246,21 +230,11 @@ async def call_records(request: web.Request) -> web.Response:
     """Newest first; filters: model, endpoint, since/until (epoch seconds), status, outcome,
     limit."""
     mgr = request.app[ENGINES]
-    q = request.query
-    try:
-        since = float(q["since"]) if "since" in q else None
-        until = float(q["until"]) if "until" in q else None
-        status = int(q["status"]) if "status" in q else None
-        limit = int(q.get("limit", "100"))
-    except ValueError:
-        raise InvalidRequest("since/until are epoch seconds; status and limit are "
-                             "numbers") from None
-    if not 0 < limit <= 10_000:
-        raise InvalidRequest("limit must be 1..10000", param="limit")
+    q = query_of(request)
     rows = await records.search(
-        mgr.config.records_file, model=q.get("model"), since=since,
-        until=until, status=status, outcome=q.get("outcome"), endpoint=q.get("endpoint"),
-        limit=limit)
+        mgr.config.records_file, model=q.get("model"), since=q.get("since"),
+        until=q.get("until"), status=q.get("status"), outcome=q.get("outcome"),
+        endpoint=q.get("endpoint"), limit=q.get("limit", 100))
     return web.json_response({"records": rows})
 
 
@@ -311,7 +285,7 @@ async def metrics(request: web.Request) -> web.Response:
             ("claimed", ram.claimed_mib), ("pending", ram.pending_mib),
             ("free", ram.plan_free_mib)) if mib is not None})
     own = None
-    if request.query.get("engines") in ("1", "true"):
+    if query_of(request).get("engines", False):
         own = await _engine_metrics([
             e for e in engines if e.state is EngineState.READY
             and (model := mgr.catalog.get(e.model_id)) is not None
@@ -424,18 +398,9 @@ async def event_history(request: web.Request) -> web.Response:
     """The events kept for the window (adapters/events: engines, evictions, reloads, pulls'
     ends; no queue depths), oldest first; ?since=EPOCH, ?limit=N (the newest N)."""
     hub = request.app[EVENTS]
-    q = request.query
-    try:
-        since = float(q["since"]) if "since" in q else None
-    except ValueError:
-        raise InvalidRequest("since must be epoch seconds", param="since") from None
-    if since is not None and not math.isfinite(since):
-        raise InvalidRequest("since must be epoch seconds", param="since")
-    try:
-        limit = int(q["limit"]) if "limit" in q else None
-    except ValueError:
-        raise InvalidRequest("limit must be a number", param="limit") from None
-    if limit is not None and not 0 < limit <= hub.keep_max:
+    q = query_of(request)
+    since, limit = q.get("since"), q.get("limit")
+    if limit is not None and not limit <= hub.keep_max:
         raise InvalidRequest(f"limit must be 1..{hub.keep_max}", param="limit")
     return web.json_response({"events": hub.history(since, limit), "kept_s": hub.keep_s,
                               "kept_max": hub.keep_max})

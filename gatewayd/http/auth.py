@@ -46,10 +46,12 @@ from gatewayd.core.errors import (
     UnsupportedMediaType,
 )
 from gatewayd.core.origins import BrowserPolicy
+from gatewayd.core.query import parse_query
 from gatewayd.core.routes import TABLE, Body, Caller, Matched
 
 API_KEY = web.RequestKey("api_key", ApiKey)
 ROUTE = web.RequestKey("route", Matched)
+QUERY = web.RequestKey("query", dict[str, Any])   # core/query's typed parameters
 CORS_ORIGIN = web.RequestKey("cors_origin", str)   # an allowed page of another origin
 METRICS_PATH = "/admin/metrics"
 MODEL_PATH, MODEL_PREFIX = "/v1/models/{id}", "/v1/models/"
@@ -108,6 +110,7 @@ def check_access(request: web.Request) -> Matched | None:
                 f"user {peer.uid if peer else '?'} may not use the admin API: it is for "
                 "root, the gateway's user and the admin group ([admin] group)")
         request[ROUTE] = matched
+        _check_query(request, matched)
         return matched
     headers = request.headers
     host = headers.get("Host")
@@ -146,9 +149,27 @@ def check_access(request: web.Request) -> Matched | None:
         request[API_KEY] = access.keys.identify(
             presented_key(headers.get("Authorization"), headers.get("X-Api-Key")),
             ADMIN if admin else INFERENCE)
+    _check_query(request, matched)
     if route.body is not Body.NONE and request.body_exists:
         _check_content_type(request, route.body)
     return matched
+
+
+def _check_query(request: web.Request, matched: Matched) -> None:
+    """The gateway's own admin routes take the parameters core/query lists, typed, and no
+    others (400, once the caller may call the route at all)."""
+    route = matched.route
+    if route.access is Caller.ADMIN and not route.engine:
+        request[QUERY] = parse_query(route.path, request.query.items())
+
+
+def query_of(request: web.Request) -> dict[str, Any]:
+    """The request's parameters as core/query typed them (parsed here where the gate did
+    not run: an app built without access rules)."""
+    found = request.get(QUERY)
+    if found is None:
+        found = request[QUERY] = parse_query(request.path, request.query.items())
+    return found
 
 
 def _check_framing(request: web.Request) -> None:

@@ -11,6 +11,7 @@ from aiohttp import web
 from gatewayd.adapters import record_series
 from gatewayd.core import series
 from gatewayd.http.admin_api import ENGINES
+from gatewayd.http.auth import query_of
 
 
 def add_routes(app: web.Application) -> None:
@@ -19,7 +20,8 @@ def add_routes(app: web.Application) -> None:
 
 async def call_series(request: web.Request) -> web.Response:
     """?window=15m|1h|24h (default 1h), ?model=NAME (its id as records name it)."""
-    frame = series.frame(series.window(request.query.get("window")), time.time())
+    q = query_of(request)
+    frame = series.frame(series.window(q.get("window")), time.time())
     answer = await record_series.load(request.app[ENGINES].config.records_file, frame,
-                                      request.query.get("model") or None)
+                                      q.get("model"))
     return web.json_response(answer)
