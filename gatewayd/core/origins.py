@@ -19,6 +19,7 @@ Origin: they pass with no configuration.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ def host_name(host_header: str) -> str:
     return host.rstrip(".")
 
 
+@functools.lru_cache(maxsize=256)   # parsing an address: most of a request's Host check
 def is_loopback_name(host: str) -> bool:
     if host == "localhost" or host.endswith(".localhost"):
         return True      # RFC 6761: always loopback; browsers resolve it so themselves
