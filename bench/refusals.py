@@ -12,7 +12,9 @@ meanwhile). Against the instant fake engine, keys on:
    CPU each proxy spent per refusal, and what the load generator took.
 2. inference: a max_tokens=1 chat's latency (c=1, a kept-alive connection) idle and during
    a flood of all five refusals at once, rounds alternating; and /v1/models on a new
-   connection each time, idle and during the flood (the issue's second figure).
+   connection each time, idle and during the flood (the issue's second figure). The same
+   through the bare proxy, idle and during a flood of its 404s: what any aiohttp server
+   sharing its event loop with a flood gives.
 
 The load generator (bench/flood.py) is a process of its own: raw sockets, `FLOOD_DEPTH`
 requests pipelined on each of `FLOOD_CONNECTIONS` kept-alive connections, so that what it
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -95,6 +98,9 @@ def keys_file(path: Path) -> Path:
 
 async def section(plan: Plan, work: Path, retried: list[dict[str, str]]) -> dict[str, Any]:
     base = work / "refusals"
+    # a state of its own each time: a previous run's gateway left its engine on the
+    # desired list, which the next one would start by itself (a start asked then: 409)
+    shutil.rmtree(base / "state", ignore_errors=True)
     base.mkdir(parents=True, exist_ok=True)
     engine_units: list[str] = []
     try:
@@ -153,19 +159,29 @@ async def measure(plan: Plan, base: Path, engine_units: list[str]) -> dict[str, 
                 runs[kind].append(await flood_for(port, [files[kind]], plan.refusal_seconds,
                                                   pid))
         # 2. inference, idle and during a flood of every refusal at once
+        # (and the bare proxy's, idle and during its 404 flood: the floor of any aiohttp
+        # server sharing its loop with a flood)
+        bare = f"http://127.0.0.1:{BARE_PORT}"
         probes: dict[str, dict[str, list[float]]] = {
-            p: {"chat": [], "new_connection": []} for p in ("idle", "flood")}
+            p: {"chat": [], "new_connection": []}
+            for p in ("idle", "flood", "bare_idle", "bare_flood")}
         floods: list[dict[str, Any]] = []
         for rnd in range(plan.refusal_rounds):
-            for phase in (("idle", "flood") if rnd % 2 == 0 else ("flood", "idle")):
-                if phase == "idle":
-                    await probe(gateway, plan.refusal_seconds, probes["idle"])
+            order = ["idle", "flood", "bare_idle", "bare_flood"]
+            for phase in order[rnd % 4:] + order[:rnd % 4]:
+                url = bare if phase.startswith("bare") else gateway
+                listing = "/bare/retries" if url == bare else "/v1/models"
+                if not phase.endswith("flood"):
+                    await probe(url, plan.refusal_seconds, probes[phase], listing)
                     continue
-                async with Flood(GATEWAY_PORT, [files[k] for k in KINDS],
-                                 pids["gateway"]) as flood:
-                    await probe(gateway, plan.refusal_seconds, probes["flood"])
+                flooding = ([files[BARE]], pids["bare"]) if url == bare else (
+                    [files[k] for k in KINDS], pids["gateway"])
+                async with Flood(BARE_PORT if url == bare else GATEWAY_PORT,
+                                 *flooding) as flood:
+                    await probe(url, plan.refusal_seconds, probes[phase], listing)
                 assert flood.result is not None
-                floods.append(flood.result)
+                if url == gateway:
+                    floods.append(flood.result)
         still_held = follows.open()
     return summarise(runs, probes, floods, held, still_held)
 
@@ -265,9 +281,11 @@ async def flood_for(port: int, requests: Sequence[Path], seconds: float,
 # -- what the gateway serves meanwhile ----------------------------------------------------
 
 
-async def probe(gateway: str, seconds: float, out: dict[str, list[float]]) -> None:
-    """For `seconds`: chats one after another on a kept-alive connection, and /v1/models
-    on a new connection each time, side by side."""
+async def probe(gateway: str, seconds: float, out: dict[str, list[float]],
+                listing: str = "/v1/models") -> None:
+    """For `seconds`: chats one after another on a kept-alive connection, and `listing` (an
+    answer the proxy gives itself: the gateway's /v1/models, the bare proxy's
+    /bare/retries) on a new connection each time, side by side."""
     deadline = time.perf_counter() + seconds
     auth = {"Authorization": f"Bearer {USER_KEY}"}
     payload = json.dumps(chat("fake")).encode()
@@ -289,10 +307,10 @@ async def probe(gateway: str, seconds: float, out: dict[str, list[float]]) -> No
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             while time.perf_counter() < deadline:
                 t0 = time.perf_counter()
-                async with session.get(gateway + "/v1/models", headers=auth) as resp:
+                async with session.get(gateway + listing, headers=auth) as resp:
                     await resp.read()
                     if resp.status != 200:
-                        raise RuntimeError(f"/v1/models during the refusals: HTTP "
+                        raise RuntimeError(f"{listing} during the refusals: HTTP "
                                            f"{resp.status}")
                 out["new_connection"].append((time.perf_counter() - t0) * 1000)
                 await asyncio.sleep(0.01)   # a client now and then, not a second flood

@@ -554,11 +554,14 @@ def _refusal_tables(r: dict[str, Any]) -> list[str]:
             f"{_times(_ratio(rate, bare) if rate is not None and bare else None)} | "
             f"{_get(rf, 'rates', kind, 'cpu_us_per_refusal')} | "
             f"{_get(rf, 'rates', kind, 'other_statuses')} |")
-    lines += ["", "| chat (c=1, kept alive) and /v1/models (new connection), ms | p50 | p99 | "
-              "max | n |", "|---|---|---|---|---|"]
-    for key, label in (("inference_ms", "chat"), ("new_connection_ms", "/v1/models, new")):
-        for phase in ("idle", "flood"):
-            lines.append(f"| {label}, {phase} | {_get(rf, key, phase, 'p50')} | "
+    lines += ["", "| chat (c=1, kept alive); the proxy's own answer on a new connection "
+              "(gateway /v1/models, bare /bare/retries), ms | p50 | p99 | max | n |",
+              "|---|---|---|---|---|"]
+    for key, label in (("inference_ms", "chat"), ("new_connection_ms", "new connection")):
+        for phase in ("idle", "flood", "bare_idle", "bare_flood"):
+            if phase not in rf.get(key, {}):
+                continue
+            lines.append(f"| {label}, {phase.replace('_', ' ')} | {_get(rf, key, phase, 'p50')} | "
                          f"{_get(rf, key, phase, 'p99')} | {_get(rf, key, phase, 'max')} | "
                          f"{_get(rf, key, phase, 'n')} |")
     lines += ["", f"the flood meanwhile: {_get(rf, 'flood_during_inference', 'per_s')} "
