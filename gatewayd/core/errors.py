@@ -233,6 +233,13 @@ class OriginNotAllowed(GatewayError):
     status, type, code = 403, "invalid_request_error", "origin_not_allowed"
 
 
+class CrossSiteRequest(OriginNotAllowed):
+    """A page of another site sent a request without an Origin (an <img>, a <script>, a
+    link it opened): its browser says so in Sec-Fetch-Site. Only a navigation to the
+    status page or /health may come from elsewhere."""
+    code = "cross_site_request"
+
+
 class UnsupportedMediaType(GatewayError):
     """A JSON endpoint sent another content type (a web form's, text/plain...)."""
     status, type, code = 415, "invalid_request_error", "unsupported_media_type"

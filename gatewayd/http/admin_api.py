@@ -7,6 +7,8 @@ path, so no name (with slashes, dots or anything else) can change the route.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -69,27 +71,41 @@ def add_routes(app: web.Application) -> None:
 # would be imported on the socket-activated start's path (docs/benchmarks.md, "Figures
 # behind choices in the code"), and the package is always installed as files (its
 # preloaded wait is a library LD_PRELOAD must find on disk)
-def _page() -> bytes:
+def _page() -> tuple[bytes, dict[str, str]]:
     """The page with its scripts inlined (one request, and the scripts stay files of their
-    own, which ESLint and node's unit tests read: tests/js)."""
+    own, which ESLint and node's unit tests read: tests/js), and the headers it is served
+    with: a Content-Security-Policy that runs those scripts alone (by their hashes: no
+    other inline or remote script, no eval), lets the page talk only to this gateway, and
+    lets no page of any site frame it (a framing page could trick clicks on start/stop);
+    X-Frame-Options for browsers that predate frame-ancestors."""
     here = Path(__file__).parent
     page = (here / "status_page.html").read_bytes()
+    hashes = []
     for name in ("console_core.js", "console_page.js"):
         tag = f'<script src="{name}"></script>'.encode()
         if tag not in page:
             raise RuntimeError(f"status_page.html does not load {name}")
-        page = page.replace(tag, b"<script>\n" + (here / name).read_bytes() + b"</script>")
-    return page
+        script = b"\n" + (here / name).read_bytes()
+        hashes.append("'sha256-" + base64.b64encode(hashlib.sha256(script).digest()).decode()
+                      + "'")
+        page = page.replace(tag, b"<script>" + script + b"</script>")
+    policy = ("default-src 'none'; script-src " + " ".join(hashes) + "; "
+              # style="" attributes in the page; styles cannot run code
+              "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; "
+              "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return page, {"Content-Security-Policy": policy, "X-Frame-Options": "DENY",
+                  "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+                  "Cache-Control": "no-cache"}
 
 
-STATUS_PAGE = _page()
+STATUS_PAGE, PAGE_HEADERS = _page()
 
 
 async def status_page(request: web.Request) -> web.Response:
     """The status page: one self-contained file (no build step, no CDN) that reads this
     API and follows /admin/events."""
     return web.Response(body=STATUS_PAGE, content_type="text/html", charset="utf-8",
-                        headers={"Cache-Control": "no-cache"})
+                        headers=PAGE_HEADERS)
 
 
 async def status(request: web.Request) -> web.Response:

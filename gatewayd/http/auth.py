@@ -39,6 +39,7 @@ from gatewayd.core.errors import (
     AdminNotAllowed,
     AdminNotPublic,
     BadFraming,
+    CrossSiteRequest,
     HeadersTooLarge,
     HostNotAllowed,
     OriginNotAllowed,
@@ -62,6 +63,7 @@ CORS_REQUEST_HEADERS = ("Authorization, X-Api-Key, Content-Type, Accept, OpenAI-
                         "X-Stainless-OS, X-Stainless-Arch, X-Stainless-Runtime, "
                         "X-Stainless-Runtime-Version, Anthropic-Dangerous-Direct-Browser-Access")
 CORS_MAX_AGE_S = 600
+CROSS_SITE = frozenset({"cross-site", "same-site"})   # Sec-Fetch-Site: another site's page
 # The request head the gateway takes: a field or request line of 8 KiB (aiohttp's own
 # default), 32 KiB in all. aiohttp's parser is given more room (PARSER_LIMITS, up to
 # 64 KiB) so that a head between the two is answered here, a 431 in the caller's JSON
@@ -132,6 +134,7 @@ def check_access(request: web.Request) -> Matched | None:
                           preflight_for=headers.get("Access-Control-Request-Method"))
     _as_written(request, matched)
     request[ROUTE] = matched
+    _check_fetch_site(request, matched)
     if request.method == "OPTIONS":
         return matched     # a CORS preflight: answered from the table, no key in it
     route = matched.route
@@ -153,6 +156,28 @@ def check_access(request: web.Request) -> Matched | None:
     if route.body is not Body.NONE and request.body_exists:
         _check_content_type(request, route.body)
     return matched
+
+
+def _check_fetch_site(request: web.Request, matched: Matched) -> None:
+    """A browser says where a request comes from (Sec-Fetch-Site) even where it sends no
+    Origin: a GET from an <img>, <script> or <iframe> of any page carries none, and one
+    held open (a journal follow, the event feed) costs the gateway a bounded resource. A
+    request from another site is let through only with an allowed Origin (CORS, checked
+    above) or as a top-level navigation to a page anyone may open (the status page's
+    shell, /health); the rest is a 403 before any key check or handler. curl and the SDKs
+    send no Sec-Fetch-Site and are not concerned."""
+    headers = request.headers
+    if headers.get("Sec-Fetch-Site") not in CROSS_SITE or CORS_ORIGIN in request:
+        return
+    route = matched.route
+    if request.method in ("GET", "HEAD") and headers.get("Sec-Fetch-Mode") == "navigate" \
+            and headers.get("Sec-Fetch-Dest", "document") == "document" \
+            and (route.access is Caller.PUBLIC or route.keyless):
+        return
+    raise CrossSiteRequest(
+        "a page of another site may not call this gateway (Sec-Fetch-Site: "
+        f"{headers.get('Sec-Fetch-Site')}); an origin that should goes in [listen] "
+        "allowed_origins")
 
 
 def _check_query(request: web.Request, matched: Matched) -> None:

@@ -14,7 +14,10 @@ a fake upstream that record every request they get (the witnesses).
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -490,3 +493,57 @@ async def test_a_json_route_takes_json_only_whatever_a_form_can_send(tmp_path: P
             status, answer, _ = await raw(gw, "POST", "/v1/chat/completions",
                                           {"Content-Type": kind}, body)
             assert status == 200, (kind, answer)
+
+
+@pytest.mark.parametrize("method,path,fetch,status", [
+    # an <img> or <script> of another site's page: no Origin, only Sec-Fetch-Site
+    ("GET", "/admin/engines/logs?model=a&follow=1", ("cross-site", "no-cors", "image"), 403),
+    ("GET", "/admin/events", ("same-site", "no-cors", "script"), 403),
+    ("GET", "/v1/models", ("cross-site", "no-cors", "script"), 403),
+    ("GET", "/admin/", ("cross-site", "navigate", "iframe"), 403),       # framed
+    ("GET", "/admin/logs?follow=1", ("cross-site", "navigate", "document"), 403),
+    # a link to the status page or /health from elsewhere still opens it
+    ("GET", "/admin/", ("cross-site", "navigate", "document"), 200),
+    ("GET", "/health", ("cross-site", "navigate", "document"), 200),
+    # the page's own requests, and a user typing the address
+    ("GET", "/admin/status", ("same-origin", "cors", "empty"), 200),
+    ("GET", "/admin/status", ("none", "navigate", "document"), 200),
+])
+async def test_a_request_from_another_sites_page_needs_an_allowed_origin(
+        tmp_path: Path, method: str, path: str, fetch: tuple[str, str, str],
+        status: int) -> None:
+    site, mode, dest = fetch
+    async for gw in _gateway(tmp_path, ("a",)):
+        headers = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": mode, "Sec-Fetch-Dest": dest}
+        async with gw.client.request(method, path, headers=headers) as resp:
+            assert resp.status == status, await resp.text()
+            if status == 403:
+                assert (await resp.json())["error"]["code"] == "cross_site_request"
+
+
+async def test_an_allowed_origins_page_may_follow_with_its_origin(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a",), allowed_origins=("https://tools.example",)):
+        async with gw.client.get("/admin/events", headers={
+                "Origin": "https://tools.example", "Sec-Fetch-Site": "cross-site",
+                "Sec-Fetch-Mode": "cors"}) as resp:
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            resp.close()
+
+
+async def test_the_console_is_served_with_a_policy_that_runs_only_its_own_scripts(
+        tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ()):
+        resp = await gw.client.get("/admin/")
+        page = await resp.read()
+        assert resp.headers["X-Frame-Options"] == "DENY"
+        assert resp.headers["X-Content-Type-Options"] == "nosniff"
+        assert resp.headers["Referrer-Policy"] == "no-referrer"
+        policy = dict(d.strip().split(" ", 1) for d in
+                      resp.headers["Content-Security-Policy"].split(";"))
+        assert policy["frame-ancestors"] == "'none'" and policy["default-src"] == "'none'"
+        assert policy["connect-src"] == "'self'"
+        scripts = re.findall(rb"<script>(.*?)</script>", page, re.S)
+        assert len(scripts) == 2
+        assert policy["script-src"].split() == [
+            "'sha256-" + base64.b64encode(hashlib.sha256(s).digest()).decode() + "'"
+            for s in scripts]
