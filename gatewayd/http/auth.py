@@ -11,15 +11,19 @@ caller's dialect), before any handler, in this order:
    open gets nothing, keys or no keys.
 3. The route table (core/routes.py): a path not in it is a 404, a method not listed a
    405. Nothing else runs for them.
-4. ADMIN routes on the public port only while `[admin] public` (404 admin_not_public
+4. A request another site's page sent without an allowed Origin (Sec-Fetch-Site) is a
+   403, unless it is a navigation to the status page's shell or /health.
+5. ADMIN routes on the public port only while `[admin] public` (404 admin_not_public
    otherwise; `GET /admin/metrics` alone, keyless, while `[admin] public_metrics`).
-5. With keys on, a key with the route's scope (admin or inference); PUBLIC routes and
+6. With keys on, a key with the route's scope (admin or inference); PUBLIC routes and
    the status page's shell need none.
-6. A JSON route refuses a body of another content type (415), a multipart route one
+7. The gateway's own admin routes: their query parameters, typed by core/query.py (400
+   for any other or a bad value).
+8. A JSON route refuses a body of another content type (415), a multipart route one
    that is not multipart.
 
-The route found and the key are kept on the request (`request[ROUTE]`,
-`request[API_KEY]`) for the handlers. What is in force lives in `app[ACCESS]`,
+The route found, the key and the typed parameters are kept on the request
+(`request[ROUTE]`, `request[API_KEY]`, `request[QUERY]`) for the handlers. What is in force lives in `app[ACCESS]`,
 replaced by a configuration reload.
 """
 
