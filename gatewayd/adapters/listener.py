@@ -24,7 +24,12 @@ from collections.abc import Callable, Sequence
 
 log = logging.getLogger("gatewayd")
 
-BACKLOG = 128            # aiohttp's sites' default; also the most accepted per wakeup
+ACCEPT_BATCH = 128       # the most accepted per wakeup (asyncio's own server's figure)
+# the queue of connections not accepted yet: the kernel's bound (net.core.somaxconn, 4096
+# since Linux 5.4), as a systemd socket's Backlog= defaults to. aiohttp's 128 overflowed in
+# a burst of connections (a flood of refused requests: 10 000 at once), and a SYN the queue
+# drops is retried by the client 1, 3, 7 s later: seconds on a new connection's first answer
+BACKLOG = socket.SOMAXCONN
 # out of descriptors or memory: how long the socket rests before the next accept
 # (asyncio's own server waits the same)
 ACCEPT_RETRY_S = 1.0
@@ -72,7 +77,7 @@ class Listener:
 
     def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        for _ in range(BACKLOG):
+        for _ in range(ACCEPT_BATCH):
             if not self._accepting:
                 return
             try:
