@@ -178,8 +178,10 @@ def test_eviction_crash_restart_adoption_and_reload(
 
 
 FAKE_SERVER = r"""
-import http.server, json, sys, time
-mode, port = sys.argv[1], int(sys.argv[2])
+import http.server, json, os, sys, time
+mode = sys.argv[1]
+# "env": told its port only through the environment (llama-server's LLAMA_ARG_PORT)
+port = int(os.environ["FAKE_PORT"] if sys.argv[2] == "env" else sys.argv[2])
 if mode == "exit":
     print("fake server: cannot load the model", flush=True)
     sys.exit(3)
@@ -209,6 +211,9 @@ def test_servers_that_fail_end_in_clear_errors_and_the_rest_keeps_serving(
                     for mode in ("exit", "wrong-port", "never-ready", "ok"))
     extra += ('[models.missing]\nbackend = "openai"\n'
               'command = ["/nonexistent/server", "--port", "{port}"]\n')
+    extra += (f"[models.fake-env-port]\nbackend = \"openai\"\n"
+              f"command = [{toml_str(sys.executable)}, \"-c\", {toml_str(FAKE_SERVER)}, "
+              f"\"ok\", \"env\"]\nenv = {{ FAKE_PORT = \"{{port}}\" }}\n")
     gw = gateway_factory(extra=extra, load_timeout_s=8)
 
     def error_of(model: str) -> dict[str, Any]:
@@ -236,6 +241,13 @@ def test_servers_that_fail_end_in_clear_errors_and_the_rest_keeps_serving(
         "model": "fake-exit", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 502 and "journalctl -u" in body["error"]["message"]
     assert "log_tail" not in json.dumps(body)
+    assert body["error"]["failure"]["cause"]["code"] == "model_load", body
+    # the wrong port's cause reaches the inference caller too (not "exited with status 78")
+    status, body = gw.api("POST", "/v1/chat/completions", {
+        "model": "fake-wrong-port", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 502 and "another TCP port than the one its {port} says" in \
+        body["error"]["message"], body
+    assert "9999" not in json.dumps(body)   # the lines' words are the admin's
     for model in ("fake-exit", "fake-wrong-port", "fake-never-ready"):
         state = gw.engines().get(model, {}).get("state", "stopped")
         assert state in ("failed", "stopped"), (model, state)   # none stuck starting
@@ -244,3 +256,5 @@ def test_servers_that_fail_end_in_clear_errors_and_the_rest_keeps_serving(
     assert status == 200 and "fake-ok" in {m["id"] for m in body["data"]}
     engine = start(gw, "fake-ok")
     assert engine["state"] == "ready"
+    # {port} only in env: a TCP engine all the same (the literal "{port}" reached it)
+    assert start(gw, "fake-env-port")["state"] == "ready"
