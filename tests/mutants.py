@@ -863,9 +863,8 @@ PULLS = (
                   "longer_or_i_quant",)),
     Mutant("pull-name-escapes", "a model's name is one folder in models_dir",
            "gatewayd/core/pull.py",
-           '    if not name or name.startswith(".") or _NAME_UNSAFE.search(name) '
-           'or len(name) > 200:',
-           '    if not name or len(name) > 200:',
+           '    if not is_part(name) or _NAME_UNSAFE.search(name) or len(name) > MAX_NAME:',
+           '    if not name or len(name) > MAX_NAME:',
            tests=("tests/unit/test_pull_core.py::test_names_are_one_safe_folder",)),
     Mutant("rm-configured-model", "rm leaves a configured model to the configuration",
            "gatewayd/service/model_removal.py",
@@ -924,8 +923,63 @@ CONSOLE = (
            tests=(LOGS_T + "test_at_most_eight_follows_and_the_ninth_is_refused",)),
 )
 
+# issue 50's hardening: each finding's class, undone
+SAFE_T = "tests/unit/test_safe_paths.py::"
+TRUST_T = "tests/http/test_trust_boundary.py::"
+PARAMS_T = "tests/http/test_admin_params_fuzz.py::"
+HARDENING = (
+    Mutant("safe-part-takes-dots", "a path part never starts with a dot ('.', '..', a "
+           "hidden file)", "gatewayd/core/safe_paths.py",
+           '_PART = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]{0,254}")',
+           '_PART = re.compile(r"[A-Za-z0-9_.+-][A-Za-z0-9_.+-]{0,254}")',
+           tests=(SAFE_T + "test_a_part_is_one_component_below_its_root_or_refused",)),
+    Mutant("rm-joins-the-name", "rm of a name that is not a model touches only that "
+           "pull's own record (issue 50: '../../x' removed files outside models_dir)",
+           "gatewayd/service/pulls.py",
+           "        if models_dir is None or name in self._active or not is_part(name) or \\\n",
+           "        if models_dir is None or name in self._active or \\\n",
+           also=(("gatewayd/service/pulls.py",
+                  '        return inside(models_dir / PULL_DIR, f"{name}.json", '
+                  'what="a pull\'s name")',
+                  '        return models_dir / PULL_DIR / f"{name}.json"'),
+                 ("gatewayd/service/pulls.py",
+                  "        if not is_part(name):\n            return",
+                  "        if False:\n            return"),
+                 ("gatewayd/service/pulls.py",
+                  '        shutil.rmtree(inside(folder, name, what="a pull\'s name"), '
+                  'ignore_errors=True)',
+                  "        shutil.rmtree(folder / name, ignore_errors=True)")),
+           tests=(SAFE_T + "test_removing_an_unfinished_pull_by_any_name_touches_nothing_"
+                  "outside",)),
+    Mutant("hub-listing-unchecked", "a hub's file paths and hashes are checked before they "
+           "name files", "gatewayd/core/pull.py",
+           '        relative_parts(self.path, what="the hub\'s file path")\n'
+           '        for key in ("sha256", "git_sha1"):',
+           '        for key in ():',
+           tests=(PULLS_T + "test_a_hostile_hub_cannot_choose_a_path",)),
+    Mutant("fetch-site-unchecked", "another site's page gets nothing without an allowed "
+           "Origin", "gatewayd/http/auth.py",
+           "    _check_fetch_site(request, matched)\n", "",
+           tests=(TRUST_T + "test_a_request_from_another_sites_page_needs_an_allowed_origin",)),
+    Mutant("console-framable", "no site may frame the console",
+           "gatewayd/http/admin_api.py",
+           '"base-uri \'none\'; form-action \'none\'; frame-ancestors \'none\'")',
+           '"base-uri \'none\'; form-action \'none\'")',
+           tests=(TRUST_T + "test_the_console_is_served_with_a_policy_that_runs_only_its_"
+                  "own_scripts",)),
+    Mutant("query-int-unbounded", "an admin parameter's number is bounded before SQLite "
+           "sees it", "gatewayd/core/query.py",
+           "                not self.low <= (value := int(raw)) <= self.high:",
+           "                (value := int(raw)) is None:",
+           tests=(PARAMS_T + "test_any_query_on_an_admin_route_is_answered_below_500",)),
+    Mutant("listener-small-backlog", "a burst of connections is queued, not dropped",
+           "gatewayd/adapters/listener.py",
+           "BACKLOG = socket.SOMAXCONN\n", "BACKLOG = 128\n",
+           tests=("tests/unit/test_listener_backlog.py",)),
+)
+
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
-           + ANY_ENGINE + PULLS + CONSOLE)
+           + ANY_ENGINE + PULLS + CONSOLE + HARDENING)
 
 
 def copy_tree(dest: Path) -> None:

@@ -516,7 +516,8 @@ async def test_a_request_from_another_sites_page_needs_an_allowed_origin(
     async for gw in _gateway(tmp_path, ("a",)):
         headers = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": mode, "Sec-Fetch-Dest": dest}
         async with gw.client.request(method, path, headers=headers) as resp:
-            assert resp.status == status, await resp.text()
+            # (a follow let through never ends: its head says enough)
+            assert resp.status == status, (resp.status, resp.content_type)
             if status == 403:
                 assert (await resp.json())["error"]["code"] == "cross_site_request"
 
