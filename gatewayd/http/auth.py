@@ -23,8 +23,8 @@ caller's dialect), before any handler, in this order:
    that is not multipart.
 
 The route found, the key and the typed parameters are kept on the request
-(`request[ROUTE]`, `request[API_KEY]`, `request[QUERY]`) for the handlers. What is in force lives in `app[ACCESS]`,
-replaced by a configuration reload.
+(`request[ROUTE]`, `request[API_KEY]`, `request[QUERY]`) for the handlers. What is in
+force lives in `app[ACCESS]`, replaced by a configuration reload.
 """
 
 from __future__ import annotations
