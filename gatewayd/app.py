@@ -56,7 +56,7 @@ from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
-from gatewayd.http import admin_api, console_api, openai_api, pull_api
+from gatewayd.http import admin_api, console_api, openai_api, pull_api, request_parser
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
 from gatewayd.http.drain import ABANDON_GRACE_S, OPEN_REQUESTS, OpenRequests, drain, track_requests
 from gatewayd.http.middleware import (
@@ -321,6 +321,7 @@ async def _collector_after_start(app: web.Application) -> None:
 def build_app(config: GatewayConfig, notifier: Notifier | None = None,
               engines_ctx: EngineLayerCtx = engine_layer) -> web.Application:
     """engines_ctx sets app[ENGINES] and app[DISPATCHER]; tests pass one on fakes."""
+    request_parser.use()   # a body the parser refuses part-way is answered, not held
     open_requests = OpenRequests()
     app = web.Application(middlewares=[track_requests(open_requests), error_middleware],
                           client_max_size=config.max_body_bytes)

@@ -406,6 +406,13 @@ ACCESS = (
            "        if key is not None:\n            check_model(key, model_id, names)",
            "        if False:\n            check_model(key, model_id, names)",
            tests=(KEYS + "test_a_model_the_gateway_chooses_is_checked_against_the_key_too",)),
+    Mutant("refused-body-untold", "a body the HTTP parser refuses part-way (a framing "
+           "field in its trailers) is answered and its connection closed, not held",
+           "gatewayd/http/request_parser.py",
+           "                body.set_exception(refusal)",
+           "                pass",
+           tests=("tests/http/test_fuzz.py::test_a_body_refused_part_way_is_answered_and_its"
+                  "_connection_closed",)),
 )
 
 # -- forwarding: what crosses the gateway to an engine or an upstream ----------------------

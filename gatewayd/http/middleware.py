@@ -10,11 +10,19 @@ from typing import Any
 
 from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
-from gatewayd.core.errors import GatewayError, ShuttingDown, anthropic_error_body, error_body
+from gatewayd.core.errors import (
+    BadFraming,
+    GatewayError,
+    ShuttingDown,
+    anthropic_error_body,
+    error_body,
+)
 from gatewayd.core.routes import Caller
 from gatewayd.core.routing import speaks_anthropic
 from gatewayd.http.auth import check_access, preflight, request_route
+from gatewayd.http.request_parser import refusal_reason
 
 log = logging.getLogger("gatewayd")
 
@@ -49,16 +57,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             return preflight(request, matched)
         return await handler(request)
     except GatewayError as e:
-        headers = dict(e.headers)
-        if e.retry_after is not None:
-            headers["Retry-After"] = str(e.retry_after)
-        if not _for_admin(request):
-            _withhold_engine_logs(e)
-        response = web.json_response(_in_dialect(e, request.path), status=e.status,
-                                     headers=headers)
-        if e.closes_connection:
-            response.force_close()
-        return response
+        return _answer(request, e)
+    except RequestPayloadError as e:
+        # the body, refused by the HTTP parser while it was read (http/request_parser.py)
+        return _answer(request, BadFraming(
+            f"the request's body was refused part-way ({refusal_reason(e)}): a chunk "
+            "size is hex digits, and a chunked body's trailers may not hold Content-Length "
+            "or Transfer-Encoding (RFC 9112 7.1, RFC 9110 6.5.1)"))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -81,17 +86,34 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return web.json_response(_in_dialect(error, request.path), status=500)
 
 
+def _answer(request: web.Request, e: GatewayError) -> web.Response:
+    headers = dict(e.headers)
+    if e.retry_after is not None:
+        headers["Retry-After"] = str(e.retry_after)
+    if not _for_admin(request):
+        _withhold_engine_logs(e)
+    response = web.json_response(_in_dialect(e, request.path), status=e.status,
+                                 headers=headers)
+    if e.closes_connection:
+        response.force_close()
+    return response
+
+
 class ClientBytesRefused(logging.Filter):
     """For aiohttp.server: a request its HTTP parser refused (a header past 64 KiB, more
     than 128 fields, a malformed line) is the client's bytes, not the gateway's fault. One
     line, no traceback: aiohttp logs each at ERROR with a traceback, so any client could fill
-    the journal with them, a dozen lines a request. Other errors keep theirs."""
+    the journal with them, a dozen lines a request. So is a body it refused part-way
+    (`RequestPayloadError`, http/request_parser.py: logged as aiohttp reads what is left of
+    it after the gateway's 400). Other errors keep theirs."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
+            reason = refusal_reason(exc) if isinstance(exc, RequestPayloadError) \
+                else str(exc.message or exc).splitlines()[0]
             record.msg, record.args = "%s: refused by the HTTP parser: %s", (
-                record.getMessage(), str(exc.message or exc).splitlines()[0][:200])
+                record.getMessage(), reason[:200])
             record.exc_info, record.exc_text = None, None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
