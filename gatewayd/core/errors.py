@@ -248,7 +248,8 @@ class UnsupportedMediaType(GatewayError):
 class BadFraming(GatewayError):
     """A request whose body's length cannot be known (RFC 9112 6.3: a Transfer-Encoding
     whose last coding is not chunked), or whose body the HTTP parser refused part-way (a
-    broken chunk size, Content-Length or Transfer-Encoding in its trailers): refused, and
+    broken chunk size, Content-Length or Transfer-Encoding in its trailers, a content
+    coding it cannot decode): refused, and
     its connection closed, since where its body ends (and the next request begins) is
     anyone's guess."""
 

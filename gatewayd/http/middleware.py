@@ -61,9 +61,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except RequestPayloadError as e:
         # the body, refused by the HTTP parser while it was read (http/request_parser.py)
         return _answer(request, BadFraming(
-            f"the request's body was refused part-way ({refusal_reason(e)}): a chunk "
-            "size is hex digits, and a chunked body's trailers may not hold Content-Length "
-            "or Transfer-Encoding (RFC 9112 7.1, RFC 9110 6.5.1)"))
+            f"the request's body was refused part-way by the HTTP parser: "
+            f"{refusal_reason(e)}"))
     except web.HTTPException as e:
         if e.status < 400:
             raise

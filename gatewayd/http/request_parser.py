@@ -19,6 +19,7 @@ is not aiohttp's parser any more (pinned: constraints.txt; shown: tests/http/tes
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web_protocol
@@ -71,8 +72,11 @@ def use() -> None:
 
 def refusal_reason(error: RequestPayloadError) -> str:
     """The parser's words for a body it refused part-way (their first line: what follows
-    quotes the client's bytes)."""
+    quotes the client's bytes): "Invalid character in chunk size", "Can not decode
+    content-encoding: gzip"."""
     cause = error.__cause__
     words = cause.message if isinstance(cause, HttpProcessingError) else str(error)
-    return next((line.strip().rstrip(":") for line in str(words).splitlines()
-                 if line.strip()), "malformed")
+    lines = [line.strip().rstrip(":") for line in str(words).splitlines() if line.strip()]
+    if lines and re.fullmatch(r"\d{3}, message", lines[0]):   # str() of aiohttp's error
+        del lines[0]
+    return lines[0] if lines else "malformed"

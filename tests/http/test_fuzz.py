@@ -611,7 +611,13 @@ def _broken_second_chunk(host: bytes) -> bytes:
     Request(b"POST", b"/v1/chat/completions", fields=CHUNKED_CHAT, body=(BIG_CHAT,),
             chunks=(100_000,), trailers=((b"Transfer-Encoding", b"chunked"),)).wire,
     _broken_second_chunk,   # (the same fault, mid-body)
-], ids=["content-length trailer", "transfer-encoding trailer", "broken second chunk"])
+    # (a body the parser cannot decode: aiohttp told the body, and the gateway answered 500)
+    Request(b"POST", b"/v1/chat/completions", fields=(
+        (b"Host", HOST), (b"Content-Type", b"application/json"),
+        (b"Content-Encoding", b"gzip"), (b"Content-Length", b"%d" % len(BIG_CHAT))),
+        body=(BIG_CHAT,)).wire,
+], ids=["content-length trailer", "transfer-encoding trailer", "broken second chunk",
+        "undecodable content-encoding"])
 async def test_a_body_refused_part_way_is_answered_and_its_connection_closed(
         gw: Front, wire: Callable[[bytes], bytes], caplog: pytest.LogCaptureFixture) -> None:
     """A chunked body the parser refuses after its handler began reading it (its bytes
