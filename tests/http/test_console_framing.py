@@ -68,7 +68,7 @@ async def test_another_sites_page_can_neither_frame_the_console_nor_hold_a_follo
         monkeypatch.setattr(auth, "CROSS_SITE", frozenset())
     async for gw in _gateway(tmp_path, ("a",)):
         journals = gw.client.app[admin_api.JOURNALS]
-        follow, asked = journals.follow, []
+        follow, asked = journals.follow, list[Any]()
 
         async def counted(*args: Any, asked: list[Any] = asked, follow: Any = follow) -> Any:
             asked.append(args)
