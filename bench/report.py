@@ -232,6 +232,85 @@ def _crossover(r: dict[str, Any]) -> Figures | None:
             "max_prefix": max(prefixes, default=math.nan)}
 
 
+# -- mixed traffic (bench/mixed.py): the grouped order against fifo and the router, each
+# goal judged on every mix (a goal met on one mix and not the other is not met)
+
+MIXES = ("uniform", "skewed")
+
+
+def _mixed(key: str, *systems: str) -> Callable[[dict[str, Any]], Figures | None]:
+    """runs/<mix>/<system>/key for every mix and system, as <mix>_<system>."""
+    def figures(r: dict[str, Any]) -> Figures | None:
+        return _all(**{f"{mix}_{system}": _number(r, "mixed", "runs", mix, system, key)
+                       for mix in MIXES for system in systems})
+    return figures
+
+
+def _per_mix(f: Figures, unit: str, rivals: Sequence[tuple[str, float]],
+             higher_is_better: bool) -> dict[str, Any]:
+    """grouped against each (rival, limit) on every mix: grouped ≤ limit x rival (≥ for
+    rates); the ratios by mix and rival."""
+    ratios: dict[str, dict[str, float | None]] = {}
+    holds = True
+    for mix in MIXES:
+        g = f[f"{mix}_grouped"]
+        for rival, limit in rivals:
+            o = f[f"{mix}_{rival}"]
+            holds &= _le(limit * o, g) if higher_is_better else _le(g, limit * o)
+            ratios.setdefault(mix, {})[rival] = _ratio(g, o)
+    figure = ", ".join(f"{mix} {_fmt(f[f'{mix}_grouped'])}" for mix in MIXES) + f" {unit}"
+    against = "; ".join(f"{rival} " + ", ".join(_fmt(f[f"{mix}_{rival}"]) for mix in MIXES)
+                        for rival, _ in rivals)
+    compare = "; ".join(", ".join(_times(ratios[mix][rival]) for mix in MIXES)
+                        + (f" {rival}" if len(rivals) > 1 else "") for rival, _ in rivals)
+    return {"figure": figure, "against": against, "ratio": ratios, "compare": compare,
+            "met": _met(f, holds)}
+
+
+def _judge_mixed_swaps(f: Figures) -> dict[str, Any]:
+    return _per_mix(f, "swaps/min", [("fifo", 0.25)], higher_is_better=False)
+
+
+def _judge_mixed_answers(f: Figures) -> dict[str, Any]:
+    return _per_mix(f, "answers/min", [("fifo", 2.0), ("router", 1.5)],
+                    higher_is_better=True)
+
+
+def _judge_mixed_p99(f: Figures) -> dict[str, Any]:
+    return _per_mix(f, "ms", [("fifo", 1.0)], higher_is_better=False)
+
+
+def _mixed_wait(r: dict[str, Any]) -> Figures | None:
+    return _all(**{f"{mix}_{k}": _number(r, "mixed", "runs", mix, "grouped", key)
+                   for mix in MIXES
+                   for k, key in (("wait", "longest_wait_s"), ("bound", "bound_s"),
+                                  ("unanswered", "unanswered"))})
+
+
+def _judge_mixed_wait(f: Figures) -> dict[str, Any]:
+    """The longest wait (to the first token) within max_wait_s + the longest load + the
+    drain, on every mix, and no request left unanswered."""
+    holds = all(_le(f[f"{mix}_wait"], f[f"{mix}_bound"]) and f[f"{mix}_unanswered"] == 0
+                for mix in MIXES)
+    unanswered = sum(f[f"{mix}_unanswered"] for mix in MIXES)
+    return {"figure": ", ".join(f"{mix} {_fmt(f[f'{mix}_wait'])}" for mix in MIXES) + " s"
+                      + (f" ({unanswered:.0f} unanswered)" if unanswered else ""),
+            "against": "bound " + ", ".join(_fmt(f[f"{mix}_bound"]) for mix in MIXES) + " s",
+            "difference": {mix: round(f[f"{mix}_wait"] - f[f"{mix}_bound"], 3)
+                           for mix in MIXES},
+            "compare": ", ".join(f"{f[f'{mix}_wait'] - f[f'{mix}_bound']:+.1f} s"
+                                 for mix in MIXES),
+            "met": _met(f, holds)}
+
+
+def _judge_mixed_share(f: Figures) -> dict[str, Any]:
+    """The least-served model's share of the answers over its share of the demand ≥ 0.8."""
+    return {"figure": ", ".join(f"{mix} {_times(f[f'{mix}_grouped'])}" for mix in MIXES)
+                      + " (the least-served model)",
+            "against": "its share of the demand", "compare": "",
+            "met": _met(f, all(_le(0.8, f[f"{mix}_grouped"]) for mix in MIXES))}
+
+
 INFORMATIONAL = "no goal (informational)"
 
 GOALS = (
@@ -256,6 +335,16 @@ GOALS = (
          _judge_refusals),
     Goal("inference p99 during a refusal flood", "≤ 3 x idle p99", _flooded_p99,
          _judge_ratio("ms", "idle", 3.0)),
+    Goal("mixed traffic: swaps", "grouped ≤ 0.25 x fifo (each mix)",
+         _mixed("loads_per_min", "grouped", "fifo"), _judge_mixed_swaps),
+    Goal("mixed traffic: answers", "grouped ≥ 2 x fifo and ≥ 1.5 x router (each mix)",
+         _mixed("answers_per_min", "grouped", "fifo", "router"), _judge_mixed_answers),
+    Goal("mixed traffic: p99 latency", "grouped ≤ fifo (each mix)",
+         _mixed("p99_ms", "grouped", "fifo"), _judge_mixed_p99),
+    Goal("mixed traffic: longest wait", "≤ max_wait_s + longest load + drain, none "
+         "unanswered (each mix)", _mixed_wait, _judge_mixed_wait),
+    Goal("mixed traffic: each model's share", "answers share ≥ 0.8 x demand share (each "
+         "model, each mix)", _mixed("share_ratio_min", "grouped"), _judge_mixed_share),
     Goal("parked units, realistic model", INFORMATIONAL, _parked, _judge_parked),
     Goal("agent-loop crossover prefix", INFORMATIONAL, _crossover, _judge_crossover),
 )
@@ -362,6 +451,7 @@ def write_report(r: dict[str, Any], out: Path) -> None:
     lines += _agent_tables(r)
     lines += _crowd_tables(r)
     lines += _refusal_tables(r)
+    lines += _mixed_tables(r)
     if r.get("retried"):
         lines += ["", "## Retried once (failed, then measured again)", ""]
         lines += [f"- {x.get('what', '?')}: {x.get('error', '?')}" for x in r["retried"]]
@@ -570,6 +660,63 @@ def _refusal_tables(r: dict[str, Any]) -> list[str]:
               f"follows held for the 429s: {_get(rf, 'follows_held')} "
               f"({_get(rf, 'follows_held_at_end')} still open at the end)"]
     return lines
+
+
+def _mixed_tables(r: dict[str, Any]) -> list[str]:
+    if "mixed" not in r:
+        return []
+    mx = r["mixed"]
+    size = _get(mx, "model", "bytes")
+    gib = f", {size / 2**30:.2f} GiB" if isinstance(size, int | float) else ""
+    lines = ["", f"## Mixed traffic ({_get(mx, 'clients')} clients, 3 models "
+             f"({_get(mx, 'model', 'preset')}{gib}) over {_get(mx, 'places')} places, "
+             f"{_get(mx, 'answer_tokens')}-token answers, {_get(mx, 'seconds')} s per system "
+             f"and mix; grouped: max_wait_s {_get(mx, 'max_wait_s')})", "",
+             "| mix | system | answers/min | swaps/min | swaps per 100 answers | p50 ms | "
+             "p99 ms | longest wait s | longest load s | errors | unanswered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    runs = mx.get("runs") or {}
+    for mix, systems in runs.items():
+        for system, f in systems.items():
+            lines.append(f"| {mix} | {system} | {_get(f, 'answers_per_min')} | "
+                         f"{_get(f, 'loads_per_min')} | {_get(f, 'loads_per_100_answers')} | "
+                         f"{_get(f, 'p50_ms')} | {_get(f, 'p99_ms')} | "
+                         f"{_get(f, 'longest_wait_s')} | {_get(f, 'longest_load_s')} | "
+                         f"{_get(f, 'errors')} | {_get(f, 'unanswered')} |")
+    lines += ["", "each model's share of the answers (within the window) / of the demand "
+              "(requests asked), and their ratio", "",
+              "| mix | system | " + " | ".join(_mixed_models(runs)) + " |",
+              "|---|---|" + "---|" * len(_mixed_models(runs))]
+    for mix, systems in runs.items():
+        for system, f in systems.items():
+            cells = []
+            for name in _mixed_models(runs):
+                sh = _get(f, "share", name)
+                ratio = _number(f, "share", name, "ratio")
+                cells.append("-" if not isinstance(sh, dict) else
+                              f"{_fmt(_number(sh, 'answers'))} / {_fmt(_number(sh, 'demand'))}"
+                              f" ({_times(ratio)})")
+            lines.append(f"| {mix} | {system} | {' | '.join(cells)} |")
+    bounds = [f"{mix} {_get(systems['grouped'], 'longest_wait_s')} s against "
+              f"{_get(systems['grouped'], 'max_wait_s')} + "
+              f"{_get(systems['grouped'], 'longest_load_s')} (load) + "
+              f"{_get(systems['grouped'], 'longest_drain_s')} (drain) = "
+              f"{_get(systems['grouped'], 'bound_s')} s"
+              for mix, systems in runs.items() if "grouped" in systems]
+    if bounds:
+        lines += ["", "grouped's longest wait (to the first token) against its bound: "
+                  + "; ".join(bounds)]
+    for system, why in (mx.get("not_run") or {}).items():
+        lines.append(f"\n{system}: {why}")
+    return lines
+
+
+def _mixed_models(runs: dict[str, Any]) -> list[str]:
+    names: dict[str, None] = {}
+    for systems in runs.values():
+        for f in systems.values():
+            names.update(dict.fromkeys(f.get("share") or {}))
+    return list(names)
 
 
 def _plot(r: dict[str, Any], path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -275,6 +276,12 @@ class Plan:
     crowd_idle: int    # idle keep-alive connections
     refusal_rounds: int      # rounds of each refusal's flood (and of inference idle/flooded)
     refusal_seconds: float   # each flood's length
+    mixed_seconds: float     # each system's window per mix, mixed traffic (--mixed-seconds)
+    mixed_clients: int       # clients in a closed loop there
+    mixed_max_wait_s: float  # the grouped order's max_wait_s there
+    mixed_grace_s: float     # past max_wait_s, how long the window's last requests are awaited
+    mixed_preset: str        # the model (scripts/get_model.sh PRESET) under three names
+    mixed_systems: tuple[str, ...] = ("grouped", "fifo", "router")   # (--mixed-systems)
 
 
 # A single stream's rate moves by 2x between streams here (2 cores shared by the engine,
@@ -284,12 +291,14 @@ PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, 
                       real_starts=5, real_cycles=3, agent_turns=9,
                       agent_prefixes=(256, 512, 1024, 2048, 4096), slot_rounds=5,
                       crowd_active=256, crowd_idle=2000, refusal_rounds=3,
-                      refusal_seconds=3.0),
+                      refusal_seconds=3.0, mixed_seconds=180.0, mixed_clients=16,
+                      mixed_max_wait_s=20.0, mixed_grace_s=120.0, mixed_preset="realistic"),
          "smoke": Plan(rounds=1, n_seq=20, n_c8=40, n_c64=64, n_ceiling=200, streams=1,
                        starts=1, cycles=1, open_streams=100, activations=2,
                        real_starts=1, real_cycles=1, agent_turns=2, agent_prefixes=(512,),
                        slot_rounds=1, crowd_active=32, crowd_idle=100, refusal_rounds=1,
-                       refusal_seconds=1.0)}
+                       refusal_seconds=1.0, mixed_seconds=2.0, mixed_clients=4,
+                       mixed_max_wait_s=2.0, mixed_grace_s=1.0, mixed_preset="small")}
 
 
 def tiny_models(work: Path) -> tuple[Path, Path]:
@@ -314,7 +323,7 @@ def cold_model(cold: Path, args: Sequence[str] = ()) -> str:
 
 # The sections a run can be limited to (--only): "tiny" is sections 1-6 on the tiny models;
 # the others set up their own units and stop them when done
-SECTIONS = ("tiny", "realistic", "agent", "crowd", "refusals")
+SECTIONS = ("tiny", "realistic", "agent", "crowd", "refusals", "mixed")
 
 
 async def once_more(retried: list[dict[str, str]], what: str,
@@ -355,6 +364,9 @@ async def suite(plan: Plan, work: Path, llama: str, sections: Sequence[str] = SE
     if "refusals" in sections:
         from bench import refusals
         results["refusals"] = await refusals.section(plan, work, results["retried"])
+    if "mixed" in sections:
+        from bench import mixed
+        results["mixed"] = await mixed.section(plan, work, llama, models, results["retried"])
     return results
 
 
@@ -782,7 +794,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a generated model of realistic size (scripts/get_model.sh PRESET)")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, of {', '.join(SECTIONS)}")
+    ap.add_argument("--mixed-seconds", type=float, metavar="S",
+                    help="each system's window per mix in the mixed section (full: "
+                         f"{PLANS['full'].mixed_seconds:g}, smoke: "
+                         f"{PLANS['smoke'].mixed_seconds:g})")
+    ap.add_argument("--mixed-systems", metavar="S,S",
+                    help="the systems the mixed section runs, of grouped, fifo, router "
+                         "(default: all three)")
     a = ap.parse_args(argv)
+    plan = PLANS[a.mode]
+    if a.mixed_systems is not None:
+        systems = tuple(x for x in a.mixed_systems.split(",") if x)
+        if not systems or set(systems) - set(plan.mixed_systems):
+            ap.error(f"--mixed-systems: of {', '.join(plan.mixed_systems)}")
+        plan = dataclasses.replace(plan, mixed_systems=systems)
+    if a.mixed_seconds is not None:
+        if not a.mixed_seconds > 0:
+            ap.error("--mixed-seconds: a number of seconds above 0")
+        plan = dataclasses.replace(plan, mixed_seconds=a.mixed_seconds)
     sections = [x for x in a.only.split(",") if x]
     if unknown := set(sections) - set(SECTIONS):
         ap.error(f"--only: no section {', '.join(sorted(unknown))}; sections: {SECTIONS}")
@@ -790,16 +819,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         models = {k: Path(v) for k, _, v in (m.partition("=") for m in a.model)}
-        results = asyncio.run(suite(PLANS[a.mode], a.work, a.llama_server, sections, models))
+        results = asyncio.run(suite(plan, a.work, a.llama_server, sections, models))
     except Exception:
         say_why_it_failed()
         raise
     finally:
-        # the gateway's own account of the run (its engines' transitions), for digging
-        with contextlib.suppress(OSError):
-            (a.out / "gateway-journal.txt").write_text(subprocess.run(
-                ["journalctl", "-u", "bench-gateway", "-o", "short-monotonic", "--no-pager"],
-                capture_output=True, text=True, check=False).stdout)
+        # the gateways' own account of the run (their engines' transitions), for digging
+        for unit, name in (("bench-gateway", "gateway-journal.txt"),
+                           ("bench-mixed-*", "mixed-journal.txt")):
+            with contextlib.suppress(OSError):
+                (a.out / name).write_text(subprocess.run(
+                    ["journalctl", "-u", unit, "-o", "short-monotonic", "--no-pager"],
+                    capture_output=True, text=True, check=False).stdout)
         cleanup()
     results["seconds"] = round(time.monotonic() - t0, 1)
     from bench.report import verdicts, write_report

@@ -14,8 +14,8 @@ import pytest
 from bench import report
 
 GOALS = [g.goal for g in report.GOALS]
-(ACTIVATION, COLD, SWAP, AGENT, SLOTS, STREAM, ADDED, CEILING, REFUSALS, FLOODED, PARKED,
- CROSSOVER) = GOALS
+(ACTIVATION, COLD, SWAP, AGENT, SLOTS, STREAM, ADDED, CEILING, REFUSALS, FLOODED,
+ MIXED_SWAPS, MIXED_ANSWERS, MIXED_P99, MIXED_WAIT, MIXED_SHARE, PARKED, CROSSOVER) = GOALS
 
 
 def full() -> dict[str, Any]:
@@ -63,7 +63,40 @@ def full() -> dict[str, Any]:
                          "cpu_us_per_event": {"gateway": 30.0, "bare": 28.0},
                          "errors": {"gateway": 0, "bare": 0}},
         "refusals": refusals(),
+        "mixed": mixed(),
         "seconds": 300.0}
+
+
+def mixed() -> dict[str, Any]:
+    """bench/mixed.py's figures: grouped well within every goal on both mixes."""
+    def run(answers: float, loads: float, p99: float, **more: Any) -> dict[str, Any]:
+        share = {name: {"weight": w, "asked": 100, "answered": 90, "demand": w,
+                        "answers": w, "ratio": 1.0}
+                 for name, w in (("mix-a", 0.7), ("mix-b", 0.2), ("mix-c", 0.1))}
+        return {"seconds": 180.0, "answers": answers * 3, "answers_per_min": answers,
+                "loads": loads * 3, "loads_per_min": loads,
+                "loads_per_100_answers": round(100 * loads / answers, 2),
+                "p50_ms": round(p99 / 3, 1),
+                "p99_ms": p99, "longest_wait_s": 30.0, "longest_load_s": 1.0,
+                "longest_drain_s": 1.0, "unanswered": 0, "errors": 0, "error_kinds": {},
+                "share": share, "share_ratio_min": 0.95, **more}
+
+    def grouped(answers: float, loads: float, p99: float, wait: float, share: float
+                ) -> dict[str, Any]:
+        return run(answers, loads, p99, longest_wait_s=wait, longest_load_s=1.5,
+                   longest_drain_s=0.5, max_wait_s=20.0, bound_s=22.0, share_ratio_min=share)
+
+    return {"model": {"preset": "realistic", "bytes": 1_181_116_006}, "clients": 16,
+            "answer_tokens": 8, "places": 2, "seconds": 180.0, "max_wait_s": 20.0,
+            "mixes": {"uniform": [1 / 3] * 3, "skewed": [0.7, 0.2, 0.1]},
+            "order": [["grouped", "fifo", "router"], ["fifo", "router", "grouped"]],
+            "not_run": {},
+            "runs": {"uniform": {"grouped": grouped(400.0, 2.0, 3000.0, 15.0, 0.9),
+                                 "fifo": run(150.0, 40.0, 8000.0),
+                                 "router": run(200.0, 30.0, 9000.0)},
+                     "skewed": {"grouped": grouped(500.0, 1.0, 2500.0, 18.0, 0.85),
+                                "fifo": run(160.0, 20.0, 6000.0),
+                                "router": run(250.0, 25.0, 7000.0)}}}
 
 
 def refusals() -> dict[str, Any]:
@@ -150,6 +183,39 @@ BOUNDARIES = [
     (FLOODED, put("refusals", "inference_ms", "flood", "p99", value=6.0), True),
     (FLOODED, put("refusals", "inference_ms", "flood", "p99", value=6.01), False),
     (FLOODED, put("refusals", "inference_ms", "idle", "p99", value=1.66), False),
+    # each mixed goal on each mix: a goal missed on one mix is missed
+    (MIXED_SWAPS, put("mixed", "runs", "uniform", "grouped", "loads_per_min", value=10.0),
+     True),
+    (MIXED_SWAPS, put("mixed", "runs", "uniform", "grouped", "loads_per_min", value=10.01),
+     False),
+    (MIXED_SWAPS, put("mixed", "runs", "skewed", "grouped", "loads_per_min", value=5.01),
+     False),
+    (MIXED_SWAPS, put("mixed", "runs", "skewed", "fifo", "loads_per_min", value=3.99), False),
+    # uniform: 2 x fifo (150) and 1.5 x router (200) are both 300
+    (MIXED_ANSWERS, put("mixed", "runs", "uniform", "grouped", "answers_per_min",
+                        value=300.0), True),
+    (MIXED_ANSWERS, put("mixed", "runs", "uniform", "grouped", "answers_per_min",
+                        value=299.9), False),
+    (MIXED_ANSWERS, put("mixed", "runs", "skewed", "fifo", "answers_per_min", value=250.1),
+     False),                                                   # < 2 x fifo, > 1.5 x router
+    (MIXED_ANSWERS, put("mixed", "runs", "skewed", "router", "answers_per_min",
+                        value=333.4), False),                  # < 1.5 x router, > 2 x fifo
+    (MIXED_P99, put("mixed", "runs", "uniform", "grouped", "p99_ms", value=8000.0), True),
+    (MIXED_P99, put("mixed", "runs", "uniform", "grouped", "p99_ms", value=8000.1), False),
+    (MIXED_P99, put("mixed", "runs", "skewed", "fifo", "p99_ms", value=2499.9), False),
+    (MIXED_WAIT, put("mixed", "runs", "uniform", "grouped", "longest_wait_s", value=22.0),
+     True),
+    (MIXED_WAIT, put("mixed", "runs", "uniform", "grouped", "longest_wait_s", value=22.01),
+     False),
+    (MIXED_WAIT, put("mixed", "runs", "skewed", "grouped", "bound_s", value=17.99), False),
+    # a request never answered: missed whatever its wait
+    (MIXED_WAIT, put("mixed", "runs", "skewed", "grouped", "unanswered", value=1), False),
+    (MIXED_SHARE, put("mixed", "runs", "skewed", "grouped", "share_ratio_min", value=0.8),
+     True),
+    (MIXED_SHARE, put("mixed", "runs", "skewed", "grouped", "share_ratio_min", value=0.799),
+     False),
+    # fifo's and the router's shares are not judged
+    (MIXED_SHARE, put("mixed", "runs", "uniform", "fifo", "share_ratio_min", value=0.1), True),
 ]
 
 
@@ -216,6 +282,54 @@ def test_no_crossover_is_said_not_nulled() -> None:
     assert got[CROSSOVER]["figure"] == "none"
     assert got[CROSSOVER]["figures"] == {"crossover_tokens": None, "min_prefix": 256.0,
                                          "max_prefix": 4096.0}
+
+
+def test_mixed_rows_say_each_mix() -> None:
+    got = rows(full())
+    swaps = got[MIXED_SWAPS]
+    assert swaps["figure"] == "uniform 2.00, skewed 1.00 swaps/min"
+    assert swaps["against"] == "fifo 40.0, 20.0"
+    assert swaps["ratio"] == {"uniform": {"fifo": 0.05}, "skewed": {"fifo": 0.05}}
+    assert swaps["compare"] == "0.050x, 0.050x"
+    answers = got[MIXED_ANSWERS]
+    assert answers["against"] == "fifo 150, 160; router 200, 250"
+    assert answers["compare"] == "2.667x, 3.125x fifo; 2.000x, 2.000x router"
+    wait = got[MIXED_WAIT]
+    assert wait["figure"] == "uniform 15.0, skewed 18.0 s"
+    assert wait["against"] == "bound 22.0, 22.0 s"
+    assert wait["difference"] == {"uniform": -7.0, "skewed": -4.0}
+    r = full()
+    r["mixed"]["runs"]["skewed"]["grouped"]["unanswered"] = 2
+    assert rows(r)[MIXED_WAIT]["figure"] == "uniform 15.0, skewed 18.0 s (2 unanswered)"
+    assert got[MIXED_SHARE]["figure"] == "uniform 0.900x, skewed 0.850x (the least-served model)"
+    json.dumps(report.verdicts(full()), allow_nan=False)
+
+
+def test_mixed_without_grouped_is_not_run() -> None:
+    # a gateway that does not take `schedule` yet: fifo and the router measured, no verdict
+    r = full()
+    for mix in ("uniform", "skewed"):
+        del r["mixed"]["runs"][mix]["grouped"]
+    r["mixed"]["not_run"] = {"grouped": "this build's gateway refuses its configuration"}
+    got = rows(r)
+    for goal in (MIXED_SWAPS, MIXED_ANSWERS, MIXED_P99, MIXED_WAIT, MIXED_SHARE):
+        assert got[goal]["met"] is None and got[goal]["figures"] is None, goal
+    # one mix measured and not the other: not judged on half
+    r = full()
+    del r["mixed"]["runs"]["skewed"]
+    assert rows(r)[MIXED_SWAPS]["met"] is None
+
+
+def test_mixed_medians_per_figure() -> None:
+    runs = [full(), full(), full()]
+    for run, loads in zip(runs, (2.0, 30.0, 12.0), strict=True):
+        run["mixed"]["runs"]["uniform"]["grouped"]["loads_per_min"] = loads
+    got = {row["goal"]: row for row in report.median_verdicts(runs)}[MIXED_SWAPS]
+    # the median 12 against fifo's 40: 0.3x, not met, though two runs of three met it
+    assert got["figures"]["uniform_grouped"] == 12.0 and got["met"] is False
+    assert got["runs"] == ["uniform 2.00, skewed 1.00 swaps/min",
+                           "uniform 30.0, skewed 1.00 swaps/min",
+                           "uniform 12.0, skewed 1.00 swaps/min"]
 
 
 def runs_of(cold: list[tuple[float, float]]) -> list[dict[str, Any]]:
@@ -352,7 +466,7 @@ def test_report_of_a_full_run(tmp_path: Path) -> None:
     for heading in ("## Verdicts", "## Warm requests", "## Proxy ceiling", "## Streaming",
                     "## Cold start and swap", "## Footprint", "## Realistic model",
                     "## Agent loop", "## Parallel slots", "## Many clients", "## Refusals",
-                    "## Retried once"):
+                    "## Mixed traffic", "## Retried once"):
         assert heading in md
     assert "page cache dropped: not measured (not root)" in md
     assert "- slots, 16 streams: RuntimeError: reset" in md
@@ -360,6 +474,15 @@ def test_report_of_a_full_run(tmp_path: Path) -> None:
     assert "| bare 404 | 5000 | 4900-5100 | 1.000x | 90.0 | 0 |" in md
     assert "| chat, flood | 3.0 | 5.0 | 9.0 | 300 |" in md
     assert "the load generator took 0.3 of a core" in md
+    assert "## Mixed traffic (16 clients, 3 models (realistic, 1.10 GiB) over 2 places, " \
+           "8-token answers, 180.0 s per system and mix; grouped: max_wait_s 20.0)" in md
+    assert "| uniform | fifo | 150.0 | 40.0 | 26.67 | 2666.7 | 8000.0 | 30.0 | 1.0 | 0 | 0 |" \
+        in md
+    assert "| mix | system | mix-a | mix-b | mix-c |" in md
+    assert "| skewed | router | 0.700 / 0.700 (1.000x) | 0.200 / 0.200 (1.000x) | " \
+           "0.100 / 0.100 (1.000x) |" in md
+    assert "grouped's longest wait (to the first token) against its bound: uniform 15.0 s " \
+           "against 20.0 + 1.5 (load) + 0.5 (drain) = 22.0 s; skewed 18.0 s" in md
     assert (tmp_path / "latency.png").exists()
 
 
