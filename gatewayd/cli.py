@@ -506,6 +506,7 @@ def top_lines(frame: dict[str, Any]) -> list[str]:
     lines = [f"llm-gateway  {time.strftime('%H:%M:%S')}  " + status_lines(status)[0],
              *memory_lines(status), ""]
     lines += engine_lines(frame["engines"])
+    lines += line_lines(status.get("schedule"))
     rows = [{"model": m, **{k: int(v) for k, v in t.items()}} for m, t in sorted(
         traffic_.items())]
     lines += ["", *table(rows, ["model", "requests", "errors", "tokens_in", "tokens_out"])]
@@ -515,6 +516,17 @@ def top_lines(frame: dict[str, Any]) -> list[str]:
              for r in frame["records"]]
     lines += ["", *table(calls, ["time", "model", "endpoint", "status", "latency", "tokens"])]
     return lines
+
+
+def line_lines(schedule: dict[str, Any] | None) -> list[str]:
+    """The models waiting for room, head first, and the rule that orders them."""
+    if not schedule or not schedule.get("line"):
+        return []
+    rows = [{**w, "waited": duration(w["waited_s"]) if w["waited_s"] is not None else "",
+             "overdue": "yes" if w["overdue"] else ""} for w in schedule["line"]]
+    return ["", f"waiting for room ({schedule['order']}, max_wait_s "
+                f"{schedule['max_wait_s']:g}):",
+            *table(rows, ["model", "waiting", "waited", "priority", "overdue"])]
 
 
 def model_lines(models: list[dict[str, Any]]) -> list[str]:

@@ -985,8 +985,60 @@ HARDENING = (
            tests=("tests/unit/test_listener_backlog.py",)),
 )
 
+# issue 51's order for room (grouped): each rule undone
+MODEL_T = "tests/unit/test_dispatcher_model.py::"
+PRIORITY_T = "tests/unit/test_priority.py"
+GROUPED = (
+    Mutant("grouped-drains-at-once", "a busy engine keeps its place for its own traffic "
+           "while the waiting model's turn has not come", "gatewayd/core/scheduler.py",
+           "    if grouped and drainable:\n", "    if False:\n",
+           tests=(MODEL_T + "test_grouped_a_busy_engine_keeps_its_place_until_the_waiting_"
+                  "models_turn",)),
+    Mutant("grouped-bound-ignored", "an overdue model drains a busy engine of its class",
+           "gatewayd/core/scheduler.py",
+           "                     if priority > u.priority or (overdue and priority >= "
+           "u.priority)]",
+           "                     if priority > u.priority]",
+           tests=(MODEL_T + "test_grouped_a_busy_engine_keeps_its_place_until_the_waiting_"
+                  "models_turn",)),
+    Mutant("grouped-class-ignored-in-drain", "a higher class drains a busy engine at once",
+           "gatewayd/core/scheduler.py",
+           "                     if priority > u.priority or (overdue and priority >= "
+           "u.priority)]",
+           "                     if overdue and priority >= u.priority]",
+           tests=(MODEL_T + "test_grouped_a_higher_class_does_not_wait_its_turn",)),
+    Mutant("grouped-class-ignored-in-line", "a higher class goes first in the line",
+           "gatewayd/core/scheduler.py",
+           "        return (-w.priority, 1, -w.waiting, oldest, w.asked_at)",
+           "        return (0, 1, -w.waiting, oldest, w.asked_at)",
+           also=(("gatewayd/core/scheduler.py",
+                  "            return (-w.priority, 0, oldest, w.asked_at)",
+                  "            return (0, 0, oldest, w.asked_at)"),),
+           tests=(MODEL_T + "test_grouped_the_model_with_more_waiting_goes_first_then_"
+                  "classes_first",)),
+    Mutant("grouped-overdue-not-first", "an overdue model goes before one with more waiting",
+           "gatewayd/core/scheduler.py",
+           "        if w.overdue(now):\n            return (-w.priority, 0, oldest, w.asked_at)\n",
+           "",
+           tests=(MODEL_T + "test_grouped_an_overdue_model_goes_before_one_with_more_"
+                  "waiting",)),
+    Mutant("grouped-count-ignored", "the model with more requests waiting goes first",
+           "gatewayd/core/scheduler.py",
+           "        return (-w.priority, 1, -w.waiting, oldest, w.asked_at)",
+           "        return (-w.priority, 1, 0, oldest, w.asked_at)",
+           tests=(MODEL_T + "test_grouped_the_model_with_more_waiting_goes_first_then_"
+                  "classes_first",)),
+    Mutant("priority-raised-by-client", "a client may lower its class, never raise it",
+           "gatewayd/core/priority.py", "    return min(granted, wanted)",
+           "    return wanted", tests=(PRIORITY_T,)),
+    Mutant("priority-never-ages", "a waiting low class is lifted: never starved for good",
+           "gatewayd/core/priority.py",
+           "    return min(HIGH, klass + int(waited_s // aging_s))", "    return klass",
+           tests=(PRIORITY_T,)),
+)
+
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
-           + ANY_ENGINE + PULLS + CONSOLE + HARDENING)
+           + ANY_ENGINE + PULLS + CONSOLE + HARDENING + GROUPED)
 
 
 def copy_tree(dest: Path) -> None:

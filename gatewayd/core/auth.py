@@ -32,6 +32,7 @@ from gatewayd.core.errors import (
     ModelNotAllowed,
     ScopeNotAllowed,
 )
+from gatewayd.core.priority import CLASSES, parse_class
 
 INFERENCE, ADMIN = "inference", "admin"
 SCOPES = frozenset({INFERENCE, ADMIN})
@@ -50,6 +51,7 @@ class ApiKey:
     sha256: str
     models: frozenset[str]      # ids or aliases, casefolded as the catalog's names; "*": all
     scopes: frozenset[str]
+    priority: int | None = None  # its requests' class (core/priority); None: the model's
 
     def may_use(self, model_id: str, names: frozenset[str] = frozenset()) -> bool:
         """names: every name the model answers to (the catalog's, casefolded)."""
@@ -107,7 +109,7 @@ def parse_keys(data: Mapping[str, Any], where: str) -> KeyRing:
         at = f"{where} [keys.{name}]"
         if not isinstance(entry, dict):
             raise ConfigError(f"{at}: must be a table")
-        if unknown := set(entry) - {"sha256", "models", "scopes"}:
+        if unknown := set(entry) - {"sha256", "models", "scopes", "priority"}:
             raise ConfigError(f"{at}: unknown key(s) {', '.join(sorted(unknown))}")
         sha = entry.get("sha256")
         if not isinstance(sha, str) or len(sha) != 64 or \
@@ -125,6 +127,9 @@ def parse_keys(data: Mapping[str, Any], where: str) -> KeyRing:
         if bad := set(scopes) - SCOPES:
             raise ConfigError(f"{at}: unknown scope(s) {', '.join(sorted(bad))}; scopes are "
                               f"{' and '.join(sorted(SCOPES))}")
+        priority = None
+        if "priority" in entry and (priority := parse_class(entry["priority"])) is None:
+            raise ConfigError(f"{at}: priority must be one of {', '.join(CLASSES)}")
         keys.append(ApiKey(name, sha, frozenset(m.strip().casefold() for m in models),
-                           frozenset(scopes)))
+                           frozenset(scopes), priority))
     return KeyRing(tuple(keys))

@@ -17,6 +17,7 @@ from typing import Any
 
 from gatewayd.core.auth import KeyRing
 from gatewayd.core.errors import ConfigError, ModelSourceInvalid
+from gatewayd.core.priority import CLASSES, NORMAL, parse_class
 from gatewayd.core.pull import PullSpec, valid_name
 from gatewayd.core.upstreams import UpstreamConfig, parse_upstreams
 
@@ -99,6 +100,9 @@ class ModelConfig:
     also: tuple[ModelKind, ...] = ()     # an openai server's further kinds (kind = [...])
     max_concurrency: int | None = None   # requests served at once; above: 429
     queue_limit: int | None = None       # requests waiting for it; above: 503
+    max_wait_s: float | None = None      # its requests' turn bound (None: the global one)
+    priority: int = NORMAL               # its requests' class (core/priority), unless a
+                                         # key's says otherwise
     kv_cache_save: bool = True           # llama chat engines: KV cache saved at a stop,
                                          # restored at the next start (adapters/kv_cache)
     spill_over: bool = False             # when it cannot take a request within its wait,
@@ -167,6 +171,12 @@ class GatewayConfig:
     default_model: str | None = None
     autoload: bool = True                # a request for a stopped model starts it
     eviction_wait_s: float = 30.0        # how long a start waits for room to free up
+    # the order in which waiting models get room (core/scheduler): "grouped" serves a
+    # model's queue while it holds a place, and passes a waiting model over for at most
+    # max_wait_s; "fifo" gives room in the order models asked for it
+    schedule: str = "grouped"
+    max_wait_s: float = 20.0
+    priority_aging_s: float = 120.0      # a waiting request counts a class higher per this
     kv_cache_max_mb: int = 4096          # saved KV cache per model, oldest files removed first
     queue_limit: int = 100               # default per-model queue limit
     max_body_bytes: int = 256 * 1024 * 1024
@@ -207,10 +217,12 @@ class GatewayConfig:
         return self.records_path or self.state_dir / "records.db"
 
 
+SCHEDULES = ("grouped", "fifo")
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
                "memory_max", "memory_high", "cpu_quota", "cuda_visible_devices",
                "vram_margin_mib", "threads",
                "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind",
+               "max_wait_s", "priority",
                "kv_cache_save", "spill_over", "command", "ready_path", "ready_status",
                "vram_mib", "ram_mib", "source"}
 _OPENAI_ONLY = ("command", "ready_path", "ready_status")
@@ -218,6 +230,7 @@ _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_se
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
+             "schedule", "max_wait_s", "priority_aging_s",
              "kv_cache_max_mb", "auth", "admin", "upstreams", "parked_engines",
              "max_answer_mb", "max_event_mb", "memory"}
 
@@ -324,6 +337,10 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         autoload=_expect(data.get("autoload", True), bool, where, "autoload"),
         eviction_wait_s=float(_positive(data.get("eviction_wait_s", 30), where,
                                         "eviction_wait_s")),
+        schedule=_one_of(data.get("schedule", "grouped"), SCHEDULES, where, "schedule"),
+        max_wait_s=float(_positive(data.get("max_wait_s", 20), where, "max_wait_s")),
+        priority_aging_s=float(_positive(data.get("priority_aging_s", 120), where,
+                                         "priority_aging_s")),
         queue_limit=_non_negative(data.get("queue_limit", 100), where, "queue_limit"),
         kv_cache_max_mb=_non_negative(data.get("kv_cache_max_mb", 4096), where,
                                       "kv_cache_max_mb"),
@@ -552,6 +569,9 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
                       where, f"{key}.max_concurrency")),
         queue_limit=None if table.get("queue_limit") is None else _non_negative(
             table["queue_limit"], where, f"{key}.queue_limit"),
+        max_wait_s=None if table.get("max_wait_s") is None else float(
+            _positive(table["max_wait_s"], where, f"{key}.max_wait_s")),
+        priority=priority_class(table.get("priority", "normal"), where, f"{key}.priority"),
         kv_cache_save=_expect(table.get("kv_cache_save", True), bool, where,
                               f"{key}.kv_cache_save"),
         spill_over=_expect(table.get("spill_over", False), bool, where, f"{key}.spill_over"),
@@ -578,6 +598,22 @@ def _source(value: Any, path: Path | None, backend: Backend, where: str,
         return str(PullSpec.parse(text))
     except ModelSourceInvalid as e:
         raise ConfigError(f"{where}: {key}.source: {e.message}") from None
+
+
+def _one_of(value: Any, words: tuple[str, ...], where: str, key: str) -> str:
+    text: str = _expect(value, str, where, key)
+    if text not in words:
+        raise ConfigError(f"{where}: {key} must be one of {', '.join(words)}, not {text!r}")
+    return text
+
+
+def priority_class(value: Any, where: str, key: str) -> int:
+    """A priority class by name (core/priority): low, normal or high."""
+    found = parse_class(value)
+    if found is None:
+        raise ConfigError(f"{where}: {key} must be one of {', '.join(CLASSES)}, not "
+                          f"{value!r}")
+    return found
 
 
 def _mib(value: Any, where: str, key: str) -> int | None:

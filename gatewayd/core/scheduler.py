@@ -5,20 +5,31 @@ functions, and carries out the answer (stop a victim, mark one draining, start
 an engine, wait). Because a decision never awaits, nothing can change under it:
 no locks.
 
-Who gets the next place: models waiting for room form one line, in the order
-their first request arrived (FIFO across models, as llama-swap does). Only the
-model at the head may make room; the ones behind it may take room that is
-already free only if it is more than the models ahead of them need.
+Who gets the next place: models waiting for room form one line. Only the model at
+the head may make room; the ones behind it may take room that is already free only if
+it is more than the models ahead of them need. The line's order is `line_order`:
+
+- `schedule = "grouped"` (the default): by priority class (core/priority, aged by
+  waiting), then the models whose oldest request has waited max_wait_s ("overdue"),
+  oldest first, then the model with the most requests waiting (one load serves them
+  all), then the oldest;
+- `schedule = "fifo"`: in the order models asked for room (their first request queued),
+  as llama-swap did before 2026.
 
 How room is made, at the head of the line:
-1. evict the least recently *used* engine (used = an inference request; status
-   polls do not count) among those that can go now: ready, serving nobody,
-   awaited by nobody (or draining), not pinned;
-2. if none can go now, *drain* the least recently used ready, unpinned engine:
-   its in-flight requests finish (never preempted), its new requests queue
-   behind the waiting model, and once it serves nobody it is evicted (1.).
-   Without this a model waiting for a place under continuous load on the others
-   would wait until an engine happens to be idle: starvation.
+1. evict an engine among those that can go now (ready, serving nobody, awaited by
+   nobody or draining, not pinned): the least recently *used* (used = an inference
+   request; status polls do not count); grouped, of the lowest class first;
+2. if none can go now, *drain* one (same order): its in-flight requests finish (never
+   preempted), its new requests queue behind the waiting model, and once it serves
+   nobody it is evicted (1.). Under fifo at once; grouped only when the waiting model
+   is of a higher class than the engine's requests, or is overdue and of its class or
+   higher: otherwise the busy engine keeps its place and its own traffic goes on (the
+   waiting model takes a place as soon as one serves nobody). That is the grouping: a
+   swap serves every request that waited for it, instead of one swap per change of
+   model in the arrivals. The bound: a request waits for its model's turn at most
+   max_wait_s (plus, while higher classes or overdue models are ahead of it, their
+   turns), then the drain of the requests in flight, then one load.
 One victim at a time; the dispatcher waits for its memory to come back before
 deciding again.
 """
@@ -30,6 +41,7 @@ from dataclasses import dataclass, field
 
 from gatewayd.core.budget import still_to_load_mib
 from gatewayd.core.engines import EngineState, holds_place
+from gatewayd.core.priority import NORMAL
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,12 @@ class Usage:
     draining: bool = False    # picked to make room: finishing its requests, then evicted
     exit_unconfirmed: bool = False   # a signal said it ended; systemd has not confirmed
     devices: tuple[str, ...] = ()    # the GPUs it was placed on; (): all (or no GPU)
+    priority: int = NORMAL    # the highest class among its requests (idle: its model's)
+
+    def victim_order(self, grouped: bool) -> tuple[float, ...]:
+        """Sort key of victims, first evicted first: the least recently used (grouped:
+        of the lowest class)."""
+        return (self.priority, self.last_used) if grouped else (self.last_used,)
 
     def on(self, devices: frozenset[str] | None) -> bool:
         """Whether stopping it frees memory on any of these devices (None: any)."""
@@ -115,9 +133,11 @@ class Drain:
 @dataclass(frozen=True)
 class Wait:
     """Room is being made (a drain or a stop is under way), or models ahead in the
-    line come first: wait for a change, then decide again."""
+    line come first, or (grouped) the engines that hold the places are busy and the
+    model's turn has not come: wait for a change, then decide again."""
 
     why: str
+    turn: bool = False     # waiting for its turn (grouped), not for room being made
 
 
 @dataclass(frozen=True)
@@ -140,7 +160,9 @@ Decision = Fits | Evict | Drain | Wait | Blocked | TryAnyway
 def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need_mib: int,
                free_mib: int | None, ahead: int = 0,
                devices: frozenset[str] | None = None, ram_need_mib: int = 0,
-               ram_free_mib: int | None = None, ahead_ram_mib: int = 0) -> Decision:
+               ram_free_mib: int | None = None, ahead_ram_mib: int = 0,
+               grouped: bool = False, overdue: bool = False,
+               priority: int = NORMAL) -> Decision:
     """Can model_id's engine start now, and if not, what happens first?
 
     free_mib is a fresh reading of free GPU memory on the devices placement chose
@@ -148,7 +170,9 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     is made room on: short of GPU memory, victims are the engines on them (short of
     places or of RAM, any engine); ram_free_mib: what the RAM ledger leaves for it
     (None: not checked); ahead is how many models are before this one in the line
-    for room, and ahead_ram_mib the RAM they need.
+    for room, and ahead_ram_mib the RAM they need. grouped: the grouped order (else
+    fifo); overdue: the model's oldest request has waited its max_wait_s; priority: the
+    highest class among its waiting requests (aged).
     """
     others = [u for u in usages if u.model_id != model_id and u.holds_place]
     free_places = max_engines - len(others)
@@ -173,7 +197,7 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     candidates = [u for u in others if u.on(devices)] if gpu_short and not places_short \
         else others
     victims = sorted((u for u in candidates if u.why_not_evictable() is None),
-                     key=lambda u: u.last_used)
+                     key=lambda u: u.victim_order(grouped))
     if victims:
         return Evict(victims[0].model_id, f"making room for {model_id}: {why}", why=why)
     if any(u.draining for u in candidates):
@@ -181,7 +205,16 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     if any(u.state in (EngineState.STOPPING,) for u in candidates):
         return Wait("an engine is stopping")
     drainable = sorted((u for u in candidates if u.why_not_drainable() is None),
-                       key=lambda u: u.last_used)
+                       key=lambda u: u.victim_order(grouped))
+    if grouped and drainable:
+        # a busy engine keeps its place for its own traffic unless the waiting model
+        # outranks it, or has waited its max_wait_s and is of its class or higher
+        may_drain = [u for u in drainable
+                     if priority > u.priority or (overdue and priority >= u.priority)]
+        if not may_drain:
+            busy = ", ".join(repr(u.model_id) for u in drainable)
+            return Wait(f"{busy} busy: {model_id!r} waits its turn", turn=True)
+        drainable = may_drain
     if drainable:
         return Drain(drainable[0].model_id, f"making room for {model_id}: {why}")
     if not candidates and gpu_short and not ram_short:
@@ -191,6 +224,34 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
         return TryAnyway()
     holders = tuple((u.model_id, u.why_not_evictable() or "running") for u in others)
     return Blocked(limit, holders)
+
+
+@dataclass(frozen=True)
+class Want:
+    """A model in the line for room, as its order sees it."""
+
+    model_id: str
+    asked_at: float            # when it joined the line (its first request queued)
+    oldest_at: float | None    # when its oldest waiting request queued (None: nobody)
+    waiting: int = 0           # requests waiting for it
+    priority: int = NORMAL     # the highest class among them, aged (core/priority.aged)
+    max_wait_s: float = 20.0
+
+    def overdue(self, now: float) -> bool:
+        return self.oldest_at is not None and now - self.oldest_at >= self.max_wait_s
+
+
+def line_order(wants: Iterable[Want], *, grouped: bool, now: float) -> list[Want]:
+    """The line for room, head first (the module's docstring says the rule)."""
+    if not grouped:
+        return sorted(wants, key=lambda w: w.asked_at)
+
+    def key(w: Want) -> tuple[float, ...]:
+        oldest = w.oldest_at if w.oldest_at is not None else float("inf")
+        if w.overdue(now):
+            return (-w.priority, 0, oldest, w.asked_at)
+        return (-w.priority, 1, -w.waiting, oldest, w.asked_at)
+    return sorted(wants, key=key)
 
 
 @dataclass(frozen=True)

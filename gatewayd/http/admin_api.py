@@ -30,6 +30,7 @@ from gatewayd.core.config import Backend
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GpuUnavailable, InvalidRequest, NotASystemdUnit
 from gatewayd.core.ports import EngineUnitInfo
+from gatewayd.core.priority import NAMES
 from gatewayd.core.query import FOLLOW_LINES
 from gatewayd.http import openai_api
 from gatewayd.http.auth import query_of
@@ -122,6 +123,9 @@ async def status(request: web.Request) -> web.Response:
         # models being downloaded (state downloading/verifying), and the last finished
         "pulls": [p.describe() for p in puller.pulls()]
         if (puller := request.app.get(PULLER)) else [],
+        # the order for room and the models waiting for it, head first
+        "schedule": dispatcher.schedule()
+        if (dispatcher := request.app.get(DISPATCHER)) is not None else None,
     })
 
 
@@ -149,6 +153,7 @@ async def list_engines(request: web.Request) -> web.Response:
         row["vram_mib"] = vram.get(engine.model_id)
         use = uses.get(engine.model_id)
         row["in_flight"], row["queued"] = (use.in_flight, use.queued) if use else (0, 0)
+        row["priority"] = NAMES[use.priority] if use else None   # its requests' class
         rows.append(row)
     return web.json_response({"engines": rows})
 

@@ -50,6 +50,8 @@ from gatewayd.core.errors import (
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
+from gatewayd.core.priority import HEADER as PRIORITY_HEADER
+from gatewayd.core.priority import NORMAL, of_request
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
 from gatewayd.http.auth import request_key, request_route
@@ -233,6 +235,12 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         autoload = (inference and front.config.autoload
                     and request.query.get("autoload") != "false")
         stream = payload is not None and payload.get("stream") is True
+        try:   # its class for the order of waiting models (core/priority)
+            priority = of_request(key.priority if key is not None else None,
+                                  local.config.priority if local is not None else NORMAL,
+                                  request.headers.get(PRIORITY_HEADER))
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=PRIORITY_HEADER) from None
         drop_usage = False
         if stream and request.path in USAGE_PATHS and payload is not None:
             options = payload.get("stream_options")
@@ -249,7 +257,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             record.request_text = _capped(body, front.config.records_text_max_bytes)
         call = Call(request, record, t0, payload, body, headers, stream, drop_usage,
                     matched.target,
-                    whisper=local is not None and local.backend is Backend.WHISPER)
+                    whisper=local is not None and local.backend is Backend.WHISPER,
+                    priority=priority)
         if local is not None and not local.config.downloaded and autoload \
                 and front.puller is not None:
             # its file pulled from its source first, within the wait for a load; the
@@ -261,7 +270,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                 and front.remotes.candidates(names):
             try:
                 engine = await front.dispatcher.acquire(model_id, autoload=autoload,
-                                                        counts_as_use=inference)
+                                                        counts_as_use=inference,
+                                                        priority=priority)
             except SPILL_OVER as e:
                 log.info("%s cannot take the request here (%s): spilling over", model_id,
                          e.code)
@@ -270,7 +280,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                 response = await relay_local(front, call, engine, multipart, inference)
         else:
             engine = await front.dispatcher.acquire(model_id, autoload=autoload,
-                                                    counts_as_use=inference)
+                                                    counts_as_use=inference, priority=priority)
             try:
                 response = await relay_local(front, call, engine, multipart, inference)
             except EngineUnavailable as e:
@@ -281,7 +291,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                 log.info("%s: its engine's socket is shut and systemd restarts it: the "
                          "request waits for it", model_id)
                 engine = await front.dispatcher.acquire(model_id, autoload=autoload,
-                                                        counts_as_use=inference)
+                                                        counts_as_use=inference,
+                                                        priority=priority)
                 response = await relay_local(front, call, engine, multipart, inference)
         if front.config.records_store_text and isinstance(response, web.Response) \
                 and isinstance(response.body, bytes):
@@ -325,6 +336,7 @@ class Call:
     target: str       # the path to send on: the route table's spelling, not the client's
     whisper: bool = False   # a whisper model's: its engine is whisper-server, whose
                             # requests and answers differ from OpenAI's
+    priority: int = NORMAL  # its class (core/priority): its turn was taken in it
 
 
 async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: bool,
@@ -343,7 +355,8 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: b
                          call.headers, body, stream=call.stream)
         return await relay(request, outgoing(front.config, send, call), call.record, call.t0)
     finally:
-        front.dispatcher.release(engine.model_id, counts_as_use=inference)
+        front.dispatcher.release(engine.model_id, counts_as_use=inference,
+                                 priority=call.priority)
 
 
 async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],

@@ -18,17 +18,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from gatewayd.core import scheduler
-from gatewayd.core.catalog import Catalog
+from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import COMING_STATES, Engine, EngineState
 from gatewayd.core.errors import ModelNotLoaded
 from gatewayd.core.ports import GpuProbe
+from gatewayd.core.priority import NAMES, NORMAL
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.loader import Changes, Loader
 from gatewayd.service.reaper import IdleReaper
-from gatewayd.service.turns import QueueListener, Turns
+from gatewayd.service.turns import QueueListener, Turns, Use
 
 
 class Dispatcher:
@@ -50,16 +52,17 @@ class Dispatcher:
     # -- the request path ----------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def serve(self, model_id: str, *, autoload: bool,
-                    counts_as_use: bool = True) -> AsyncIterator[Engine]:
-        engine = await self.acquire(model_id, autoload=autoload, counts_as_use=counts_as_use)
+    async def serve(self, model_id: str, *, autoload: bool, counts_as_use: bool = True,
+                    priority: int = NORMAL) -> AsyncIterator[Engine]:
+        engine = await self.acquire(model_id, autoload=autoload, counts_as_use=counts_as_use,
+                                    priority=priority)
         try:
             yield engine
         finally:
-            self.release(model_id, counts_as_use=counts_as_use)
+            self.release(model_id, counts_as_use=counts_as_use, priority=priority)
 
-    async def acquire(self, model_id: str, *, autoload: bool,
-                      counts_as_use: bool = True) -> Engine:
+    async def acquire(self, model_id: str, *, autoload: bool, counts_as_use: bool = True,
+                      priority: int = NORMAL) -> Engine:
         model = self._catalog.get(model_id)
         while True:
             engine = self._engines.get(model_id)
@@ -67,7 +70,7 @@ class Dispatcher:
             if engine is not None and engine.state is EngineState.READY and (
                     not use.draining or not autoload):
                 self._turns.take(model_id, limit=model.config.max_concurrency if model
-                                 else None, counts_as_use=counts_as_use)
+                                 else None, counts_as_use=counts_as_use, priority=priority)
                 return engine
             state = engine.state.value if engine else EngineState.STOPPED.value
             if not autoload or model is None:
@@ -80,10 +83,10 @@ class Dispatcher:
                     else None)
             limit = model.config.queue_limit
             waiter = self._turns.enqueue(
-                model_id, self._config.queue_limit if limit is None else limit)
+                model_id, self._config.queue_limit if limit is None else limit, priority)
             self._loader.ensure(model)
             try:
-                await waiter          # room made and engine ready (take a turn above), or why not
+                await waiter.future   # room made and engine ready (take a turn above), or why not
             finally:
                 self._turns.leave(model_id, waiter)
 
@@ -92,8 +95,9 @@ class Dispatcher:
         coming back (systemd restarting it), so that the request may be acquired again."""
         return await self._engines.unreachable(engine.model_id, engine.main_pid)
 
-    def release(self, model_id: str, *, counts_as_use: bool = True) -> None:
-        if self._turns.release(model_id, counts_as_use=counts_as_use):
+    def release(self, model_id: str, *, counts_as_use: bool = True,
+                priority: int = NORMAL) -> None:
+        if self._turns.release(model_id, counts_as_use=counts_as_use, priority=priority):
             self._changes.notify()
 
     # -- state ---------------------------------------------------------------------------
@@ -116,8 +120,22 @@ class Dispatcher:
                 idle_ttl_s=model.config.idle_ttl_s if model else None,
                 draining=bool(use and use.draining),
                 exit_unconfirmed=engine.exit_unconfirmed,
-                devices=engine.devices))
+                devices=engine.devices,
+                priority=_class_of(use, model)))
         return rows
+
+    def schedule(self) -> dict[str, Any]:
+        """The order for room at a glance: its rule, its bound, and the models waiting for
+        room, head first (what /admin/status and `llm-gateway top` show)."""
+        now = self._clock()
+        return {
+            "order": self._config.schedule, "max_wait_s": self._config.max_wait_s,
+            "priority_aging_s": self._config.priority_aging_s,
+            "line": [{"model": w.model_id, "waiting": w.waiting,
+                      "waited_s": round(now - w.oldest_at, 3) if w.oldest_at is not None
+                      else None, "priority": NAMES[w.priority],
+                      "overdue": w.overdue(now), "max_wait_s": w.max_wait_s}
+                     for w in self._loader.line()]}
 
     def serves(self, model_id: str) -> bool:
         """Requests in flight or queued for model_id."""
@@ -163,3 +181,12 @@ class Dispatcher:
     async def close(self) -> None:
         await self._reaper.close()
         await self._loader.close()
+
+
+def _class_of(use: Use | None, model: Model | None) -> int:
+    """An engine's class for the scheduler: the highest among the requests it serves and
+    those waiting for it; idle, its model's."""
+    found = use.top_class() if use is not None else None
+    if found is not None:
+        return found
+    return model.config.priority if model is not None else NORMAL

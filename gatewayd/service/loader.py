@@ -37,6 +37,7 @@ from gatewayd.core.errors import (
 )
 from gatewayd.core.placement import Placement, total
 from gatewayd.core.ports import GpuProbe
+from gatewayd.core.priority import NORMAL, aged
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.turns import Turns
 
@@ -82,18 +83,66 @@ class Loader:
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._line: list[str] = []        # models whose loaders want room, oldest first
+        self._asked: dict[str, float] = {}   # when each joined the line
+        self._room_made: list[str] = []      # models an engine was evicted or drained for
         self._limit_task: asyncio.Task[None] | None = None
 
     def ensure(self, model: Model) -> None:
         """A loader for model, unless one runs already."""
         if model.id not in self._tasks:
             self._line.append(model.id)
+            self._asked[model.id] = self._clock()
             self._tasks[model.id] = asyncio.get_running_loop().create_task(self._load(model))
+
+    @property
+    def grouped(self) -> bool:
+        return self._config.schedule == "grouped"
+
+    def _want(self, model_id: str, now: float) -> scheduler.Want:
+        """model_id in the line, as its order sees it: its waiting requests' age and
+        class (aged by how long each waited)."""
+        use = self._turns.peek(model_id)
+        waiters = list(use.waiters) if use is not None else []
+        model = self._catalog.get(model_id)
+        max_wait = model.config.max_wait_s if model is not None and \
+            model.config.max_wait_s is not None else self._config.max_wait_s
+        aging = self._config.priority_aging_s
+        return scheduler.Want(
+            model_id, self._asked.get(model_id, now),
+            min((w.since for w in waiters), default=None), len(waiters),
+            max((aged(w.priority, now - w.since, aging) for w in waiters), default=NORMAL),
+            max_wait)
+
+    def line(self) -> list[scheduler.Want]:
+        """The models waiting for room, head first (core/scheduler.line_order). Grouped,
+        the room an engine gave up goes to the model it was evicted or drained for: a
+        model room was made for goes first, and a model whose engine is being drained
+        last (its queue grows while its engine finishes: by count it would take back the
+        place it just gave up, a swap for nothing)."""
+        now = self._clock()
+        order = scheduler.line_order((self._want(m, now) for m in self._line),
+                                     grouped=self.grouped, now=now)
+        if not self.grouped:
+            return order
+        draining = {m for m in self._line if self._draining(m)}
+        rank = {m: i for i, m in enumerate(self._room_made)}
+        return sorted(order, key=lambda w: (w.model_id in draining,
+                                            rank.get(w.model_id, len(rank))))
+
+    def _made_room(self, model_id: str) -> None:
+        if model_id not in self._room_made:
+            self._room_made.append(model_id)
+
+    def _draining(self, model_id: str) -> bool:
+        engine = self._engines.get(model_id)
+        use = self._turns.peek(model_id)
+        return engine is not None and engine.state is EngineState.READY and \
+            use is not None and use.draining
 
     def _ahead(self, model_id: str) -> list[str]:
         """Models before model_id in the line that still need room."""
         ahead = []
-        for other in self._line:
+        for other in (w.model_id for w in self.line()):
             if other == model_id:
                 break
             engine = self._engines.get(other)
@@ -131,6 +180,9 @@ class Loader:
             error = EngineFailed(f"loading {model.id!r} failed: {e}", model=model.id)
         finally:
             self._tasks.pop(model.id, None)
+            self._asked.pop(model.id, None)
+            with contextlib.suppress(ValueError):
+                self._room_made.remove(model.id)
             with contextlib.suppress(ValueError):
                 self._line.remove(model.id)
             for use in self._turns.uses().values():   # room no longer wanted
@@ -143,7 +195,9 @@ class Loader:
         needs = self._engines.need(model)
         need = needs.vram_mib
         self._engines.check_ram_ceiling(model)   # never fits: said at once
-        deadline = self._clock() + self._config.eviction_wait_s
+        # grouped, room may wait for the model's turn first: max_wait_s, then the drain
+        deadline = self._clock() + self._config.eviction_wait_s + (
+            self._want(model.id, self._clock()).max_wait_s if self.grouped else 0.0)
         give_up = deadline + self._config.load_timeout_s
         engines = self._engines
         checked = False
@@ -186,13 +240,16 @@ class Loader:
             ram = engines.ram(model)
             usages = self._usages()
             ahead = self._ahead(model.id)
+            want = self._want(model.id, self._clock())
             decision = scheduler.plan_start(
                 model.id, usages, max_engines=self._config.max_engines, need_mib=need,
                 free_mib=None if where is None else where.free_mib, ahead=len(ahead),
                 devices=None if where is None else frozenset(where.uuids),
                 ram_need_mib=needs.ram_mib,
                 ram_free_mib=None if ram is None else ram.plan_free_mib,
-                ahead_ram_mib=self._ahead_ram_mib(ahead) if ahead and ram else 0)
+                ahead_ram_mib=self._ahead_ram_mib(ahead) if ahead and ram else 0,
+                grouped=self.grouped, overdue=want.overdue(self._clock()),
+                priority=want.priority)
             match decision:
                 case scheduler.TryAnyway() if self._memory_coming_back():
                     # an engine just went away: its memory may not show as free yet, so
@@ -211,11 +268,13 @@ class Loader:
                         continue
                     return
                 case scheduler.Evict(victim, reason, why):
+                    self._made_room(model.id)
                     await self._evict(victim, reason, room_for=need, evicted_for=model.id,
                                       why=why)
                 case scheduler.Drain(victim, reason):
                     log.info("draining %s (%s)", victim, reason)
                     self._turns.use(victim).draining_for = model.id
+                    self._made_room(model.id)
                 case scheduler.Wait(why):
                     await self._wait(deadline, model, why)
                 case scheduler.Blocked(limit, holders):
@@ -322,7 +381,8 @@ def eviction_reason(victim: str, evicted_for: str | None, why: str) -> str:
     """A victim's stop reason, what the events and the log say: always "evicted" first
     (the metrics' reason), then for whom and why, e.g. "evicted for 'b' (needs 300 MiB of
     GPU memory, 120 MiB free; 'a' least recently used)". Victims are chosen among the
-    engines that serve nobody, least recently used first."""
+    engines that serve nobody, least recently used first (grouped: of the lowest class,
+    core/scheduler)."""
     if evicted_for is None:
         return f"evicted ({why})" if why else "evicted"
     because = f"{why}; " if why else ""

@@ -10,27 +10,43 @@ for). Synchronous bookkeeping only; the loader (loader.py) decides and awaits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gatewayd.core.errors import ConcurrencyLimit, QueueFull
+from gatewayd.core.priority import NORMAL
 
 QueueListener = Callable[[str, int], None]
 
 
+@dataclass(eq=False)
+class Waiter:
+    """A request waiting for its model's engine: when it began to wait, and its class."""
+    future: asyncio.Future[None]
+    since: float
+    priority: int = NORMAL
+
+
 @dataclass
 class Use:
-    """An engine's use: calls in flight, the last use, and the calls waiting for a turn."""
+    """An engine's use: calls in flight (by class), the last use, and the calls waiting
+    for a turn."""
     in_flight: int = 0
     last_used: float = 0.0
-    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+    waiters: deque[Waiter] = field(default_factory=deque)
     draining_for: str | None = None    # the model this engine is making room for
+    serving: Counter[int] = field(default_factory=Counter)   # in flight, by class
 
     @property
     def draining(self) -> bool:
         return self.draining_for is not None
+
+    def top_class(self) -> int | None:
+        """The highest class among the requests it serves and those waiting for it."""
+        classes = [c for c, n in self.serving.items() if n > 0]
+        classes += [w.priority for w in self.waiters]
+        return max(classes, default=None)
 
 
 class Turns:
@@ -55,7 +71,8 @@ class Turns:
 
     # -- serving ----------------------------------------------------------------------
 
-    def take(self, model_id: str, *, limit: int | None, counts_as_use: bool) -> None:
+    def take(self, model_id: str, *, limit: int | None, counts_as_use: bool,
+             priority: int = NORMAL) -> None:
         use = self.use(model_id)
         if limit is not None and use.in_flight >= limit:
             raise ConcurrencyLimit(
@@ -63,32 +80,35 @@ class Turns:
                 f"(max_concurrency); try again shortly", retry_after=1,
                 model=model_id, max_concurrency=limit)
         use.in_flight += 1
+        use.serving[priority] += 1
         if counts_as_use:
             use.last_used = self._clock()
 
-    def release(self, model_id: str, *, counts_as_use: bool) -> bool:
+    def release(self, model_id: str, *, counts_as_use: bool, priority: int = NORMAL) -> bool:
         """True when the engine now serves nobody."""
         use = self.use(model_id)
         use.in_flight -= 1
+        use.serving[priority] -= 1
         if counts_as_use:
             use.last_used = self._clock()
         return use.in_flight == 0
 
     # -- waiting ------------------------------------------------------------------------
 
-    def enqueue(self, model_id: str, limit: int) -> asyncio.Future[None]:
+    def enqueue(self, model_id: str, limit: int, priority: int = NORMAL) -> Waiter:
         use = self.use(model_id)
         if len(use.waiters) >= limit:
             raise QueueFull(f"{len(use.waiters)} requests already wait for {model_id!r} "
                             f"(queue limit {limit})", retry_after=5, model=model_id)
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = Waiter(asyncio.get_running_loop().create_future(), self._clock(), priority)
         use.waiters.append(waiter)
         self._depth(model_id)
         return waiter
 
-    def leave(self, model_id: str, waiter: asyncio.Future[None]) -> None:
-        with contextlib.suppress(ValueError):
-            self.use(model_id).waiters.remove(waiter)
+    def leave(self, model_id: str, waiter: Waiter) -> None:
+        waiters = self.use(model_id).waiters
+        if waiter in waiters:
+            waiters.remove(waiter)
             self._depth(model_id)
 
     def queued(self, model_id: str) -> int:
@@ -98,11 +118,11 @@ class Turns:
     def wake(self, model_id: str, error: BaseException | None) -> None:
         """Every waiter, in arrival order: go and take a turn (or hear the error)."""
         for waiter in list(self.use(model_id).waiters):
-            if not waiter.done():
+            if not waiter.future.done():
                 if error is None:
-                    waiter.set_result(None)
+                    waiter.future.set_result(None)
                 else:
-                    waiter.set_exception(error)
+                    waiter.future.set_exception(error)
 
     def _depth(self, model_id: str) -> None:
         depth = len(self.use(model_id).waiters)

@@ -1091,3 +1091,21 @@ async def test_the_collector_is_back_on_once_the_gateway_serves(
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+async def test_a_client_may_lower_its_priority_but_not_name_a_class_that_is_none(
+        tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a",)):
+        ok = await gw.client.post("/v1/chat/completions", json=chat("a"),
+                                  headers={"LLM-Gateway-Priority": "low"})
+        assert ok.status == 200, await ok.text()
+        bad = await gw.client.post("/v1/chat/completions", json=chat("a"),
+                                   headers={"LLM-Gateway-Priority": "urgent"})
+        assert bad.status == 400
+        error = (await bad.json())["error"]
+        assert error["param"] == "LLM-Gateway-Priority" and "low, normal, high" in \
+            error["message"]
+        assert gw.fakes["a"].requests[-1].headers.get("LLM-Gateway-Priority") is None
+        status = await (await gw.client.get("/admin/status")).json()
+        assert status["schedule"] == {"order": "grouped", "max_wait_s": 20.0,
+                                      "priority_aging_s": 120.0, "line": []}

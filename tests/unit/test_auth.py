@@ -103,3 +103,12 @@ def test_an_open_non_loopback_listener_is_warned_about(caplog: pytest.LogCapture
     keyed = GatewayConfig(listen_host="0.0.0.0", api_keys=parse_keys({}, "f"))
     _warn_if_open(keyed, None)
     assert not caplog.records
+
+
+def test_a_key_may_set_its_requests_priority() -> None:
+    ring = parse_keys({"keys": {"batch": {"sha256": digest("k1"), "priority": "low"},
+                                "app": {"sha256": digest("k2")}}}, "f")
+    assert ring.identify("k1", INFERENCE).priority == 0
+    assert ring.identify("k2", INFERENCE).priority is None      # the model's, then
+    with pytest.raises(ConfigError, match="priority must be one of low, normal, high"):
+        parse_keys({"keys": {"x": {"sha256": digest("k3"), "priority": "vip"}}}, "f")

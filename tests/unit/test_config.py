@@ -204,3 +204,22 @@ def test_a_source_is_where_a_model_without_a_file_comes_from() -> None:
     tiny = config.models[0]
     assert tiny.source == "org/Tiny-GGUF:Tiny-Q8_0.gguf" and tiny.path is None
     assert not tiny.downloaded and tiny.preload
+
+
+def test_the_schedule_its_bound_and_priorities() -> None:
+    default = parse_config({})
+    assert (default.schedule, default.max_wait_s, default.priority_aging_s) == \
+        ("grouped", 20.0, 120.0)
+    config = parse_config({"schedule": "fifo", "max_wait_s": 5, "priority_aging_s": 60,
+                           "models": {"a": {"path": "/m/a.gguf", "priority": "high",
+                                            "max_wait_s": 2.5}}})
+    assert (config.schedule, config.max_wait_s, config.priority_aging_s) == ("fifo", 5, 60)
+    (a,) = config.models
+    assert (a.priority, a.max_wait_s) == (2, 2.5)
+    for bad, words in (({"schedule": "lifo"}, "schedule must be one of grouped, fifo"),
+                       ({"max_wait_s": 0}, "max_wait_s must be positive"),
+                       ({"max_wait_s": float("inf")}, "max_wait_s = inf is not a finite"),
+                       ({"models": {"a": {"path": "/m/a.gguf", "priority": "urgent"}}},
+                        "models.a.priority must be one of low, normal, high")):
+        with pytest.raises(ConfigError, match=words):
+            parse_config(bad)

@@ -50,6 +50,7 @@ from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import GatewayError
+from gatewayd.core.priority import HIGH, LOW, NORMAL, aged
 from gatewayd.core.ram_budget import HostMemory
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -60,6 +61,8 @@ from tests.virtual_time import VirtualTimeLoop
 
 MODELS = ("a", "b", "c")
 EVICTION_WAIT_S = 10.0
+MAX_WAIT_S = 5.0          # grouped: how long a model waits for its turn at most
+AGING_S = 30.0            # grouped: a waiting request counts a class higher per this
 LOAD_TIMEOUT_S = 5.0
 CRASH_EXCUSE_S = 40.0     # errors this long after a crash of the model are explained by it
 SETTLE_S = 60.0
@@ -90,6 +93,7 @@ class Request:
     answered: float | None = None
     error: GatewayError | None = None
     served: float | None = None    # when it was handed the engine
+    priority: int = NORMAL
 
 
 class DispatcherMachine(RuleBasedStateMachine):
@@ -104,18 +108,23 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.max_seen = 0
         self.gpu_fits: int | None = None
         self.ram_fits: int | None = None
+        self.schedule = "fifo"
         self.line: list[str] = []        # models waiting for room, in the order they asked
         self.overtaken: list[str] = []   # first come, first served broken: how
         self._restore: list[Any] = []
 
     @initialize(max_engines=st.integers(1, 3), signal_mode=st.sampled_from(SIGNAL_MODES),
                 seed=st.integers(0, 2**16), gpu_fits=st.none() | st.integers(1, 2),
-                ram_fits=st.none() | st.integers(1, 2))
+                ram_fits=st.none() | st.integers(1, 2),
+                schedule=st.sampled_from(["fifo", "grouped"]))
     def build(self, max_engines: int, signal_mode: str, seed: int,
-              gpu_fits: int | None = None, ram_fits: int | None = None) -> None:
+              gpu_fits: int | None = None, ram_fits: int | None = None,
+              schedule: str = "fifo") -> None:
         """gpu_fits: None, no GPU; else how many engines fit in its memory at once.
-        ram_fits: None, RAM is plentiful; else how many its RAM budget holds."""
+        ram_fits: None, RAM is plentiful; else how many its RAM budget holds.
+        schedule: the order for room (core/scheduler), with its own invariant."""
         self.max_engines = max_engines
+        self.schedule = schedule
         self.gpu_fits = gpu_fits
         self.ram_fits = ram_fits
         self.systemd = FakeSystemd(
@@ -132,6 +141,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         ram_need = ENGINE_NEED_MIB + (0 if gpu_fits else ENGINE_MIB)
         config = GatewayConfig(max_engines=max_engines, state_dir=self.tmp / "state",
                                load_timeout_s=LOAD_TIMEOUT_S, eviction_wait_s=EVICTION_WAIT_S,
+                               schedule=schedule, max_wait_s=MAX_WAIT_S,
+                               priority_aging_s=AGING_S,
                                vram_margin_mib=ENGINE_NEED_MIB - ENGINE_MIB,
                                ram_margin_mib=ENGINE_NEED_MIB, ram_reserve_mib=0,
                                ram_budget_mib=None if ram_fits is None
@@ -166,10 +177,12 @@ class DispatcherMachine(RuleBasedStateMachine):
     # -- rules -------------------------------------------------------------------------
 
     @rule(model=st.sampled_from(MODELS), hold=st.floats(0.0, 3.0), count=st.integers(1, 4),
-          leave_after=st.none() | st.floats(0.0, 2.0))
-    def requests(self, model: str, hold: float, count: int, leave_after: float | None) -> None:
+          leave_after=st.none() | st.floats(0.0, 2.0),
+          priority=st.sampled_from([NORMAL, NORMAL, LOW, HIGH]))
+    def requests(self, model: str, hold: float, count: int, leave_after: float | None,
+                 priority: int = NORMAL) -> None:
         for _ in range(count):
-            self._send(model, hold, leave_after)
+            self._send(model, hold, leave_after, priority)
         self._advance(0.001)
 
     @rule(models=st.lists(st.sampled_from(MODELS), min_size=2, max_size=6),
@@ -186,14 +199,14 @@ class DispatcherMachine(RuleBasedStateMachine):
         self._advance(0.001)
 
     @rule(model=st.sampled_from(MODELS), seconds=st.floats(EVICTION_WAIT_S, 3 * EVICTION_WAIT_S))
-    def steady_load(self, model: str, seconds: float) -> None:
+    def steady_load(self, model: str, seconds: float, priority: int = NORMAL) -> None:
         """Two clients back to back on one model: its engine is never idle for that long."""
         until = self.loop.time() + seconds
 
         async def client(offset: float) -> None:
             await asyncio.sleep(offset)
             while self.loop.time() < until:
-                request = self._send(model, 0.5, None)
+                request = self._send(model, 0.5, None, priority)
                 await request.task
                 if request.error is not None:
                     await asyncio.sleep(1.0)   # a client backs off after an error
@@ -295,8 +308,11 @@ class DispatcherMachine(RuleBasedStateMachine):
     @invariant()
     def every_request_answered_in_time_and_well(self) -> None:
         now = self.loop.time()
+        # grouped: a model may be passed over for MAX_WAIT_S first (its turn), and the
+        # drain, the load and its own hold follow, as under fifo
+        turn = MAX_WAIT_S if self.schedule == "grouped" else 0.0
         for r in self.sent:
-            bound = r.sent + EVICTION_WAIT_S + LOAD_TIMEOUT_S + r.hold + 10.0
+            bound = r.sent + turn + EVICTION_WAIT_S + LOAD_TIMEOUT_S + r.hold + 10.0
             if r.answered is None:
                 assert now <= bound, f"{r.model} request sent at {r.sent} still waits at {now}"
                 continue
@@ -328,6 +344,19 @@ class DispatcherMachine(RuleBasedStateMachine):
                   for m in (first, then)}
         assert served[first] and served[then], served
         assert max(served[first]) <= min(served[then]), served
+
+    def check_waits(self, model: str) -> None:
+        """model's requests have not been handed an engine (nor answered)."""
+        mine = [r for r in self.sent if r.model == model]
+        assert mine and all(r.served is None and r.answered is None for r in mine), \
+            [(r.sent, r.served, r.answered) for r in mine]
+
+    def check_served_within(self, model: str, seconds: float) -> None:
+        """Every request for model was handed its engine within `seconds` of being sent."""
+        mine = [r for r in self.sent if r.model == model]
+        assert mine and all(r.error is None and r.served is not None
+                            and r.served - r.sent <= seconds for r in mine), \
+            [(r.sent, r.served, r.error and r.error.message) for r in mine]
 
     def check_ok(self, model: str, last: int) -> None:
         recent = [r for r in self.sent if r.model == model][-last:]
@@ -368,12 +397,14 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _send(self, model: str, hold: float, leave_after: float | None) -> Request:
-        record = Request(model, self.loop.time(), hold, task=None)  # type: ignore[arg-type]
+    def _send(self, model: str, hold: float, leave_after: float | None,
+              priority: int = NORMAL) -> Request:
+        record = Request(model, self.loop.time(), hold, task=None,  # type: ignore[arg-type]
+                         priority=priority)
 
         async def request() -> None:
             try:
-                async with self.dispatcher.serve(model, autoload=True):
+                async with self.dispatcher.serve(model, autoload=True, priority=priority):
                     record.served = self.loop.time()
                     await asyncio.sleep(hold)
             except GatewayError as e:
@@ -415,7 +446,11 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.mgr.start = gets_room   # type: ignore[method-assign]
 
     def _check_turn(self, model_id: str) -> None:
-        """model_id's loader starts its engine now: may it, with who asked before it?"""
+        """model_id's loader starts its engine now: may it, with who asked before it
+        (fifo), or with the classes of the requests that wait (grouped)?"""
+        if self.schedule != "fifo":
+            self._check_class(model_id)
+            return
         earlier = self.line[:self.line.index(model_id)] if model_id in self.line else []
         waiting = [m for m in earlier if self._waits_for_room(m) and any(
             r.model == m and r.answered is None for r in self.sent)]   # (its request not ended)
@@ -427,6 +462,30 @@ class DispatcherMachine(RuleBasedStateMachine):
             return   # a place beyond what the ones ahead need
         self.overtaken.append(f"{model_id} got room at {self.loop.time():.3f} before "
                               f"{waiting}, who asked before it ({free} place(s) free)")
+
+    def _best_class(self, model_id: str) -> int | None:
+        """The highest class, aged as the gateway ages it, among model_id's requests that
+        have not been handed an engine yet."""
+        now = self.loop.time()
+        return max((aged(r.priority, now - r.sent, AGING_S) for r in self.sent
+                    if r.model == model_id and r.served is None and r.answered is None),
+                   default=None)
+
+    def _check_class(self, model_id: str) -> None:
+        """Grouped: a model whose waiting requests are of a higher class never waits for a
+        place behind this one's (unless a place beyond what those need is free)."""
+        mine = self._best_class(model_id)
+        higher = [m for m in MODELS if m != model_id and self._waits_for_room(m)
+                  and (best := self._best_class(m)) is not None
+                  and mine is not None and best > mine]
+        if not higher:
+            return
+        holders = sum(1 for e in self.mgr.engines() if e.holds_place and e.model_id != model_id)
+        free = min(self.max_engines, self.ram_fits or self.max_engines) - holders
+        if self.gpu_fits is None and free > len(higher):
+            return
+        self.overtaken.append(f"{model_id} (class {mine}) got room at "
+                              f"{self.loop.time():.3f} before {higher} of a higher class")
 
     def _waits_for_room(self, model_id: str) -> bool:
         """No engine that holds a place for it, or one on its way out (stopping, or ready
@@ -458,6 +517,8 @@ class DispatcherMachine(RuleBasedStateMachine):
 
 
 def run_scenario(steps: list[tuple[str, dict[str, Any]]], **build: Any) -> None:
+    """The steps on a fresh machine (fifo unless build says schedule="grouped": the
+    scenarios above are fifo's fixes)."""
     machine = DispatcherMachine()
     try:
         machine.build(**{"max_engines": 1, "signal_mode": "in_order", "seed": 0, **build})
@@ -711,3 +772,61 @@ DispatcherMachine.TestCase.settings = settings(
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.too_slow])
 TestDispatcherModel = pytest.mark.fuzz(DispatcherMachine.TestCase)
+
+
+# -- grouped (the default order): what grouping, the bound and the classes promise ----------
+
+
+def test_grouped_a_busy_engine_keeps_its_place_until_the_waiting_models_turn() -> None:
+    """b serves two clients back to back; c asks. Under fifo b is drained at once (a swap
+    per change of model); grouped, b keeps its place while c's turn has not come, and c is
+    served within its bound: MAX_WAIT_S, then b's request in flight, then c's load."""
+    run_scenario([("steady_load", {"model": "b", "seconds": 20.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": MAX_WAIT_S - 1.5}),
+                  ("check_waits", {"model": "c"}),
+                  ("time_passes", {"seconds": 6.0}),
+                  ("check_served_within", {"model": "c", "seconds": MAX_WAIT_S + 0.5 + 2.0})],
+                 schedule="grouped")
+
+
+def test_grouped_a_higher_class_does_not_wait_its_turn() -> None:
+    """c's request is of a higher class than b's traffic: b is drained for it at once."""
+    run_scenario([("steady_load", {"model": "b", "seconds": 20.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 1, "leave_after": None,
+                                "priority": HIGH}),
+                  ("time_passes", {"seconds": 3.0}),
+                  ("check_served_within", {"model": "c", "seconds": 2.5})],
+                 schedule="grouped")
+
+
+def test_grouped_the_model_with_more_waiting_goes_first_then_classes_first() -> None:
+    """a is busy for a while; b asks with one request, c just after with three. When a
+    is idle (before anyone is overdue), c goes first: one load serves three."""
+    run_scenario([("steady_load", {"model": "a", "seconds": 3.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "b", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 3, "leave_after": None}),
+                  ("time_passes", {"seconds": 12.0}),
+                  ("check_order", {"first": "c", "then": "b"})], schedule="grouped")
+    # ... unless the one is of a higher class (a's own traffic is high: b cannot drain it)
+    run_scenario([("steady_load", {"model": "a", "seconds": 3.0, "priority": HIGH}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "b", "hold": 0.1, "count": 1, "leave_after": None,
+                                "priority": HIGH}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 3, "leave_after": None}),
+                  ("time_passes", {"seconds": 12.0}),
+                  ("check_order", {"first": "b", "then": "c"})], schedule="grouped")
+
+
+def test_grouped_an_overdue_model_goes_before_one_with_more_waiting() -> None:
+    """b has waited its max_wait_s; c has more requests waiting but has not: b first."""
+    run_scenario([("steady_load", {"model": "a", "seconds": 20.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "b", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": MAX_WAIT_S - 1.0}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 3, "leave_after": None}),
+                  ("time_passes", {"seconds": 12.0}),
+                  ("check_order", {"first": "b", "then": "c"})], schedule="grouped")
