@@ -211,7 +211,8 @@ def _report(notifier: Notifier, engines: EngineManager, old: Engine, new: Engine
 async def front_door(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     engines, dispatcher, hub = app[admin_api.ENGINES], app[DISPATCHER], app[admin_api.EVENTS]
-    engines.subscribe(lambda old, new: admin_api.publish_engine(hub, engines, old, new))
+    engines.subscribe(lambda old, new: admin_api.publish_engine(hub, engines, old, new,
+                                                                dispatcher.swap))
     dispatcher.subscribe_queue(lambda model, depth: hub.publish(
         {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file, max_age_s=config.records_max_age_days * DAY_S,
@@ -246,6 +247,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     metrics = GatewayMetrics()
     engines.subscribe(lambda old, new: metrics.on_engine_change(
         old, new, engines.stop_reasons.get(new.model_id)))
+    dispatcher.subscribe_waits(metrics.observe_wait)
     remotes = Remotes(config.upstreams, read_timeout_s=config.read_timeout_s)
     await remotes.start()
     app[openai_api.FRONT] = front = openai_api.FrontDoor(

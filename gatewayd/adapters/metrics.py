@@ -2,8 +2,9 @@
 it reads at scrape time.
 
 On the request path there is only `observe_call`, once per finished call (the
-same moment its record is queued): a few additions to plain dictionaries;
-prometheus_client builds the exposition from them only when scraped.
+same moment its record is queued), and `observe_wait`, once per request that waited
+for an engine: a few additions to plain dictionaries; prometheus_client builds the
+exposition from them only when scraped.
 Engine starts, loads and evictions are counted from the engine manager's state
 changes. Everything that is a current value (engine
 states, queues, in-flight requests, systemd's memory and CPU per unit, each engine's
@@ -22,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.priority import NAMES
 from gatewayd.core.routing import CAPABILITY_OF_PATH, WHISPER_PATHS
+from gatewayd.core.waits import Waited
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -52,6 +55,9 @@ BOUND_OF_CODE: Mapping[str, str] = {"queue_full": "queue_limit",
                                     "event_too_large": "max_event_mb"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 LOAD_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+# a wait for an engine: a turn at a ready one (milliseconds) up to the bound (max_wait_s,
+# 20 s by default) plus a drain and a load
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
 class _Counts:
@@ -145,6 +151,18 @@ class GatewayMetrics:
                                "(engine_framing), records (records_max_age_days, "
                                "records_max_mb), KV cache directories (kv_cache_unconfigured)",
                                ["bound"])
+        self.waits = _Histograms("llm_gateway_wait_seconds",
+                                 "Time a request waited for an engine before it was handed "
+                                 "one, by reason: queue (a turn at its ready engine), load "
+                                 "(its engine starting or loading), room (its model's turn "
+                                 "for a place, or a drain); a request that waited for "
+                                 "several is counted under each, for its part",
+                                 ["model", "reason", "priority"], WAIT_BUCKETS)
+        self.near_misses = _Counts("llm_gateway_max_wait_near_misses",
+                                   "Waits for a model's turn (their room part) against its "
+                                   "max_wait_s: near (past 90% of it), reached (it or "
+                                   "longer: the bound made room), handed an engine or not",
+                                   ["model", "priority", "kind"])
         self._clock = clock
         self._started: dict[str, float] = {}
 
@@ -168,6 +186,15 @@ class GatewayMetrics:
             self.rejected.inc((model, record.error_code))
         if (bound := BOUND_OF_CODE.get(record.error_code or "")) is not None:
             self.bounded.inc((bound,))
+
+    def observe_wait(self, waited: Waited) -> None:
+        """A request's wait for an engine, over (the dispatcher's, core/waits)."""
+        klass = NAMES.get(waited.priority, str(waited.priority))
+        if waited.handed:
+            for reason, seconds in waited.parts.items():
+                self.waits.observe((waited.model, reason, klass), seconds)
+        if waited.miss is not None:
+            self.near_misses.inc((waited.model, klass, waited.miss))
 
     # -- engine state changes ----------------------------------------------------------
 
@@ -202,7 +229,8 @@ class GatewayMetrics:
         return [m.family() for m in (self.requests, self.duration, self.ttft, self.tokens,
                                      self.rejected, self.starts, self.restarts,
                                      self.failures, self.load,
-                                     self.evictions, self.upstream_requests)]
+                                     self.evictions, self.upstream_requests, self.waits,
+                                     self.near_misses)]
 
     def render(self, snapshot: Snapshot, engine_metrics: Mapping[str, str] | None = None
                ) -> bytes:

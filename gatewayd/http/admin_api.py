@@ -32,6 +32,7 @@ from gatewayd.core.errors import GpuUnavailable, InvalidRequest, NotASystemdUnit
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.core.priority import NAMES
 from gatewayd.core.query import FOLLOW_LINES
+from gatewayd.core.waits import Swap
 from gatewayd.http import openai_api
 from gatewayd.http.auth import query_of
 from gatewayd.http.proxy import NATIVE_RELAY
@@ -378,10 +379,12 @@ def _gpu_memory(request: web.Request) -> dict[str, Any]:
                         for d in devices]}
 
 
-def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) -> None:
+def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine,
+                   swap: Callable[[str], Swap | None] | None = None) -> None:
     """Engine state changes as events: starting, ready (load_s: from its start or restart),
     failed and restarting (reason), stopping and stopped (why; evicted_for: the model an
-    eviction made room for)."""
+    eviction made room for, and from `swap` (the dispatcher's) why it got room: because,
+    rule, waited_s, core/waits.Swap)."""
     if old.state is new.state:
         publish_failure_logs(hub, old, new)
         return
@@ -394,6 +397,9 @@ def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine) 
         event["reason"] = mgr.stop_reasons.get(new.model_id, "stopped outside the gateway")
         if (evicted_for := mgr.evicted_for.get(new.model_id)) is not None:
             event["evicted_for"] = evicted_for
+            if swap is not None and (why := swap(new.model_id)) is not None \
+                    and why.model == evicted_for:
+                event.update(why.describe())
     elif new.state is EngineState.READY \
             and (load_s := mgr.load_seconds(new.model_id)) is not None:
         event["load_s"] = round(load_s, 3)

@@ -5,7 +5,9 @@ The request path: a ready engine that is not draining → take a turn (turns.py;
 (FIFO, 503 above the queue limit) while that model's one loader (loader.py)
 makes room and starts the engine; the loader wakes the queue with the result.
 A waiter whose client leaves just leaves the queue. Idle engines past their
-TTL are stopped by the reaper (reaper.py).
+TTL are stopped by the reaper (reaper.py). A wait is timed by what it waited for
+(core/waits: room, load, queue, as its engine's state changes) and, once over, told to
+the wait listeners (the metrics); a request that did not wait costs nothing more.
 
 Taking a turn and choosing a victim are both synchronous: a request that was
 handed an engine keeps it until it releases it, because a victim must serve
@@ -24,13 +26,16 @@ from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import COMING_STATES, Engine, EngineState
-from gatewayd.core.errors import ModelNotLoaded
+from gatewayd.core.errors import GatewayError, ModelNotLoaded
 from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NAMES, NORMAL
+from gatewayd.core.waits import ROOM, Swap, Waited, near_miss, reason_of
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.loader import Changes, Loader
 from gatewayd.service.reaper import IdleReaper
 from gatewayd.service.turns import QueueListener, Turns, Use
+
+WaitListener = Callable[[Waited], None]
 
 
 class Dispatcher:
@@ -47,6 +52,7 @@ class Dispatcher:
                               turns=self._turns, usages=self.usages, changes=self._changes,
                               clock=clock)
         self._reaper = IdleReaper(engines, catalog, self.usages, clock)
+        self._wait_listeners: list[WaitListener] = []
         engines.subscribe(self._on_engine_change)
 
     # -- the request path ----------------------------------------------------------
@@ -64,6 +70,19 @@ class Dispatcher:
     async def acquire(self, model_id: str, *, autoload: bool, counts_as_use: bool = True,
                       priority: int = NORMAL) -> Engine:
         model = self._catalog.get(model_id)
+        waited: dict[str, float] = {}   # seconds per reason (core/waits), if it waits
+        try:
+            return await self._acquire(model_id, model, autoload=autoload,
+                                       counts_as_use=counts_as_use, priority=priority,
+                                       waited=waited)
+        except GatewayError:
+            if waited:   # answered with an error after a wait: its bound still counts
+                self._waited(model_id, model, priority, waited, handed=False)
+            raise
+
+    async def _acquire(self, model_id: str, model: Model | None, *, autoload: bool,
+                       counts_as_use: bool, priority: int, waited: dict[str, float]
+                       ) -> Engine:
         while True:
             engine = self._engines.get(model_id)
             use = self._turns.use(model_id)
@@ -71,6 +90,8 @@ class Dispatcher:
                     not use.draining or not autoload):
                 self._turns.take(model_id, limit=model.config.max_concurrency if model
                                  else None, counts_as_use=counts_as_use, priority=priority)
+                if waited:
+                    self._waited(model_id, model, priority, waited, handed=True)
                 return engine
             state = engine.state.value if engine else EngineState.STOPPED.value
             if not autoload or model is None:
@@ -83,12 +104,27 @@ class Dispatcher:
                     else None)
             limit = model.config.queue_limit
             waiter = self._turns.enqueue(
-                model_id, self._config.queue_limit if limit is None else limit, priority)
+                model_id, self._config.queue_limit if limit is None else limit, priority,
+                reason_of(engine.state if engine else None, use.draining))
             self._loader.ensure(model)
             try:
                 await waiter.future   # room made and engine ready (take a turn above), or why not
             finally:
                 self._turns.leave(model_id, waiter)
+                if waiter.wait is not None:
+                    for reason, spent in waiter.wait.end(self._clock()).items():
+                        waited[reason] = waited.get(reason, 0.0) + spent
+
+    def _waited(self, model_id: str, model: Model | None, priority: int,
+                parts: dict[str, float], *, handed: bool) -> None:
+        """A wait is over: tell the listeners (the metrics), with how its wait for the
+        model's turn stood against max_wait_s."""
+        max_wait = model.config.max_wait_s if model is not None and \
+            model.config.max_wait_s is not None else self._config.max_wait_s
+        done = Waited(model_id, priority, parts, handed,
+                      near_miss(parts.get(ROOM, 0.0), max_wait))
+        for listener in list(self._wait_listeners):
+            listener(done)
 
     async def unreachable(self, engine: Engine) -> bool:
         """The engine's socket refused a request that reached no process: whether it is
@@ -146,6 +182,17 @@ class Dispatcher:
         """listener(model, depth) whenever a model's queue depth changes."""
         return self._turns.subscribe(listener)
 
+    def subscribe_waits(self, listener: WaitListener) -> Callable[[], None]:
+        """listener(waited) whenever a request's wait for its engine is over: handed one,
+        or answered with an error (core/waits.Waited). Not for a request that never
+        waited, nor one whose client left."""
+        self._wait_listeners.append(listener)
+        return lambda: self._wait_listeners.remove(listener)
+
+    def swap(self, victim: str) -> Swap | None:
+        """Why victim's engine was last evicted for a waiting model (None: it was not)."""
+        return self._loader.swaps.get(victim)
+
     def enforce_limit(self) -> None:
         """More engines than max_engines (the reconciler found some): evict the surplus."""
         self._loader.enforce_limit()
@@ -159,6 +206,8 @@ class Dispatcher:
             use.last_used = use.last_used or self._clock()
         elif use is not None and old.state is EngineState.READY:
             use.draining_for = None   # it left service: nothing more to drain
+        if use is not None and use.waiters:   # what its waiters wait for now
+            self._turns.waiting_for(new.model_id, reason_of(new.state, use.draining))
         self._changes.notify()
 
     # -- lifecycle -----------------------------------------------------------------------

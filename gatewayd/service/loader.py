@@ -38,6 +38,7 @@ from gatewayd.core.errors import (
 from gatewayd.core.placement import Placement, total
 from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NORMAL, aged
+from gatewayd.core.waits import SERVED_NOBODY, Swap, room_rule
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.turns import Turns
 
@@ -85,6 +86,8 @@ class Loader:
         self._line: list[str] = []        # models whose loaders want room, oldest first
         self._asked: dict[str, float] = {}   # when each joined the line
         self._room_made: list[str] = []      # models an engine was evicted or drained for
+        self._drains: dict[str, Swap] = {}   # draining engines: for whom, and why
+        self.swaps: dict[str, Swap] = {}     # evicted engines: why each last gave its place
         self._limit_task: asyncio.Task[None] | None = None
 
     def ensure(self, model: Model) -> None:
@@ -269,10 +272,16 @@ class Loader:
                     return
                 case scheduler.Evict(victim, reason, why):
                     self._made_room(model.id)
+                    self.swaps[victim] = self._swap(victim, model.id, want)
                     await self._evict(victim, reason, room_for=need, evicted_for=model.id,
                                       why=why)
                 case scheduler.Drain(victim, reason):
                     log.info("draining %s (%s)", victim, reason)
+                    rule = room_rule(drained=True, grouped=self.grouped,
+                                     priority=want.priority, overdue=want.overdue(self._clock()),
+                                     victim_priority=next((u.priority for u in usages
+                                                           if u.model_id == victim), NORMAL))
+                    self._drains[victim] = Swap(victim, model.id, self._waited(want), rule)
                     self._turns.use(victim).draining_for = model.id
                     self._made_room(model.id)
                 case scheduler.Wait(why):
@@ -288,6 +297,20 @@ class Loader:
                                 f"{self._config.eviction_wait_s:g}s: ")
                         raise self._no_room(model, limit, holders, need, where)
                     await self._changes.wait(deadline)
+
+    def _swap(self, victim: str, model_id: str, want: scheduler.Want) -> Swap:
+        """Why victim gives its place to model_id: the rule its drain was for, or (it
+        serves nobody) that."""
+        use = self._turns.peek(victim)
+        drained = self._drains.pop(victim, None)
+        if drained is not None and drained.model == model_id and use is not None \
+                and use.draining_for == model_id:
+            return drained
+        return Swap(victim, model_id, self._waited(want), SERVED_NOBODY)
+
+    def _waited(self, want: scheduler.Want) -> float:
+        """How long the oldest request of the model wanting room has waited."""
+        return 0.0 if want.oldest_at is None else max(0.0, self._clock() - want.oldest_at)
 
     def _memory_coming_back(self) -> bool:
         released = self._engines.last_release

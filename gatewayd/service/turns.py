@@ -16,16 +16,23 @@ from dataclasses import dataclass, field
 
 from gatewayd.core.errors import ConcurrencyLimit, QueueFull
 from gatewayd.core.priority import NORMAL
+from gatewayd.core.waits import ROOM, WaitClock
 
 QueueListener = Callable[[str, int], None]
 
 
 @dataclass(eq=False)
 class Waiter:
-    """A request waiting for its model's engine: when it began to wait, and its class."""
+    """A request waiting for its model's engine: when it began to wait, its class, and
+    its wait split by what it waits for (core/waits)."""
     future: asyncio.Future[None]
     since: float
     priority: int = NORMAL
+    wait: WaitClock | None = None
+
+    def __post_init__(self) -> None:
+        if self.wait is None:
+            self.wait = WaitClock(self.since, ROOM)
 
 
 @dataclass
@@ -95,12 +102,16 @@ class Turns:
 
     # -- waiting ------------------------------------------------------------------------
 
-    def enqueue(self, model_id: str, limit: int, priority: int = NORMAL) -> Waiter:
+    def enqueue(self, model_id: str, limit: int, priority: int = NORMAL,
+                reason: str = ROOM) -> Waiter:
+        """A new waiter, waiting for `reason` (core/waits) to begin with."""
         use = self.use(model_id)
         if len(use.waiters) >= limit:
             raise QueueFull(f"{len(use.waiters)} requests already wait for {model_id!r} "
                             f"(queue limit {limit})", retry_after=5, model=model_id)
-        waiter = Waiter(asyncio.get_running_loop().create_future(), self._clock(), priority)
+        now = self._clock()
+        waiter = Waiter(asyncio.get_running_loop().create_future(), now, priority,
+                        WaitClock(now, reason))
         use.waiters.append(waiter)
         self._depth(model_id)
         return waiter
@@ -110,6 +121,15 @@ class Turns:
         if waiter in waiters:
             waiters.remove(waiter)
             self._depth(model_id)
+
+    def waiting_for(self, model_id: str, reason: str) -> None:
+        """model_id's waiters wait for `reason` from now on (its engine changed)."""
+        use = self._uses.get(model_id)
+        if use is not None and use.waiters:
+            now = self._clock()
+            for waiter in use.waiters:
+                if waiter.wait is not None:
+                    waiter.wait.switch(reason, now)
 
     def queued(self, model_id: str) -> int:
         use = self._uses.get(model_id)

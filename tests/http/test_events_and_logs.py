@@ -16,6 +16,7 @@ import pytest
 
 from gatewayd import cli
 from gatewayd.adapters import journal
+from gatewayd.core.waits import seconds
 from gatewayd.http import admin_api
 from tests.http.test_front_door import Gateway, _gateway, chat
 
@@ -89,6 +90,10 @@ async def test_the_history_says_who_was_evicted_for_whom_and_how_long_loads_took
                   and e["state"] in ("stopping", "stopped")]
         assert [(e["state"], e["reason"], e["evicted_for"]) for e in a_stop] == [
             ("stopping", EVICTED_A, "c"), ("stopped", EVICTED_A, "c")]
+        # why c got room, in words: a served nobody; how long c's request had waited
+        assert [(e["rule"], e["because"]) for e in a_stop] == [
+            ("served_nobody", f"'c' waited {seconds(a_stop[0]['waited_s'])}: 'a' served "
+                              "nobody")] * 2
         c_states = [e for e in events if e["type"] == "engine" and e["model"] == "c"]
         assert [e["state"] for e in c_states] == ["starting", "loading", "ready"]
         assert c_states[-1]["load_s"] >= 0.3   # from its start, through its load

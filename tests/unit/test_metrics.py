@@ -152,3 +152,25 @@ def test_no_family_is_exported_twice() -> None:
     types = [line.split()[2] for line in text.decode().splitlines()
              if line.startswith("# TYPE")]
     assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+
+
+def test_waits_by_reason_and_class_and_the_bounds_near_misses() -> None:
+    from gatewayd.core.priority import HIGH, LOW
+    from gatewayd.core.waits import Waited
+    m = GatewayMetrics()
+    m.observe_wait(Waited("b", LOW, {"room": 19.0, "load": 2.0}, True, "near"))
+    m.observe_wait(Waited("b", HIGH, {"load": 0.3}, True, None))
+    m.observe_wait(Waited("b", LOW, {"room": 45.0}, False, "reached"))   # then a 503
+    samples = _samples(m.render(Snapshot()))
+    count = "llm_gateway_wait_seconds_count"
+    assert samples[count, (("model", "b"), ("priority", "low"), ("reason", "room"))] == 1
+    assert samples["llm_gateway_wait_seconds_sum", (
+        ("model", "b"), ("priority", "low"), ("reason", "room"))] == 19.0
+    assert samples[count, (("model", "b"), ("priority", "low"), ("reason", "load"))] == 1
+    assert samples[count, (("model", "b"), ("priority", "high"), ("reason", "load"))] == 1
+    assert samples["llm_gateway_wait_seconds_bucket", (
+        ("le", "20.0"), ("model", "b"), ("priority", "low"), ("reason", "room"))] == 1
+    misses = "llm_gateway_max_wait_near_misses_total"
+    assert samples[misses, (("kind", "near"), ("model", "b"), ("priority", "low"))] == 1
+    assert samples[misses, (("kind", "reached"), ("model", "b"), ("priority", "low"))] == 1
+    assert sum(v for (name, _), v in samples.items() if name == misses) == 2
