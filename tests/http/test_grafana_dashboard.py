@@ -74,10 +74,11 @@ def selectors(node: Any) -> Iterator[tuple[str, set[str]]]:
 
 async def exported(tmp_path: Path) -> dict[str, set[str]]:
     """sample name -> its label names, scraped after what each family counts has
-    happened once: a chat and a stream, a rejection, an eviction, a restart, a failure."""
+    happened once: a chat and a stream, a rejection, an eviction (its request waited, past
+    a max_wait_s this short), a restart, a failure."""
     names: dict[str, set[str]] = {}
     async for gw in _gateway(tmp_path, ("a",), max_engines=1, host=FakeHost(),
-                             meter=FakeMeter()):
+                             meter=FakeMeter(), max_wait_s=1e-6):
         c = gw.client
         assert (await c.post("/v1/chat/completions", json=chat("a"))).status == 200
         resp = await c.post("/v1/chat/completions", json=chat("a", stream=True))
@@ -101,7 +102,7 @@ async def exported(tmp_path: Path) -> dict[str, set[str]]:
 
 def test_every_query_parses_as_promql() -> None:
     queries = dashboard_queries()
-    assert len(queries) >= 20
+    assert len(queries) >= 26
     for query in queries:
         parse(query)          # raises on a query Prometheus would refuse
 
@@ -128,6 +129,23 @@ async def test_every_metric_and_label_the_dashboard_names_is_exported(tmp_path: 
             elif not labels <= names[name]:
                 missing.append(f"{query}: {name} has no {sorted(labels - names[name])}")
     assert missing == []
+
+
+async def test_the_dashboard_shows_swaps_and_waits_by_reason_and_class(
+        tmp_path: Path) -> None:
+    """Issue 51's figures: swaps per minute (loads and evictions), waits by reason and by
+    class, the bound's near misses; and the scrape has each reason a wait for an engine
+    can have had here (its model's turn for a place, the load)."""
+    read = {name: labels for q in dashboard_queries() for name, labels in selectors(parse(q))
+            if name}
+    assert "llm_gateway_engine_starts_total" in read and "llm_gateway_evictions_total" in read
+    assert "llm_gateway_max_wait_near_misses_total" in read
+    groupings = [labels for q in dashboard_queries() if "llm_gateway_wait_seconds" in q
+                 for name, labels in selectors(parse(q)) if not name]
+    assert {"reason"} in groupings and {"priority"} in groupings
+    names = await exported(tmp_path)
+    assert {"model", "reason", "priority"} <= names["llm_gateway_wait_seconds_bucket"]
+    assert {"model", "priority", "kind"} <= names["llm_gateway_max_wait_near_misses_total"]
 
 
 def test_the_checks_catch_a_broken_query_and_read_what_a_query_names() -> None:
