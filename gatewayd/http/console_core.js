@@ -174,17 +174,20 @@ const ConsoleCore = (() => {
 
   const BUSY = new Set(["starting", "loading", "ready", "restarting", "stopping"]);
 
-  // Per model, the spans of its engine's states over [start, end] and the marks worth a
-  // label (evictions with reasons, failures, restarts); reloads and downloads on their own.
-  // Events are /admin/events/history's, oldest first; a model's state before its first
-  // event in the window is unknown (null) unless `initial` (model -> state) says it.
+  // Per model, the spans of its engine's states over [start, end], its runs (one engine from
+  // its start to its stop: the requests of one model served by one load, and why it ended)
+  // and the marks worth a label (evictions with reasons, failures, restarts); reloads and
+  // downloads on their own. Events are /admin/events/history's, oldest first; a model's
+  // state before its first event in the window is unknown (null) unless `initial` (model ->
+  // state) says it.
   function timeline(events, start, end, initial) {
     const lanes = new Map();
     const marks = [];
     const lane = (model) => {
       if (!lanes.has(model)) {
         const state = (initial && initial[model]) || null;
-        lanes.set(model, { model, spans: [], state, since: start });
+        lanes.set(model, { model, spans: [], runs: [], state, since: start,
+          run: state && BUSY.has(state) ? newRun(start, state) : null });
       }
       return lanes.get(model);
     };
@@ -195,6 +198,7 @@ const ConsoleCore = (() => {
         const l = lane(e.model);
         if (l.state && BUSY.has(l.state)) l.spans.push({ state: l.state, from: l.since, to: e.ts });
         l.state = e.state; l.since = e.ts;
+        followRun(l, e);
         const mark = engineMark(e);
         if (mark) marks.push(mark);
       } else if (e.type === "reload") {
@@ -208,9 +212,63 @@ const ConsoleCore = (() => {
     }
     for (const l of lanes.values()) {
       if (l.state && BUSY.has(l.state)) l.spans.push({ state: l.state, from: l.since, to: end });
-      delete l.since;
+      if (l.run) l.runs.push({ ...l.run, to: end });   // still running: ended null
+      delete l.since; delete l.run;
     }
     return { lanes: [...lanes.values()].sort((a, b) => a.model.localeCompare(b.model)), marks };
+  }
+
+  // A run: from (its start, or the window's), ready (when it became ready; null: not yet
+  // or before the window), load_s, to, and how it ended: ended (null: still running,
+  // "evicted", "stopped", "failed"), why (the event's words), evicted_for, because (why the
+  // model it made room for got it: "'chat' waited 30 s: max_wait_s").
+  function newRun(ts, state) {
+    return { from: ts, ready: state === "ready" ? ts : null, load_s: null, ended: null,
+      why: null, evicted_for: null, because: null };
+  }
+
+  function followRun(l, e) {
+    if (BUSY.has(e.state) && e.state !== "stopping" && !l.run) l.run = newRun(e.ts, e.state);
+    if (!l.run) return;
+    if (e.state === "ready" && l.run.ready == null) {
+      l.run.ready = e.ts;
+      l.run.load_s = e.load_s ?? null;
+    }
+    if (e.state === "stopping" || e.state === "stopped" || e.state === "failed") {
+      const evicted = e.evicted_for != null || /^evicted/.test(e.reason || "");
+      l.runs.push({ ...l.run, to: e.ts, ended: e.state === "failed" ? "failed"
+        : evicted ? "evicted" : "stopped", why: e.reason || null,
+      evicted_for: e.evicted_for ?? null, because: e.because ?? null });
+      l.run = null;
+    }
+  }
+
+  // A run in words, for its hover: how long it ran, its load, and why it ended, e.g.
+  // "a ran 4 min 10 s (loaded in 2.0 s), evicted for 'b': 'b' waited 30 s: max_wait_s".
+  function runText(model, run) {
+    let text = `${model} ran ${duration(run.to - run.from)}`;
+    if (run.load_s != null) text += ` (loaded in ${run.load_s.toFixed(1)} s)`;
+    if (run.ended === "evicted") {   // the words of why, else the stop's reason as it is
+      text += run.because && run.evicted_for != null
+        ? `, evicted for '${run.evicted_for}': ${run.because}` : `, ${run.why || "evicted"}`;
+    } else if (run.ended === "stopped") {
+      text += `, stopped: ${run.why || "stopped"}`;
+    } else if (run.ended === "failed") {
+      text += `, failed: ${run.why || "?"}`;
+    } else {
+      text += ", still running";
+    }
+    return text;
+  }
+
+  // Seconds as a person reads them: "0.4 s", "12 s", "3 min 5 s", "2 h 1 min".
+  function duration(s) {
+    if (!(s >= 0)) return "?";
+    if (s < 10) return `${s.toFixed(1)} s`;
+    if (s < 120) return `${Math.round(s)} s`;
+    const whole = Math.round(s);
+    if (whole < 7200) return `${Math.floor(whole / 60)} min ${whole % 60} s`;
+    return `${Math.floor(whole / 3600)} h ${Math.floor((whole % 3600) / 60)} min`;
   }
 
   function engineMark(e) {
@@ -226,7 +284,8 @@ const ConsoleCore = (() => {
     if (e.state === "stopping" && e.from !== "stopping") {
       const evicted = e.evicted_for != null || /^evicted/.test(e.reason || "");
       return { ...base, kind: evicted ? "evicted" : "stopped",
-        text: `${e.model} ${evicted ? "" : "stopped: "}${e.reason || "stopped"}` };
+        text: `${e.model} ${evicted ? "" : "stopped: "}${e.reason || "stopped"}`
+          + (evicted && e.because ? ` — ${e.because}` : "") };
     }
     if (e.state === "starting") return { ...base, kind: "starting", text: `${e.model} starting` };
     return null;
@@ -286,8 +345,8 @@ const ConsoleCore = (() => {
   }
 
   return { bucketsOf, quantile, tokensPerSecond, figureSeries, summary, niceMax, plot,
-    timeTicks, memoryBar, timeline, keepWindow, sseEvents, streamFigures, lineMatches,
-    appendBounded, FIGURES };
+    timeTicks, memoryBar, timeline, runText, duration, keepWindow, sseEvents, streamFigures,
+    lineMatches, appendBounded, FIGURES };
 })();
 
 if (typeof module === "object" && module.exports) module.exports = ConsoleCore;

@@ -444,12 +444,29 @@ function drawTimeline() {
     g.append(svg("text", { x: left - 6, y: y + 11, "text-anchor": "end" }, l.model));
     g.append(svg("line", { class: "grid", x1: left, x2: left + width, y1: y + lane - 1,
       y2: y + lane - 1 }));
+    // each run (one load's engine, start to stop) outlined, its spans of states inside; the
+    // hover says the run and why it ended, and an eviction is labelled with whom it made
+    // room for ("→ chat"; why on hover: "'chat' waited 30 s: max_wait_s")
+    const runTitle = (r) => `${clock(r.from)}–${clock(r.to)} ${C.runText(l.model, r)}`;
+    for (const r of l.runs) {
+      g.append(svg("rect", { x: x(r.from), y: y + 1, width: Math.max(1, x(r.to) - x(r.from)),
+        height: lane - 2, rx: 3, fill: "none", stroke: colorOf(l.model, names),
+        "stroke-width": 1, "data-run": r.ended ?? "running", "data-model": l.model },
+      svg("title", {}, runTitle(r))));
+      if (r.ended === "evicted" && r.evicted_for != null) {
+        g.append(svg("text", { x: x(r.to) + 3, y: y + 11, class: "swap",
+          "data-swap": r.evicted_for, "data-model": l.model }, `→ ${r.evicted_for}`,
+        svg("title", {}, runTitle(r))));
+      }
+    }
     for (const s of l.spans) {
       const color = s.state === "ready" ? colorOf(l.model, names) : "#c9a227";
+      const run = l.runs.find((r) => s.from >= r.from && s.to <= r.to);
       g.append(svg("rect", { x: x(s.from), y: y + 3, width: Math.max(1, x(s.to) - x(s.from)),
         height: lane - 6, rx: 2, fill: color, opacity: s.state === "ready" ? 0.85 : 0.6,
         "data-state": s.state, "data-model": l.model },
-      svg("title", {}, `${l.model} ${s.state} ${clock(s.from)}–${clock(s.to)}`)));
+      svg("title", {}, `${l.model} ${s.state} ${clock(s.from)}–${clock(s.to)}`
+        + (run ? `\n${C.runText(l.model, run)}` : ""))));
     }
   });
   const at = Object.fromEntries(shown.map((l, i) => [l.model, i]));

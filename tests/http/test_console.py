@@ -134,6 +134,17 @@ async def test_charts_memory_and_timeline_draw_what_happened(tmp_path: Path) -> 
             ready = await page.evaluate("[...document.querySelectorAll('#timeline-svg "
                                         "rect[data-state=ready]')].map(r => r.dataset.model)")
             assert {"a", "b", "c"} <= set(ready)
+            # a's run, outlined, ended by the swap: labelled "→ c", and why on hover
+            swaps = await page.evaluate(
+                "[...document.querySelectorAll('#timeline-svg text[data-swap]')].map(t => "
+                "[t.dataset.model, t.firstChild.textContent, t.querySelector('title').textContent])")
+            assert [(m, label) for m, label, _ in swaps] == [("a", "→ c")], swaps
+            assert "evicted for 'c': 'c' waited " in swaps[0][2], swaps
+            assert swaps[0][2].endswith(": 'a' served nobody"), swaps
+            runs = await page.evaluate("[...document.querySelectorAll('#timeline-svg "
+                                       "rect[data-run]')].map(r => r.dataset.model + ' ' + "
+                                       "r.dataset.run)")
+            assert "a evicted" in runs and "c running" in runs, runs
             # an event after the page opened joins the timeline live: b stopped here
             await c.post("/admin/engines/stop", json={"model": "b"})
             await page.wait_for("!!document.querySelector('#marks li[data-kind=stopped]"

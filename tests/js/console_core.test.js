@@ -144,6 +144,53 @@ test("timeline: spans per model, evictions with their reason, reloads", () => {
   assert.equal(marks.length, 5);   // starting a, ready a, starting b, evicted a, reload
 });
 
+test("timeline: runs of one engine, start to stop, and why each swap happened", () => {
+  const ev = [
+    { type: "engine", model: "a", state: "starting", from: "stopped", ts: 110 },
+    { type: "engine", model: "a", state: "loading", from: "starting", ts: 111 },
+    { type: "engine", model: "a", state: "ready", from: "loading", ts: 112, load_s: 2.04 },
+    { type: "engine", model: "a", state: "stopping", from: "ready", ts: 170,
+      reason: "evicted for 'b' (max_engines reached; 'a' least recently used)",
+      evicted_for: "b", because: "'b' waited 30 s: max_wait_s", rule: "max_wait_s",
+      waited_s: 30.1 },
+    { type: "engine", model: "a", state: "stopped", from: "stopping", ts: 171,
+      reason: "evicted for 'b' (...)", evicted_for: "b", because: "'b' waited 30 s: max_wait_s" },
+    { type: "engine", model: "b", state: "starting", from: "stopped", ts: 172 },
+    { type: "engine", model: "b", state: "ready", from: "loading", ts: 174, load_s: 1.5 },
+    { type: "engine", model: "c", state: "failed", from: "loading", ts: 130, reason: "exit 1" },
+    { type: "engine", model: "d", state: "stopping", from: "ready", ts: 150, reason: "requested" },
+  ];
+  const { lanes, marks } = C.timeline(ev, 100, 200, { c: "starting", d: "ready" });
+  const [a, b, c, d] = lanes;
+  assert.deepEqual(a.runs, [{ from: 110, ready: 112, load_s: 2.04, to: 170, ended: "evicted",
+    why: "evicted for 'b' (max_engines reached; 'a' least recently used)", evicted_for: "b",
+    because: "'b' waited 30 s: max_wait_s" }]);   // stopping ends it; stopped adds none
+  assert.equal(C.runText("a", a.runs[0]),
+    "a ran 60 s (loaded in 2.0 s), evicted for 'b': 'b' waited 30 s: max_wait_s");
+  assert.deepEqual(b.runs.map((r) => [r.from, r.ready, r.to, r.ended]), [[172, 174, 200, null]]);
+  assert.equal(C.runText("b", b.runs[0]), "b ran 28 s (loaded in 1.5 s), still running");
+  // running when the window began (initial): a run from the window's start
+  assert.deepEqual(c.runs.map((r) => [r.from, r.to, r.ended]), [[100, 130, "failed"]]);
+  assert.equal(C.runText("c", c.runs[0]), "c ran 30 s, failed: exit 1");
+  assert.deepEqual(d.runs.map((r) => [r.from, r.ready, r.ended]), [[100, 100, "stopped"]]);
+  assert.equal(C.runText("d", d.runs[0]), "d ran 50 s, stopped: requested");
+  const evicted = marks.find((m) => m.kind === "evicted");
+  assert.equal(evicted.text, "a evicted for 'b' (max_engines reached; 'a' least recently used)"
+    + " — 'b' waited 30 s: max_wait_s");
+  // an eviction without the words (an older gateway's event): its reason
+  const old = C.timeline([ev[0], { ...ev[3], because: undefined }], 100, 200);
+  assert.equal(C.runText("a", old.lanes[0].runs[0]),
+    "a ran 60 s, evicted for 'b' (max_engines reached; 'a' least recently used)");
+});
+
+test("duration: seconds as a person reads them", () => {
+  assert.equal(C.duration(0.44), "0.4 s");
+  assert.equal(C.duration(42.4), "42 s");
+  assert.equal(C.duration(185), "3 min 5 s");
+  assert.equal(C.duration(7260), "2 h 1 min");
+  assert.equal(C.duration(NaN), "?");
+});
+
 test("keepWindow drops what is older than the window, then the oldest past max", () => {
   const ev = [1, 2, 3, 4, 5].map((ts) => ({ ts }));
   assert.deepEqual(C.keepWindow(ev, 5, 2.5, 10).map((e) => e.ts), [3, 4, 5]);
