@@ -137,7 +137,8 @@ async def test_charts_memory_and_timeline_draw_what_happened(tmp_path: Path) -> 
             # a's run, outlined, ended by the swap: labelled "→ c", and why on hover
             swaps = await page.evaluate(
                 "[...document.querySelectorAll('#timeline-svg text[data-swap]')].map(t => "
-                "[t.dataset.model, t.firstChild.textContent, t.querySelector('title').textContent])")
+                "[t.dataset.model, t.firstChild.textContent, "
+                "t.querySelector('title').textContent])")
             assert [(m, label) for m, label, _ in swaps] == [("a", "→ c")], swaps
             assert "evicted for 'c': 'c' waited " in swaps[0][2], swaps
             assert swaps[0][2].endswith(": 'a' served nobody"), swaps
