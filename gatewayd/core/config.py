@@ -18,6 +18,7 @@ from typing import Any
 from gatewayd.core.auth import KeyRing
 from gatewayd.core.errors import ConfigError, ModelSourceInvalid
 from gatewayd.core.priority import CLASSES, NORMAL, parse_class
+from gatewayd.core.progress import MODES as PROGRESS_MODES
 from gatewayd.core.pull import PullSpec, valid_name
 from gatewayd.core.upstreams import UpstreamConfig, parse_upstreams
 
@@ -177,6 +178,9 @@ class GatewayConfig:
     schedule: str = "grouped"
     max_wait_s: float = 20.0
     priority_aging_s: float = 120.0      # a waiting request counts a class higher per this
+    # a waiting stream's SSE comment lines (core/progress): "off", "opt-in" (the client's
+    # LLM-Gateway-Progress: 1) or "on" (unless it says 0)
+    stream_progress: str = "opt-in"
     kv_cache_max_mb: int = 4096          # saved KV cache per model, oldest files removed first
     queue_limit: int = 100               # default per-model queue limit
     max_body_bytes: int = 256 * 1024 * 1024
@@ -230,7 +234,7 @@ _TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_se
              "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
              "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
              "records", "autoload", "eviction_wait_s", "queue_limit", "health",
-             "schedule", "max_wait_s", "priority_aging_s",
+             "schedule", "max_wait_s", "priority_aging_s", "stream_progress",
              "kv_cache_max_mb", "auth", "admin", "upstreams", "parked_engines",
              "max_answer_mb", "max_event_mb", "memory"}
 
@@ -341,6 +345,8 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
         max_wait_s=float(_positive(data.get("max_wait_s", 20), where, "max_wait_s")),
         priority_aging_s=float(_positive(data.get("priority_aging_s", 120), where,
                                          "priority_aging_s")),
+        stream_progress=_one_of(data.get("stream_progress", "opt-in"), PROGRESS_MODES, where,
+                                "stream_progress"),
         queue_limit=_non_negative(data.get("queue_limit", 100), where, "queue_limit"),
         kv_cache_max_mb=_non_negative(data.get("kv_cache_max_mb", 4096), where,
                                       "kv_cache_max_mb"),

@@ -66,7 +66,7 @@ CORS_REQUEST_HEADERS = ("Authorization, X-Api-Key, Content-Type, Accept, OpenAI-
                         "X-Stainless-Timeout, X-Stainless-Lang, X-Stainless-Package-Version, "
                         "X-Stainless-OS, X-Stainless-Arch, X-Stainless-Runtime, "
                         "X-Stainless-Runtime-Version, Anthropic-Dangerous-Direct-Browser-Access, "
-                        "LLM-Gateway-Priority")
+                        "LLM-Gateway-Priority, LLM-Gateway-Progress")
 CORS_MAX_AGE_S = 600
 CROSS_SITE = frozenset({"cross-site", "same-site"})   # Sec-Fetch-Site: another site's page
 # The request head the gateway takes: a field or request line of 8 KiB (aiohttp's own

@@ -90,7 +90,7 @@ def _answer(request: web.Request, e: GatewayError) -> web.Response:
     if e.retry_after is not None:
         headers["Retry-After"] = str(e.retry_after)
     if not _for_admin(request):
-        _withhold_engine_logs(e)
+        withhold_engine_logs(e)
     response = web.json_response(_in_dialect(e, request.path), status=e.status,
                                  headers=headers)
     if e.closes_connection:
@@ -145,7 +145,7 @@ def _for_admin(request: web.Request) -> bool:
     return matched is not None and matched.route.access is Caller.ADMIN
 
 
-def _withhold_engine_logs(error: GatewayError) -> None:
+def withhold_engine_logs(error: GatewayError) -> None:
     """An engine's journal lines are for the admin API and the CLI: an inference caller
     is told the failure and where the logs are, not what they say (they may hold other
     clients' prompts, paths, the host's details)."""

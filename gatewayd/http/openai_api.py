@@ -28,6 +28,7 @@ from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.adapters.remote_client import never_connected, to_remote
 from gatewayd.adapters.remote_upstreams import Remote, Remotes
+from gatewayd.core import progress
 from gatewayd.core.auth import ApiKey, check_model
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import Backend, GatewayConfig
@@ -64,6 +65,7 @@ from gatewayd.http.proxy import (
     request_headers,
     to_engine,
 )
+from gatewayd.http.waiting import ClientLeft, Progress
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.pulls import Puller
@@ -201,6 +203,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     key = request_key(request)
     record = CallRecord(ts=time.time(), method=request.method, endpoint=request.path,
                         api_key=key.name if key is not None else None)
+    told: Progress | None = None   # a stream told of its wait (http/waiting)
     try:
         matched = request_route(request)
         if matched is None or not matched.route.engine:
@@ -241,6 +244,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                                   request.headers.get(PRIORITY_HEADER))
         except ValueError as e:
             raise InvalidRequest(str(e), param=PRIORITY_HEADER) from None
+        if stream and local is not None:
+            told = waits_told(front, request, record, t0, model_id)
         drop_usage = False
         if stream and request.path in USAGE_PATHS and payload is not None:
             options = payload.get("stream_options")
@@ -258,20 +263,27 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         call = Call(request, record, t0, payload, body, headers, stream, drop_usage,
                     matched.target,
                     whisper=local is not None and local.backend is Backend.WHISPER,
-                    priority=priority)
+                    priority=priority, told=told)
+
+        def acquire() -> Awaitable[Engine]:   # its engine, the wait told where asked
+            waiting = front.dispatcher.acquire(model_id, autoload=autoload,
+                                               counts_as_use=inference, priority=priority)
+            return waiting if told is None else told.wait(
+                waiting, lambda _: front.dispatcher.release(
+                    model_id, counts_as_use=inference, priority=priority))
+
         if local is not None and not local.config.downloaded and autoload \
                 and front.puller is not None:
             # its file pulled from its source first, within the wait for a load; the
             # catalog has it once this returns (503 model_downloading with the ETA if not)
-            await front.puller.ensure(local, front.config.load_timeout_s)
+            pulled = front.puller.ensure(local, front.config.load_timeout_s)
+            await (pulled if told is None else told.wait(pulled))
         if local is None:
             response = await relay_remote(front, call, names, model_id)
         elif local.config.spill_over and matched.route.upstream \
                 and front.remotes.candidates(names):
             try:
-                engine = await front.dispatcher.acquire(model_id, autoload=autoload,
-                                                        counts_as_use=inference,
-                                                        priority=priority)
+                engine = await acquire()
             except SPILL_OVER as e:
                 log.info("%s cannot take the request here (%s): spilling over", model_id,
                          e.code)
@@ -279,8 +291,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             else:
                 response = await relay_local(front, call, engine, multipart, inference)
         else:
-            engine = await front.dispatcher.acquire(model_id, autoload=autoload,
-                                                    counts_as_use=inference, priority=priority)
+            engine = await acquire()
             try:
                 response = await relay_local(front, call, engine, multipart, inference)
             except EngineUnavailable as e:
@@ -290,15 +301,17 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                 # process, so it waits for the restarted one like any other, once
                 log.info("%s: its engine's socket is shut and systemd restarts it: the "
                          "request waits for it", model_id)
-                engine = await front.dispatcher.acquire(model_id, autoload=autoload,
-                                                        counts_as_use=inference,
-                                                        priority=priority)
+                engine = await acquire()
                 response = await relay_local(front, call, engine, multipart, inference)
         if front.config.records_store_text and isinstance(response, web.Response) \
                 and isinstance(response.body, bytes):
             record.response_text = _capped(response.body, front.config.records_text_max_bytes)
         return response
+    except ClientLeft as e:   # while its wait was told (recorded)
+        return e.response
     except GatewayError as e:
+        if told is not None and told.response is not None:
+            return await told.end(e)   # its 200 is out: the stream's error event says it
         record.status, record.outcome, record.error_code = e.status, "error", e.code
         raise
     except web.HTTPException as e:
@@ -306,6 +319,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         raise
     except asyncio.CancelledError:
         if record.stream:   # a stream's relay knows whether it was all delivered
+            raise
+        if told is not None and told.response is not None:   # told of its wait, then:
+            if request.app[SHUTDOWN].expired:
+                return await told.end(shutdown_error())   # (done: not re-raised)
+            told.left()
             raise
         if request.app[SHUTDOWN].expired:   # cancelled at the drain deadline: the client is there
             error = shutdown_error()
@@ -337,6 +355,7 @@ class Call:
     whisper: bool = False   # a whisper model's: its engine is whisper-server, whose
                             # requests and answers differ from OpenAI's
     priority: int = NORMAL  # its class (core/priority): its turn was taken in it
+    told: Progress | None = None   # its wait told to its client: the stream begun there
 
 
 async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: bool,
@@ -426,7 +445,24 @@ def outgoing(config: GatewayConfig, send: Callable[[], Awaitable[Answer]], call:
     return Outgoing(send=send, stream=call.stream, drop_usage_event=call.drop_usage,
                     stall_timeout_s=config.read_timeout_s,
                     max_answer_bytes=config.max_answer_bytes,
-                    max_event_bytes=config.max_event_bytes, whisper=call.whisper, **remote)
+                    max_event_bytes=config.max_event_bytes, whisper=call.whisper,
+                    response=call.told.response if call.told is not None else None,
+                    **remote)
+
+
+def waits_told(front: FrontDoor, request: web.Request, record: CallRecord, t0: float,
+               model_id: str) -> Progress | None:
+    """A stream's waits told to its client, where the setting and the client's header say
+    so (core/progress.wanted; a header value that is neither yes nor no is a 400)."""
+    try:
+        if not progress.wanted(front.config.stream_progress,
+                               request.headers.get(progress.HEADER)):
+            return None
+    except ValueError as e:
+        raise InvalidRequest(str(e), param=progress.HEADER) from None
+    return Progress(request, record, t0, model_id, dispatcher=front.dispatcher,
+                    engines=front.engines, puller=front.puller,
+                    stall_timeout_s=front.config.read_timeout_s)
 
 
 def available_models(front: FrontDoor, key: ApiKey | None) -> list[str]:

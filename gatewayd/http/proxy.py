@@ -49,6 +49,7 @@ from gatewayd.core.errors import (
     EngineUnavailable,
     EventTooLarge,
     GatewayError,
+    InvalidRequest,
     QueueFull,
     UpstreamFailed,
     UpstreamTimeout,
@@ -105,6 +106,10 @@ class Outgoing:
     redact: Callable[[str], str] = str
     # a whisper-server answers: its transcription's padding is trimmed
     whisper: bool = False
+    # a stream's answer already begun (http/waiting: lines told its client of the wait):
+    # its 200 and SSE head are out, the events go on in it, and an answer that is no
+    # stream can only be told as the stream's error event
+    response: web.StreamResponse | None = None
 
     def unavailable(self, e: BaseException, while_: str = "did not take the request"
                     ) -> GatewayError:
@@ -169,6 +174,8 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
         content_type = upstream.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
             return await _relay_stream(request, upstream, out, record, t0)
+        if out.response is not None:
+            raise await _not_a_stream(upstream, out)
         if upstream.status < 400 and is_media(content_type):
             return await _relay_media(request, upstream, out, record)
         try:
@@ -200,11 +207,13 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
 async def _relay_stream(request: web.Request, upstream: Answer,
                         out: Outgoing, record: CallRecord, t0: float) -> web.StreamResponse:
     record.stream = True
-    record.status = upstream.status
-    response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
     chunked = request.version >= aiohttp.HttpVersion11
-    if chunked:
-        response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
+    response = out.response   # begun already (its 200 told the client of a wait), or:
+    if response is None:
+        record.status = upstream.status
+        response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
+        if chunked:
+            response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
     writer = await response.prepare(request)
     sse = SseRelay(drop_usage_event=out.drop_usage_event, max_event_bytes=out.max_event_bytes)
     delivered = False  # the engine's answer ended and all of it was written to the client
@@ -281,6 +290,24 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     finally:
         _stream_usage(record, sse)
     return response
+
+
+async def _not_a_stream(upstream: Answer, out: Outgoing) -> GatewayError:
+    """An answer that is no event stream (an engine's error, as a rule) to a stream whose
+    200 is out: the error its event will say, with the engine's (or upstream's) words."""
+    try:
+        data = await upstream.read(out.max_answer_bytes)
+    except (AnswerPastLimit, EngineAnswerTooLarge, *TRANSPORT_ERRORS):
+        data = b""
+    who = "the engine" if out.upstream is None else f"upstream {out.upstream!r}"
+    said = json.loads(_as_anthropic_error(data, upstream.status))["error"]["message"]
+    message = (f"{who} answered {upstream.status} instead of a stream: "
+               f"{out.redact(said)[:1000]}")
+    if 400 <= upstream.status < 500:
+        return InvalidRequest(message)
+    if out.upstream is None:
+        return EngineFailed(message)
+    return UpstreamFailed(message, upstream=out.upstream)
 
 
 def is_media(content_type: str) -> bool:
