@@ -192,10 +192,8 @@ SCHEDULING = (
     # -- added with the mutants of every layer
     Mutant("evict-most-recent", "the least recently used engine is evicted",
            "gatewayd/core/scheduler.py",
-           "    victims = sorted((u for u in candidates if u.why_not_evictable() is None),\n"
-           "                     key=lambda u: u.last_used)",
-           "    victims = sorted((u for u in candidates if u.why_not_evictable() is None),\n"
-           "                     key=lambda u: -u.last_used)",
+           "        return (self.priority, self.last_used) if grouped else (self.last_used,)",
+           "        return (self.priority, -self.last_used) if grouped else (-self.last_used,)",
            tests=(D + "test_lru_idle_engine_is_evicted_when_places_run_out",)),
     Mutant("evict-busy", "an engine serving a request is never evicted",
            "gatewayd/core/scheduler.py",
@@ -310,8 +308,8 @@ SCHEDULING = (
            tests=(D + "test_concurrency_limit_is_429_with_retry_after",)),
     Mutant("polls-count-as-use", "a status poll does not make an engine recently used",
            "gatewayd/service/turns.py",
-           "        use.in_flight += 1\n        if counts_as_use:",
-           "        use.in_flight += 1\n        if True:",
+           "        use.serving[priority] += 1\n        if counts_as_use:",
+           "        use.serving[priority] += 1\n        if True:",
            tests=(D + "test_polls_do_not_count_as_use",)),
 )
 
@@ -1028,6 +1026,11 @@ GROUPED = (
            "        return (-w.priority, 1, 0, oldest, w.asked_at)",
            tests=(MODEL_T + "test_grouped_the_model_with_more_waiting_goes_first_then_"
                   "classes_first",)),
+    Mutant("grouped-no-idle-grace", "an engine idle for a moment between its clients' "
+           "requests keeps its place until the waiting model's turn",
+           "gatewayd/core/scheduler.py", "IDLE_GRACE_S = 1.0\n", "IDLE_GRACE_S = 0.0\n",
+           tests=(MODEL_T + "test_grouped_an_engine_idle_between_its_clients_requests_keeps_"
+                  "its_place",)),
     Mutant("priority-raised-by-client", "a client may lower its class, never raise it",
            "gatewayd/core/priority.py", "    return min(granted, wanted)",
            "    return wanted", tests=(PRIORITY_T,)),

@@ -19,7 +19,9 @@ it is more than the models ahead of them need. The line's order is `line_order`:
 How room is made, at the head of the line:
 1. evict an engine among those that can go now (ready, serving nobody, awaited by
    nobody or draining, not pinned): the least recently *used* (used = an inference
-   request; status polls do not count); grouped, of the lowest class first;
+   request; status polls do not count); grouped, of the lowest class first, and only
+   one that has served nobody for IDLE_GRACE_S (its clients' next request is on its way)
+   unless the waiting model is overdue or of a higher class;
 2. if none can go now, *drain* one (same order): its in-flight requests finish (never
    preempted), its new requests queue behind the waiting model, and once it serves
    nobody it is evicted (1.). Under fifo at once; grouped only when the waiting model
@@ -42,6 +44,13 @@ from dataclasses import dataclass, field
 from gatewayd.core.budget import still_to_load_mib
 from gatewayd.core.engines import EngineState, holds_place
 from gatewayd.core.priority import NORMAL
+
+# grouped: how long an engine must have served nobody before it gives way to a model
+# whose turn has not come. Its clients' next request follows an answer by milliseconds
+# (an agent's tool call, a script's loop): an engine free for that moment still has work,
+# and evicting it then is a swap per gap. Small beside any load (0.3 s for a tiny model,
+# seconds to tens of seconds for real ones), so a model left without clients goes at once.
+IDLE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -162,7 +171,7 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
                devices: frozenset[str] | None = None, ram_need_mib: int = 0,
                ram_free_mib: int | None = None, ahead_ram_mib: int = 0,
                grouped: bool = False, overdue: bool = False,
-               priority: int = NORMAL) -> Decision:
+               priority: int = NORMAL, now: float = 0.0) -> Decision:
     """Can model_id's engine start now, and if not, what happens first?
 
     free_mib is a fresh reading of free GPU memory on the devices placement chose
@@ -172,7 +181,7 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     (None: not checked); ahead is how many models are before this one in the line
     for room, and ahead_ram_mib the RAM they need. grouped: the grouped order (else
     fifo); overdue: the model's oldest request has waited its max_wait_s; priority: the
-    highest class among its waiting requests (aged).
+    highest class among its waiting requests (aged); now: the clock of last_used.
     """
     others = [u for u in usages if u.model_id != model_id and u.holds_place]
     free_places = max_engines - len(others)
@@ -198,6 +207,16 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
         else others
     victims = sorted((u for u in candidates if u.why_not_evictable() is None),
                      key=lambda u: u.victim_order(grouped))
+    if grouped and not overdue:
+        # an engine idle for a moment between its clients' requests still has work: only
+        # one idle for IDLE_GRACE_S gives way to a model whose turn has not come (or one
+        # of a lower class than the waiting model's requests)
+        settled = [u for u in victims if now - u.last_used >= IDLE_GRACE_S
+                   or priority > u.priority]
+        if victims and not settled:
+            return Wait(f"{', '.join(repr(u.model_id) for u in victims)} just served: "
+                        f"{model_id!r} waits its turn", turn=True)
+        victims = settled
     if victims:
         return Evict(victims[0].model_id, f"making room for {model_id}: {why}", why=why)
     if any(u.draining for u in candidates):

@@ -118,10 +118,12 @@ class Loader:
 
     def line(self) -> list[scheduler.Want]:
         """The models waiting for room, head first (core/scheduler.line_order). Grouped,
-        the room an engine gave up goes to the model it was evicted or drained for: a
-        model room was made for goes first, and a model whose engine is being drained
-        last (its queue grows while its engine finishes: by count it would take back the
-        place it just gave up, a swap for nothing)."""
+        within a class, the room an engine gave up goes to the model it was evicted or
+        drained for: a model room was made for goes first, and a model whose engine is
+        being drained last (its queue grows while its engine finishes: by count it would
+        take back the place it just gave up, a swap for nothing). A draining model that
+        is at the head all the same (a request of a higher class came for it) has its
+        drain undone by its loader."""
         now = self._clock()
         order = scheduler.line_order((self._want(m, now) for m in self._line),
                                      grouped=self.grouped, now=now)
@@ -129,7 +131,8 @@ class Loader:
             return order
         draining = {m for m in self._line if self._draining(m)}
         rank = {m: i for i, m in enumerate(self._room_made)}
-        return sorted(order, key=lambda w: (w.model_id in draining,
+        # (within a class: a higher class goes first whatever room was made for whom)
+        return sorted(order, key=lambda w: (-w.priority, w.model_id in draining,
                                             rank.get(w.model_id, len(rank))))
 
     def _made_room(self, model_id: str) -> None:
@@ -216,6 +219,13 @@ class Loader:
             if engine is not None and engine.state is EngineState.READY:
                 if not use.draining:
                     return
+                if self.grouped and self.line()[0].model_id == model.id:
+                    # a request of a higher class came for the engine being drained for a
+                    # lower one: the drain is undone, its engine serves it
+                    log.info("%s is no longer drained: its own requests come first", model.id)
+                    use.draining_for = None
+                    self._changes.notify()
+                    return
                 await self._wait(deadline, model, "its engine is being evicted")
                 continue
             if engine is not None and engine.state in COMING_STATES:
@@ -252,7 +262,7 @@ class Loader:
                 ram_free_mib=None if ram is None else ram.plan_free_mib,
                 ahead_ram_mib=self._ahead_ram_mib(ahead) if ahead and ram else 0,
                 grouped=self.grouped, overdue=want.overdue(self._clock()),
-                priority=want.priority)
+                priority=want.priority, now=self._clock())
             match decision:
                 case scheduler.TryAnyway() if self._memory_coming_back():
                     # an engine just went away: its memory may not show as free yet, so

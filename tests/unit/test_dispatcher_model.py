@@ -214,6 +214,18 @@ class DispatcherMachine(RuleBasedStateMachine):
             self.clients.append(self.loop.create_task(client(offset)))
         self._advance(0.001)
 
+    def chatty_load(self, model: str, seconds: float, gap: float) -> None:
+        """One client asking again `gap` after each answer (a script, an agent's tool
+        call): its engine serves nobody for that moment between requests."""
+        until = self.loop.time() + seconds
+
+        async def client() -> None:
+            while self.loop.time() < until:
+                await self._send(model, 0.2, None).task
+                await asyncio.sleep(gap)
+        self.clients.append(self.loop.create_task(client()))
+        self._advance(0.001)
+
     @rule(model=st.sampled_from(MODELS))
     def start_fails_once(self, model: str) -> None:
         self.systemd.fail_next_start.add(model)
@@ -830,3 +842,16 @@ def test_grouped_an_overdue_model_goes_before_one_with_more_waiting() -> None:
                   ("requests", {"model": "c", "hold": 0.1, "count": 3, "leave_after": None}),
                   ("time_passes", {"seconds": 12.0}),
                   ("check_order", {"first": "b", "then": "c"})], schedule="grouped")
+
+
+def test_grouped_an_engine_idle_between_its_clients_requests_keeps_its_place() -> None:
+    """b's client asks again 0.2 s after each answer: b serves nobody for that moment,
+    which is no reason to give its place to c before c's turn (a swap per gap)."""
+    run_scenario([("chatty_load", {"model": "b", "seconds": 20.0, "gap": 0.2}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 1, "leave_after": None}),
+                  ("time_passes", {"seconds": MAX_WAIT_S - 1.5}),
+                  ("check_waits", {"model": "c"}),
+                  ("time_passes", {"seconds": 6.0}),
+                  ("check_served_within", {"model": "c", "seconds": MAX_WAIT_S + 0.5 + 2.0})],
+                 schedule="grouped")
