@@ -171,6 +171,19 @@ class EngineLifecycle:
             self._spawn(self._memory.track(model.id, layout.unit))   # off the start's path
         return await self.wait_ready(model.id) if wait else self._registry[model.id]
 
+    def refuse_start(self, model_id: str, error: GatewayError) -> GatewayError:
+        """A start that cannot happen, said before anything ran (check_startable: the
+        engine server missing, the model's files unreadable): the engine failed as a
+        start that failed at once would have (its state, its backoff, its 502), with no
+        room made for it first."""
+        if (current := self._registry.get(model_id)) is not None and current.holds_place:
+            return error   # (not asked of a running engine; never touch one)
+        layout = self._units.layout(model_id)
+        self._registry.register(Engine(model_id, layout.unit, layout.socket))
+        self._registry.event(model_id, StartRequested(self._clock()))
+        self._registry.event(model_id, StartFailed(self._clock(), error.message))
+        return self._registry.failed_error(model_id)
+
     async def wait_ready(self, model_id: str, timeout: float | None = None) -> Engine:
         """The engine once ready; its failure, its stop, or the deadline otherwise."""
         limit = self._config.load_timeout_s + READY_GRACE_S if timeout is None else timeout

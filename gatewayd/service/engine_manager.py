@@ -24,7 +24,7 @@ from gatewayd.core.budget import Need
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine
-from gatewayd.core.errors import EngineFailed
+from gatewayd.core.errors import EngineFailed, GatewayError
 from gatewayd.core.ports import (
     DesiredList,
     EngineUnitInfo,
@@ -206,8 +206,12 @@ class EngineManager:
 
     def check_startable(self, model: Model) -> None:
         """What its start would fail on before anything runs (the engine server missing,
-        its files missing or unreadable): said before room is made for it."""
-        self._units.check_startable(model)
+        its files missing or unreadable): said before room is made for it, as the failed
+        start it would have been (engine_failed, its backoff)."""
+        try:
+            self._units.check_startable(model)
+        except GatewayError as e:
+            raise self._lifecycle.refuse_start(model.id, e) from e
 
     def learn_memory(self) -> list[str]:
         """What ready engines hold now, GPU and RAM, for the next admission of their

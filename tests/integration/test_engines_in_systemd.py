@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -270,7 +271,9 @@ async def test_whisper_launcher_without_private_network_falls_back_to_distinct_p
         assert json.loads(out)["text"].strip()
         said = [m["MESSAGE"] for m in journal_messages(await journal(spec.name))
                 if "using 127.0.0.1:" in str(m.get("MESSAGE"))]
-        port = int(said[0].rsplit(":", 1)[1])
+        found = re.search(r"using 127\.0\.0\.1:(\d+)", said[0])
+        assert found, said   # (the line goes on to say the port is the host's)
+        port = int(found.group(1))
         assert 39000 <= port < 40000
         ports.add(port)
     assert len(ports) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -251,18 +252,26 @@ async def test_load_failure_reaches_every_waiter(tmp_path: Path) -> None:
 
 async def test_a_start_that_cannot_happen_evicts_nobody(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """b's engine server is missing: a was evicted for a start that then failed at once."""
+    """b's engine server is missing: a was evicted for a start that then failed at once.
+    Now b fails as that start would have (engine_failed, its backoff), and a stays."""
     d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=1)
     await use(d, "a")
     units.unstartable["b"] = EngineBinaryMissing(
         "llama_server = 'llama-server': not found in PATH (/usr/bin)", key="llama_server")
-    with pytest.raises(EngineBinaryMissing, match="not found in PATH"):
+    with pytest.raises(EngineFailed, match="not found in PATH") as failed:
         await use(d, "b")
+    assert failed.value.status == 502 and failed.value.code == "engine_failed"
     assert units.log == ["start a"]
     engine = d._engines.get("a")
     assert engine is not None and engine.state is EngineState.READY
-    assert any("b cannot start: llama_server" in m for m in caplog.messages)
-    units.unstartable.clear()   # fixed: now a makes room for it
+    b = d._engines.get("b")
+    assert b is not None and b.state is EngineState.FAILED
+    assert any("b cannot start:" in m and "llama_server" in m for m in caplog.messages)
+    units.unstartable.clear()   # fixed: once its backoff is over, a makes room for it
+    deadline = time.monotonic() + 10
+    while d._engines.backoff_left("b") > 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
     await use(d, "b")
     assert units.log == ["start a", "stop llm-engine-a.service", "start b"]
 
