@@ -1007,23 +1007,24 @@ GROUPED = (
            tests=(MODEL_T + "test_grouped_a_higher_class_does_not_wait_its_turn",)),
     Mutant("grouped-class-ignored-in-line", "a higher class goes first in the line",
            "gatewayd/core/scheduler.py",
-           "        return (-w.priority, 1, -w.waiting, oldest, w.asked_at)",
-           "        return (0, 1, -w.waiting, oldest, w.asked_at)",
+           "        return (-w.priority, *made, 1, -w.waiting, oldest, w.asked_at)",
+           "        return (0, *made, 1, -w.waiting, oldest, w.asked_at)",
            also=(("gatewayd/core/scheduler.py",
-                  "            return (-w.priority, 0, oldest, w.asked_at)",
-                  "            return (0, 0, oldest, w.asked_at)"),),
+                  "            return (-w.priority, *made, 0, oldest, w.asked_at)",
+                  "            return (0, *made, 0, oldest, w.asked_at)"),),
            tests=(MODEL_T + "test_grouped_the_model_with_more_waiting_goes_first_then_"
                   "classes_first",)),
     Mutant("grouped-overdue-not-first", "an overdue model goes before one with more waiting",
            "gatewayd/core/scheduler.py",
-           "        if w.overdue(now):\n            return (-w.priority, 0, oldest, w.asked_at)\n",
+           "        if w.overdue(now):\n            return (-w.priority, *made, 0, oldest, "
+           "w.asked_at)\n",
            "",
            tests=(MODEL_T + "test_grouped_an_overdue_model_goes_before_one_with_more_"
                   "waiting",)),
     Mutant("grouped-count-ignored", "the model with more requests waiting goes first",
            "gatewayd/core/scheduler.py",
-           "        return (-w.priority, 1, -w.waiting, oldest, w.asked_at)",
-           "        return (-w.priority, 1, 0, oldest, w.asked_at)",
+           "        return (-w.priority, *made, 1, -w.waiting, oldest, w.asked_at)",
+           "        return (-w.priority, *made, 1, 0, oldest, w.asked_at)",
            tests=(MODEL_T + "test_grouped_the_model_with_more_waiting_goes_first_then_"
                   "classes_first",)),
     Mutant("grouped-no-idle-grace", "an engine idle for a moment between its clients' "

@@ -255,6 +255,12 @@ class Want:
     waiting: int = 0           # requests waiting for it
     priority: int = NORMAL     # the highest class among them, aged (core/priority.aged)
     max_wait_s: float = 20.0
+    # grouped: the room an engine gave up goes to the model it was evicted or drained
+    # for (room_made: the order in which room was made, first first), and a model whose
+    # own engine is draining goes behind: its queue grows while its engine finishes, and
+    # by count it would take back the place it just gave up, a swap for nothing
+    room_made: int | None = None
+    draining: bool = False
 
     def overdue(self, now: float) -> bool:
         return self.oldest_at is not None and now - self.oldest_at >= self.max_wait_s
@@ -267,9 +273,12 @@ def line_order(wants: Iterable[Want], *, grouped: bool, now: float) -> list[Want
 
     def key(w: Want) -> tuple[float, ...]:
         oldest = w.oldest_at if w.oldest_at is not None else float("inf")
+        # within a class: the room an engine gave up goes to the model it was made for,
+        # and a model whose own engine is draining waits behind (see Want)
+        made = (w.draining, w.room_made if w.room_made is not None else float("inf"))
         if w.overdue(now):
-            return (-w.priority, 0, oldest, w.asked_at)
-        return (-w.priority, 1, -w.waiting, oldest, w.asked_at)
+            return (-w.priority, *made, 0, oldest, w.asked_at)
+        return (-w.priority, *made, 1, -w.waiting, oldest, w.asked_at)
     return sorted(wants, key=key)
 
 

@@ -114,26 +114,17 @@ class Loader:
             model_id, self._asked.get(model_id, now),
             min((w.since for w in waiters), default=None), len(waiters),
             max((aged(w.priority, now - w.since, aging) for w in waiters), default=NORMAL),
-            max_wait)
+            max_wait, room_made=self._room_made.index(model_id)
+            if model_id in self._room_made else None, draining=self._draining(model_id))
 
     def line(self) -> list[scheduler.Want]:
-        """The models waiting for room, head first (core/scheduler.line_order). Grouped,
-        within a class, the room an engine gave up goes to the model it was evicted or
-        drained for: a model room was made for goes first, and a model whose engine is
-        being drained last (its queue grows while its engine finishes: by count it would
-        take back the place it just gave up, a swap for nothing). A draining model that
-        is at the head all the same (a request of a higher class came for it) has its
-        drain undone by its loader."""
+        """The models waiting for room, head first (core/scheduler.line_order: grouped,
+        within a class the room made goes to its model, and a model whose engine drains
+        goes behind). A draining model at the head all the same (a request of a higher
+        class came for it) has its drain undone by its loader."""
         now = self._clock()
-        order = scheduler.line_order((self._want(m, now) for m in self._line),
-                                     grouped=self.grouped, now=now)
-        if not self.grouped:
-            return order
-        draining = {m for m in self._line if self._draining(m)}
-        rank = {m: i for i, m in enumerate(self._room_made)}
-        # (within a class: a higher class goes first whatever room was made for whom)
-        return sorted(order, key=lambda w: (-w.priority, w.model_id in draining,
-                                            rank.get(w.model_id, len(rank))))
+        return scheduler.line_order((self._want(m, now) for m in self._line),
+                                    grouped=self.grouped, now=now)
 
     def _made_room(self, model_id: str) -> None:
         if model_id not in self._room_made:

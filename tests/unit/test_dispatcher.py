@@ -104,8 +104,10 @@ async def test_a_busy_engine_is_never_evicted(tmp_path: Path) -> None:
 
 async def test_pinned_engines_stay_busy_ones_drain_and_the_wait_is_bounded(
         tmp_path: Path) -> None:
+    # (fifo: the drain at once; grouped waits for c's turn first, tests/unit/
+    # test_dispatcher_model.py's grouped scenarios)
     d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2, eviction_wait_s=0.3,
-                        models_config={"a": {"pin": True}})
+                                      schedule="fifo", models_config={"a": {"pin": True}})
     await use(d, "a")
     async with d.serve("b", autoload=True):
         with pytest.raises(EngineLimitReached) as err:
