@@ -220,6 +220,12 @@ class GatewayConfig:
     def records_file(self) -> Path:
         return self.records_path or self.state_dir / "records.db"
 
+    def max_wait_for(self, model: ModelConfig | None) -> float:
+        """The bound on a model's turn (grouped): its own max_wait_s, else the global."""
+        if model is not None and model.max_wait_s is not None:
+            return model.max_wait_s
+        return self.max_wait_s
+
 
 SCHEDULES = ("grouped", "fifo")
 _MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",

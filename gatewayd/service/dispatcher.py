@@ -119,8 +119,7 @@ class Dispatcher:
                 parts: dict[str, float], *, handed: bool) -> None:
         """A wait is over: tell the listeners (the metrics), with how its wait for the
         model's turn stood against max_wait_s."""
-        max_wait = model.config.max_wait_s if model is not None and \
-            model.config.max_wait_s is not None else self._config.max_wait_s
+        max_wait = self._config.max_wait_for(model.config if model is not None else None)
         done = Waited(model_id, priority, parts, handed,
                       near_miss(parts.get(ROOM, 0.0), max_wait))
         for listener in list(self._wait_listeners):

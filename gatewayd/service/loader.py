@@ -107,8 +107,7 @@ class Loader:
         use = self._turns.peek(model_id)
         waiters = list(use.waiters) if use is not None else []
         model = self._catalog.get(model_id)
-        max_wait = model.config.max_wait_s if model is not None and \
-            model.config.max_wait_s is not None else self._config.max_wait_s
+        max_wait = self._config.max_wait_for(model.config if model is not None else None)
         aging = self._config.priority_aging_s
         return scheduler.Want(
             model_id, self._asked.get(model_id, now),
