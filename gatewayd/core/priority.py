@@ -41,3 +41,13 @@ def aged(klass: int, waited_s: float, aging_s: float) -> int:
     if aging_s <= 0 or waited_s <= 0 or not math.isfinite(waited_s):
         return klass
     return min(HIGH, klass + int(waited_s // aging_s))
+
+
+def turn_bound_s(klass: int, max_wait_s: float, aging_s: float) -> float:
+    """The longest a waiting request of class klass may be passed over for its model's
+    turn (grouped): until it is overdue (max_wait_s) and aged to the highest class an
+    engine's traffic can have. Without aging a lower class never outranks a busy engine's
+    traffic: its request is refused after max_wait_s and the wait for room."""
+    if aging_s <= 0:
+        return max_wait_s
+    return max(max_wait_s, (HIGH - klass) * aging_s)

@@ -261,6 +261,9 @@ class Want:
     # by count it would take back the place it just gave up, a swap for nothing
     room_made: int | None = None
     draining: bool = False
+    # by when its turn comes at the latest: the earliest of its waiting requests'
+    # arrival + core/priority.turn_bound_s (None: nobody waits)
+    turn_by: float | None = None
 
     def overdue(self, now: float) -> bool:
         return self.oldest_at is not None and now - self.oldest_at >= self.max_wait_s

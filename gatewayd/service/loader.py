@@ -37,7 +37,7 @@ from gatewayd.core.errors import (
 )
 from gatewayd.core.placement import Placement, total
 from gatewayd.core.ports import GpuProbe
-from gatewayd.core.priority import NORMAL, aged
+from gatewayd.core.priority import NORMAL, aged, turn_bound_s
 from gatewayd.core.waits import SERVED_NOBODY, Swap, room_rule
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.turns import Turns
@@ -114,7 +114,9 @@ class Loader:
             min((w.since for w in waiters), default=None), len(waiters),
             max((aged(w.priority, now - w.since, aging) for w in waiters), default=NORMAL),
             max_wait, room_made=self._room_made.index(model_id)
-            if model_id in self._room_made else None, draining=self._draining(model_id))
+            if model_id in self._room_made else None, draining=self._draining(model_id),
+            turn_by=min((w.since + turn_bound_s(w.priority, max_wait, aging)
+                         for w in waiters), default=None))
 
     def line(self) -> list[scheduler.Want]:
         """The models waiting for room, head first (core/scheduler.line_order: grouped,
@@ -191,18 +193,20 @@ class Loader:
         needs = self._engines.need(model)
         need = needs.vram_mib
         self._engines.check_ram_ceiling(model)   # never fits: said at once
-        # grouped, room may wait for the model's turn first: max_wait_s, then the drain
-        deadline = self._clock() + self._config.eviction_wait_s + (
-            self._want(model.id, self._clock()).max_wait_s if self.grouped else 0.0)
-        give_up = deadline + self._config.load_timeout_s
+        # grouped, room may wait for the model's turn first: max_wait_s, then the drain;
+        # a turn that lasts longer (a lower class than the busy engines' traffic waits to
+        # be aged: Want.turn_by) moves the deadline, so room keeps its eviction_wait_s
+        began = self._clock()
+        deadline = began + self._config.eviction_wait_s + (
+            self._want(model.id, began).max_wait_s if self.grouped else 0.0)
         engines = self._engines
         checked = False
         while True:
             if not self._turns.queued(model.id):
                 return   # every client left: nothing to make room for
-            if self._clock() >= give_up:
-                waited = self._config.eviction_wait_s + self._config.load_timeout_s
-                raise EngineFailed(f"{model.id!r} was not ready within {waited:g}s",
+            if self._clock() >= deadline + self._config.load_timeout_s:
+                waited = self._clock() - began
+                raise EngineFailed(f"{model.id!r} was not ready within {waited:.0f}s",
                                    retry_after=5, model=model.id)
             engine = engines.get(model.id)
             use = self._turns.use(model.id)
@@ -284,6 +288,11 @@ class Loader:
                     self._drains[victim] = Swap(victim, model.id, self._waited(want), rule)
                     self._turns.use(victim).draining_for = model.id
                     self._made_room(model.id)
+                case scheduler.Wait(why, turn=True) if want.turn_by is not None:
+                    # the order's own rules end a turn (overdue, then aged to the highest
+                    # class by turn_by); the poll's interval is its slack
+                    deadline = max(deadline, self._clock() + self._config.eviction_wait_s)
+                    await self._wait(want.turn_by + 2 * CHANGE_POLL_S, model, why)
                 case scheduler.Wait(why):
                     await self._wait(deadline, model, why)
                 case scheduler.Blocked(limit, holders):
@@ -294,7 +303,7 @@ class Loader:
                                 running=[m for m, _ in holders],
                                 held_by=", ".join(f"{m} ({why})" for m, why in holders),
                                 prefix="not enough RAM within "
-                                f"{self._config.eviction_wait_s:g}s: ")
+                                f"{self._waited_s(model.id):.0f}s: ")
                         raise self._no_room(model, limit, holders, need, where)
                     await self._changes.wait(deadline)
 
@@ -312,6 +321,10 @@ class Loader:
         """How long the oldest request of the model wanting room has waited."""
         return 0.0 if want.oldest_at is None else max(0.0, self._clock() - want.oldest_at)
 
+    def _waited_s(self, model_id: str) -> float:
+        """How long model_id's oldest waiting request has waited: what a refusal says."""
+        return self._waited(self._want(model_id, self._clock()))
+
     def _memory_coming_back(self) -> bool:
         released = self._engines.last_release
         return released is not None and self._clock() - released < MEMORY_SETTLE_S
@@ -328,16 +341,16 @@ class Loader:
     def _no_room(self, model: Model, limit: str, holders: tuple[tuple[str, str], ...],
                  need: int, where: Placement | None, why: str | None = None) -> GatewayError:
         held = ", ".join(f"{m} ({why})" for m, why in holders) or "nobody"
-        wait_s = self._config.eviction_wait_s
+        wait_s = self._waited_s(model.id)
         if limit == "engine_limit" or where is None:
             return EngineLimitReached(
-                f"no engine place for {model.id!r} within {wait_s:g}s"
+                f"no engine place for {model.id!r} within {wait_s:.0f}s"
                 + (f" ({why})" if why else "") + ": max_engines is "
                 f"{self._config.max_engines}, held by {held}",
                 retry_after=5, running=[m for m, _ in holders])
         return insufficient_gpu(model.id, need, where, running=[m for m, _ in holders],
                                 retry_after=5, held_by=held,
-                                prefix=f"not enough GPU memory within {wait_s:g}s: ")
+                                prefix=f"not enough GPU memory within {wait_s:.0f}s: ")
 
     async def _evict(self, victim: str, reason: str, room_for: int | None = None, *,
                      evicted_for: str | None = None, why: str = "") -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gatewayd.core.priority import HIGH, LOW, NORMAL, aged, of_request
+from gatewayd.core.priority import HIGH, LOW, NORMAL, aged, of_request, turn_bound_s
 
 
 def test_the_keys_class_else_the_models_lowered_never_raised_by_the_client() -> None:
@@ -26,3 +26,13 @@ def test_waiting_lifts_a_class_one_step_per_aging_period_up_to_the_highest() -> 
     assert aged(LOW, 250.0, 120) == HIGH
     assert aged(NORMAL, 10_000.0, 120) == HIGH
     assert aged(LOW, float("inf"), 120) == LOW    # (never: a clock gone wrong)
+
+
+def test_a_turn_lasts_until_overdue_and_aged_to_the_highest_class() -> None:
+    assert turn_bound_s(HIGH, 20, 120) == 20          # overdue: may drain any engine
+    assert turn_bound_s(NORMAL, 20, 120) == 120       # aged to high first
+    assert turn_bound_s(LOW, 20, 120) == 240
+    assert turn_bound_s(LOW, 300, 120) == 300         # overdue comes later than aging
+    assert turn_bound_s(LOW, 20, 0) == 20             # no aging: refused after its wait
+    for klass in (LOW, NORMAL, HIGH):                 # by then it outranks any traffic
+        assert aged(klass, turn_bound_s(klass, 20, 120), 120) == HIGH
