@@ -1,7 +1,7 @@
 """results.json -> results.md (the verdicts against the goals, tables with ratios) and
 latency.png; and the verdicts on the medians of several runs:
 
-    python -m bench.report --runs A.json B.json C.json [--readme README.md]
+    python -m bench.report --runs A.json B.json C.json [--readme docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -755,7 +755,7 @@ def phases(ms: dict[str, float]) -> str:
                       for k in ("to_loading", "loading_to_ready", "ready_to_first_byte"))
 
 
-# -- the medians of several runs, and README.md's summary -------------------------------
+# -- the medians of several runs, and docs/benchmarks.md's summary -----------------------------
 
 START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
 

@@ -149,7 +149,7 @@ class GatewayConfig:
     # ram_margin_mib is added to every estimated RAM need (the process, its libraries, the
     # CUDA runtime; a whisper model without a header: its files + the margin).
     # auto_memory_high: each engine's unit gets MemoryHigh= at its learned need plus
-    # memory_high_headroom_pct (off: see README, "Memory")
+    # memory_high_headroom_pct (off: see docs/memory.md)
     ram_reserve_mib: int = 1024
     ram_budget_mib: int | None = None
     ram_margin_mib: int = 256

@@ -16,7 +16,7 @@ check, no body read, no engine woken, no upstream asked). For each route it says
 - `target`: the path an engine is sent, always the table's own spelling (never the
   client's raw bytes: `/v1/chat%2Fcompletions` reaches no engine as such).
 
-The README's route table is checked against this one (tests/unit/test_routes.py).
+docs/security.md's route table is checked against this one (tests/unit/test_routes.py).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ time.sleep(120)
 
 def test_a_server_on_the_wrong_port_is_said_at_once_without_a_private_network(
         tmp_path: Path) -> None:
-    """README: a {port} server that listens on another port is said at once and not
+    """docs/engines.md: a {port} server that listens on another port is said at once and not
     restarted (exit 78). Without a private namespace the launcher waited for it up to 600 s,
     and the gateway said only "not ready after 30s" at its load timeout."""
     assert not engine_launch.has_private_network()   # (the host's: the test's premise)

@@ -1,23 +1,28 @@
-"""The configuration shown in README.md is valid."""
+"""The docs (README.md, the front door, and the pages under docs/) say what is true: their
+configuration examples are valid, their links lead somewhere, the README stays short."""
 
 from __future__ import annotations
 
 import re
 import tomllib
+from pathlib import Path
 
 from gatewayd.core.config import parse_config
 from tests.harness.plugin import REPO
 
+README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 
-def test_readme_config_example_parses() -> None:
-    readme = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
-    assert blocks, "README.md has no toml example"
+
+def test_every_config_example_in_the_docs_parses() -> None:
+    """Every toml block of README.md and docs/*.md is a valid configuration with models."""
     ids = []
-    for block in blocks:
-        config = parse_config(tomllib.loads(block))
-        assert config.models, "the example should show model entries"
-        ids += [m.name for m in config.models]
+    for doc in DOCS:
+        for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S):
+            config = parse_config(tomllib.loads(block))
+            assert config.models, f"{doc.name}: the example should show model entries"
+            ids += [m.name for m in config.models]
+    assert re.findall(r"```toml\n", README.read_text()), "README.md has no toml example"
     assert "qwen2.5-7b" in ids and "qwen-vllm" in ids   # the configuration; the recipes
 
 
@@ -51,22 +56,78 @@ def test_design_names_every_module_under_its_layer() -> None:
 
 def test_the_docs_say_the_need_an_oom_kill_teaches_as_the_code_takes_it() -> None:
     """learn_oom takes OOM_GROWTH times the largest of the need, the peak and memory_max
-    (the README said "25 % above what it reached", the peak alone)."""
+    (the docs said "25 % above what it reached", the peak alone)."""
     from gatewayd.service.engine_capacity import OOM_GROWTH
     said = f"{OOM_GROWTH:g} \u00d7 the largest of"   # the multiplication sign
-    for doc in (REPO / "README.md", REPO / "docs" / "design.md"):
+    for doc in (REPO / "docs" / "memory.md", REPO / "docs" / "design.md"):
         text = " ".join(doc.read_text().split())
         assert said in text, f"{doc.name} does not say {said!r}"
-        assert "25 % above" not in text
+    for doc in DOCS:
+        assert "25 % above" not in " ".join(doc.read_text().split()), doc.name
 
 
 def test_the_memory_docs_name_the_load_mode_flag_this_llama_server_takes() -> None:
     """The llama-server scripts/get_llama_server.sh builds refuses llama.cpp's older
     --no-mmap (tests/integration/test_llama_flags_real.py runs it): the docs say -lm none
     and mention --no-mmap only as refused."""
-    readme = " ".join((REPO / "README.md").read_text().split())
-    assert '`"-lm", "none"`' in readme
-    for doc in (REPO / "README.md", REPO / "docs" / "design.md"):
+    memory = " ".join((REPO / "docs" / "memory.md").read_text().split())
+    assert '`"-lm", "none"`' in memory
+    for doc in DOCS:
         for line in doc.read_text().replace("\n", " ").split(". "):
             if "--no-mmap" in line:
                 assert "refuses" in line, f"{doc.name} recommends --no-mmap: {line!r}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated one numbered."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"#{1,6} (.+)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def _links(doc: Path) -> list[str]:
+    """The targets of a page's markdown links and images, outside code blocks."""
+    targets, fenced = [], False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            targets += re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", line)
+    return targets
+
+
+def test_every_relative_link_in_the_docs_leads_somewhere() -> None:
+    """A relative link in README.md or docs/*.md names a file that exists, and its #anchor a
+    heading of that page."""
+    broken = []
+    for doc in DOCS:
+        for target in _links(doc):
+            if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target):    # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            page = (doc.parent / path).resolve() if path else doc
+            if not page.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and page.suffix == ".md" and anchor not in _anchors(page):
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """README.md stays short (the rest lives under docs/), and every page under docs/ is
+    reachable from it."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < 220, f"README.md has {len(lines)} lines: move sections into docs/"
+    linked = {(README.parent / t.partition("#")[0]).resolve() for t in _links(README)}
+    unlinked = [p.name for p in DOCS[1:] if p.resolve() not in linked]
+    assert unlinked == [], "pages under docs/ that README.md does not link"

@@ -14,11 +14,11 @@ from gatewayd.core.errors import MethodNotAllowed, RouteNotFound
 from gatewayd.core.origins import BrowserPolicy, host_name
 from gatewayd.core.routes import ROUTES, TABLE, Answerer, Caller
 
-README = Path(__file__).parents[2] / "README.md"
+ROUTE_DOC = Path(__file__).parents[2] / "docs" / "security.md"   # "Routes: deny by default"
 
 
-def test_the_readme_route_table_is_the_route_table() -> None:
-    text = README.read_text()
+def test_the_documented_route_table_is_the_route_table() -> None:
+    text = ROUTE_DOC.read_text()
     block = text[text.index("<!-- routes: begin -->"):text.index("<!-- routes: end -->")]
     rows = re.findall(r"^\| `([A-Z ]+)` \| `([^`]+)` \| ([^|]+?) \| ([^|]+?) \|", block, re.M)
     who = {"anyone, no key": Caller.PUBLIC, "inference": Caller.INFERENCE,
