@@ -56,7 +56,7 @@ from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
-from gatewayd.http import admin_api, console_api, openai_api, pull_api, request_parser
+from gatewayd.http import admin_api, openai_api, request_parser, router
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
 from gatewayd.http.drain import ABANDON_GRACE_S, OPEN_REQUESTS, OpenRequests, drain, track_requests
 from gatewayd.http.middleware import (
@@ -342,10 +342,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app.on_response_prepare.append(cors_headers)
     app.on_response_prepare.append(close_after_upgrade)
     app.on_response_prepare.append(close_unframed)
-    admin_api.add_routes(app)
-    pull_api.add_routes(app)
-    console_api.add_routes(app)
-    openai_api.add_routes(app)   # last: it ends with the catch-all proxy route
+    router.install(app)   # every route, its handler and its access rule: core/routes.py
     return app
 
 

@@ -374,6 +374,12 @@ ACCESS = (
            "(kind.startswith(\"application/\")\n"
            "                                           or kind.endswith(\"+json\")):",
            tests=(TRUST + "test_a_json_route_takes_json_only_whatever_a_form_can_send",)),
+    Mutant("router-one-handler-for-all", "each request gets the handler its table line "
+           "names", "gatewayd/http/router.py",
+           "return TableMatch(_parts(matched), self._routes[matched.route], matched, None)",
+           "return TableMatch(_parts(matched), next(iter(self._routes.values())), matched, "
+           "None)",
+           tests=(ROUTES + "test_the_router_hands_each_request_the_handler_its_line_names",)),
     Mutant("localhost-anywhere-in-the-name", "only localhost and names under .localhost "
            "are loopback names (x.localhost.attacker.example is the attacker's)",
            "gatewayd/core/origins.py",
@@ -987,6 +993,13 @@ HARDENING = (
 MODEL_T = "tests/unit/test_dispatcher_model.py::"
 PRIORITY_T = "tests/unit/test_priority.py"
 GROUPED = (
+    Mutant("grouped-turn-keeps-the-deadline", "a lower class waiting to be aged is served, "
+           "not refused when the wait for room runs out",
+           "gatewayd/service/loader.py",
+           "                    deadline = max(deadline, self._clock() + "
+           "self._config.eviction_wait_s)\n",
+           "                    pass\n",
+           tests=(MODEL_T + "test_grouped_a_lower_class_waits_to_be_aged_not_refused",)),
     Mutant("grouped-drains-at-once", "a busy engine keeps its place for its own traffic "
            "while the waiting model's turn has not come", "gatewayd/core/scheduler.py",
            "    if grouped and drainable:\n", "    if False:\n",
@@ -1041,8 +1054,32 @@ GROUPED = (
            tests=(PRIORITY_T,)),
 )
 
+# issue 52: errors say whose they are (gateway, engine, upstream)
+WHOSE = "tests/http/test_error_source.py::"
+ERROR_SOURCES = (
+    Mutant("relayed-error-said-as-the-gateways", "an engine's error answer is relayed "
+           "saying it is the engine's, not taken for the gateway's own",
+           "gatewayd/http/proxy.py",
+           "            headers[ERROR_SOURCE_HEADER] = out.source.value",
+           "            pass  # headers[ERROR_SOURCE_HEADER] = out.source.value",
+           tests=(WHOSE + "test_an_engines_error_is_relayed_as_it_said_it_and_says_engine",)),
+    Mutant("engine-sets-the-error-source", "an engine cannot set the gateway's own "
+           "LLM-Gateway-Error-Source (the answer-header allow-list leaves it out)",
+           "gatewayd/http/proxy.py",
+           "ANSWER_HEADERS = frozenset({\"content-type\", ",
+           "ANSWER_HEADERS = frozenset({\"llm-gateway-error-source\", \"content-type\", ",
+           tests=(WHOSE + "test_an_engine_cannot_say_its_answer_is_the_gateways",)),
+    Mutant("gateway-error-record-without-source", "the record of a call the gateway "
+           "refused says the error was the gateway's",
+           "gatewayd/http/openai_api.py",
+           "        record.error_source = ErrorSource.GATEWAY.value   # (the middleware "
+           "answers it)",
+           "        pass",
+           tests=(WHOSE + "test_the_gateways_own_errors_say_so_in_header_and_body",)),
+)
+
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
-           + ANY_ENGINE + PULLS + CONSOLE + HARDENING + GROUPED)
+           + ANY_ENGINE + PULLS + CONSOLE + HARDENING + GROUPED + ERROR_SOURCES)
 
 
 def copy_tree(dest: Path) -> None:

@@ -14,7 +14,10 @@ check, no body read, no engine woken, no upstream asked). For each route it says
 - what body it takes (`Body`): JSON (any other content type is refused, so a web
   page's "simple" cross-origin POST never parses) or multipart/form-data (uploads);
 - `target`: the path an engine is sent, always the table's own spelling (never the
-  client's raw bytes: `/v1/chat%2Fcompletions` reaches no engine as such).
+  client's raw bytes: `/v1/chat%2Fcompletions` reaches no engine as such);
+- `handler`: the function that answers it, as "module.function" under gatewayd/http
+  (every engine route: `openai_api.proxy_request`, the relay). aiohttp's router is built
+  from this table (http/router.py): where a path is handled is its line here.
 
 docs/security.md's route table is checked against this one (tests/unit/test_routes.py).
 """
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gatewayd.core.errors import MethodNotAllowed, RouteNotFound
+
+RELAY = "openai_api.proxy_request"   # the handler of every engine route
 
 
 class Caller(StrEnum):
@@ -56,6 +61,7 @@ class Route:
     body: Body = Body.NONE
     keyless: bool = False          # admin, but holds no data: the status page's shell
     note: str = ""
+    handler: str = RELAY           # "module.function" under gatewayd/http
 
     @property
     def upstream(self) -> bool:
@@ -75,11 +81,15 @@ class Matched:
 
 
 def _r(methods: str, path: str, access: Caller, answerer: Answerer,
-       body: Body = Body.NONE, *, keyless: bool = False, note: str = "") -> Route:
+       body: Body = Body.NONE, *, keyless: bool = False, note: str = "",
+       handler: str = RELAY) -> Route:
     verbs = set(methods.split())
     if "GET" in verbs:
         verbs.add("HEAD")    # aiohttp answers HEAD wherever GET is
-    return Route(path, frozenset(verbs), access, answerer, body, keyless, note)
+    if (answerer is Answerer.GATEWAY) == (handler == RELAY):
+        raise ValueError(f"{path}: the gateway's own routes name their handler, and only "
+                         "the engine routes go to the relay")
+    return Route(path, frozenset(verbs), access, answerer, body, keyless, note, handler)
 
 
 PUB, INF, ADM = Caller.PUBLIC, Caller.INFERENCE, Caller.ADMIN
@@ -88,11 +98,13 @@ JSON, FORM = Body.JSON, Body.MULTIPART
 
 ROUTES: tuple[Route, ...] = (
     # liveness, for probes and load balancers
-    _r("GET", "/health", PUB, GW),
-    _r("GET", "/favicon.ico", PUB, GW, note="browsers ask; 204, no engine woken"),
+    _r("GET", "/health", PUB, GW, handler="openai_api.health"),
+    _r("GET", "/favicon.ico", PUB, GW, note="browsers ask; 204, no engine woken",
+       handler="openai_api.no_icon"),
     # the OpenAI and Anthropic APIs
-    _r("GET", "/v1/models", INF, GW, note="only the models the caller's key may use"),
-    _r("GET", "/v1/models/{id}", INF, GW),
+    _r("GET", "/v1/models", INF, GW, note="only the models the caller's key may use",
+       handler="openai_api.list_models"),
+    _r("GET", "/v1/models/{id}", INF, GW, handler="openai_api.retrieve_model"),
     _r("POST", "/v1/chat/completions", INF, UP, JSON),
     _r("POST", "/v1/completions", INF, UP, JSON),
     _r("POST", "/v1/responses", INF, UP, JSON),
@@ -132,25 +144,33 @@ ROUTES: tuple[Route, ...] = (
     _r("POST", "/lora-adapters", ADM, EN, JSON),
     _r("GET", "/metrics", ADM, EN, note="the engine's raw metrics"),
     # the gateway's admin API
-    _r("GET", "/admin", ADM, GW, keyless=True, note="the status page: it asks for a key"),
-    _r("GET", "/admin/", ADM, GW, keyless=True),
-    _r("GET", "/admin/status", ADM, GW),
-    _r("GET", "/admin/models", ADM, GW),
-    _r("GET", "/admin/engines", ADM, GW),
-    _r("POST", "/admin/engines/start", ADM, GW, JSON),
-    _r("POST", "/admin/engines/stop", ADM, GW, JSON),
-    _r("GET", "/admin/engines/logs", ADM, GW, note="?follow=1: SSE, the journal as written"),
-    _r("GET", "/admin/records", ADM, GW),
-    _r("GET", "/admin/series", ADM, GW, note="call records per time bucket: the charts"),
-    _r("GET", "/admin/events", ADM, GW),
-    _r("GET", "/admin/events/history", ADM, GW, note="the events kept for a window"),
-    _r("GET", "/admin/logs", ADM, GW, note="the gateway's own journal; ?follow=1: SSE"),
-    _r("GET", "/admin/metrics", ADM, GW, note="keyless while [admin] public_metrics"),
-    _r("POST", "/admin/reload", ADM, GW, JSON),
-    _r("POST", "/admin/models/pull", ADM, GW, JSON, note="download a model from a hub"),
-    _r("GET", "/admin/pulls", ADM, GW),
-    _r("POST", "/admin/pulls/cancel", ADM, GW, JSON),
-    _r("POST", "/admin/models/remove", ADM, GW, JSON, note="delete a model's files"),
+    _r("GET", "/admin", ADM, GW, keyless=True, note="the status page: it asks for a key",
+       handler="admin_api.status_page"),
+    _r("GET", "/admin/", ADM, GW, keyless=True, handler="admin_api.status_page"),
+    _r("GET", "/admin/status", ADM, GW, handler="admin_api.status"),
+    _r("GET", "/admin/models", ADM, GW, handler="admin_api.models"),
+    _r("GET", "/admin/engines", ADM, GW, handler="admin_api.list_engines"),
+    _r("POST", "/admin/engines/start", ADM, GW, JSON, handler="admin_api.start_engine"),
+    _r("POST", "/admin/engines/stop", ADM, GW, JSON, handler="admin_api.stop_engine"),
+    _r("GET", "/admin/engines/logs", ADM, GW, note="?follow=1: SSE, the journal as written",
+       handler="admin_api.engine_logs"),
+    _r("GET", "/admin/records", ADM, GW, handler="admin_api.call_records"),
+    _r("GET", "/admin/series", ADM, GW, note="call records per time bucket: the charts",
+       handler="console_api.call_series"),
+    _r("GET", "/admin/events", ADM, GW, handler="admin_api.follow_events"),
+    _r("GET", "/admin/events/history", ADM, GW, note="the events kept for a window",
+       handler="admin_api.event_history"),
+    _r("GET", "/admin/logs", ADM, GW, note="the gateway's own journal; ?follow=1: SSE",
+       handler="admin_api.gateway_logs"),
+    _r("GET", "/admin/metrics", ADM, GW, note="keyless while [admin] public_metrics",
+       handler="admin_api.metrics"),
+    _r("POST", "/admin/reload", ADM, GW, JSON, handler="admin_api.reload_config"),
+    _r("POST", "/admin/models/pull", ADM, GW, JSON, note="download a model from a hub",
+       handler="pull_api.pull"),
+    _r("GET", "/admin/pulls", ADM, GW, handler="pull_api.list_pulls"),
+    _r("POST", "/admin/pulls/cancel", ADM, GW, JSON, handler="pull_api.cancel_pull"),
+    _r("POST", "/admin/models/remove", ADM, GW, JSON, note="delete a model's files",
+       handler="pull_api.remove"),
 )
 
 

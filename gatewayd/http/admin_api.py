@@ -52,23 +52,6 @@ HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin", status_page)
-    app.router.add_get("/admin/", status_page)
-    app.router.add_get("/admin/status", status)
-    app.router.add_get("/admin/models", models)
-    app.router.add_get("/admin/engines", list_engines)
-    app.router.add_post("/admin/engines/start", start_engine)
-    app.router.add_post("/admin/engines/stop", stop_engine)
-    app.router.add_get("/admin/engines/logs", engine_logs)
-    app.router.add_get("/admin/logs", gateway_logs)
-    app.router.add_get("/admin/records", call_records)
-    app.router.add_get("/admin/events", follow_events)
-    app.router.add_get("/admin/events/history", event_history)
-    app.router.add_get("/admin/metrics", metrics)
-    app.router.add_post("/admin/reload", reload_config)
-
-
 # beside this module, not through importlib.resources: that and the zipfile it imports
 # would be imported on the socket-activated start's path (docs/benchmarks.md, "Figures
 # behind choices in the code"), and the package is always installed as files (its

@@ -9,8 +9,8 @@ caller's dialect), before any handler, in this order:
 2. On the public port: the Host must name this gateway and an Origin, where one is
    sent, must be its own or an allowed one (core/origins.py): a web page the user has
    open gets nothing, keys or no keys.
-3. The route table (core/routes.py): a path not in it is a 404, a method not listed a
-   405. Nothing else runs for them.
+3. The route table (core/routes.py), as the router matched it (http/router.py): a path
+   not in it is a 404, a method not listed a 405. Nothing else runs for them.
 4. A request another site's page sent without an allowed Origin (Sec-Fetch-Site) is a
    403, unless it is a navigation to the status page's shell or /health.
 5. ADMIN routes on the public port only while `[admin] public` (404 admin_not_public
@@ -53,6 +53,7 @@ from gatewayd.core.errors import (
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.core.query import parse_query
 from gatewayd.core.routes import TABLE, Body, Caller, Matched
+from gatewayd.http.router import TableMatch
 
 API_KEY = web.RequestKey("api_key", ApiKey)
 ROUTE = web.RequestKey("route", Matched)
@@ -135,8 +136,7 @@ def check_access(request: web.Request) -> Matched | None:
                 "should goes in [listen] allowed_origins")
         if cross:
             request[CORS_ORIGIN] = origin
-    matched = TABLE.match(request.method, request.path,
-                          preflight_for=headers.get("Access-Control-Request-Method"))
+    matched = table_entry(request)
     _as_written(request, matched)
     request[ROUTE] = matched
     _check_fetch_site(request, matched)
@@ -161,6 +161,17 @@ def check_access(request: web.Request) -> Matched | None:
     if route.body is not Body.NONE and request.body_exists:
         _check_content_type(request, route.body)
     return matched
+
+
+def table_entry(request: web.Request) -> Matched:
+    """The request's line of the route table, as the router found it (http/router);
+    raises RouteNotFound (404) or MethodNotAllowed (405) where the table has none. An app
+    whose routes were added by hand is looked up here the same way."""
+    info = request.match_info
+    if isinstance(info, TableMatch):
+        return info.entry()
+    return TABLE.match(request.method, request.path,
+                       preflight_for=request.headers.get("Access-Control-Request-Method"))
 
 
 def _check_fetch_site(request: web.Request, matched: Matched) -> None:
@@ -253,7 +264,7 @@ def _as_written(request: web.Request, matched: Matched) -> None:
 def _admin_socket_route(request: web.Request) -> Matched:
     """The admin socket serves the admin API (and /health) only."""
     try:
-        matched = TABLE.match(request.method, request.path)
+        matched = table_entry(request)
         _as_written(request, matched)
     except RouteNotFound:
         raise web.HTTPNotFound() from None

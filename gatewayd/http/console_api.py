@@ -14,10 +14,6 @@ from gatewayd.http.admin_api import ENGINES
 from gatewayd.http.auth import query_of
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/series", call_series)
-
-
 async def call_series(request: web.Request) -> web.Response:
     """?window=15m|1h|24h (default 1h), ?model=NAME (its id as records name it)."""
     q = query_of(request)

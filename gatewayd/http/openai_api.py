@@ -97,15 +97,6 @@ class FrontDoor:
 FRONT = web.AppKey("front", FrontDoor)
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/health", health)
-    app.router.add_get("/favicon.ico", no_icon)   # browsers ask; no engine should be woken
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
-    app.router.add_route("*", "/admin/{tail:.*}", admin_not_found)
-    app.router.add_route("*", "/{tail:.*}", proxy_request)
-
-
 async def health(request: web.Request) -> web.Response:
     engines = request.app[FRONT].engines.engines()
     ready = sum(1 for e in engines if e.state is EngineState.READY)
@@ -114,10 +105,6 @@ async def health(request: web.Request) -> web.Response:
 
 async def no_icon(request: web.Request) -> web.Response:
     return web.Response(status=204)
-
-
-async def admin_not_found(request: web.Request) -> web.Response:
-    raise web.HTTPNotFound()
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -145,7 +132,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     """GET /v1/models/{id} (the SDKs' models.retrieve): any of the model's names; 404
     model_not_found otherwise."""
     front = request.app[FRONT]
-    asked = request.match_info["model_id"]
+    asked = request.match_info["id"]
     key = request_key(request)
     check_asked(key, front.engines.catalog, asked)
     try:

@@ -18,13 +18,6 @@ from gatewayd.http.admin_api import ENGINES, PULLER, RELOADER
 from gatewayd.service.model_removal import remove_model
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/admin/models/pull", pull)
-    app.router.add_get("/admin/pulls", list_pulls)
-    app.router.add_post("/admin/pulls/cancel", cancel_pull)
-    app.router.add_post("/admin/models/remove", remove)
-
-
 async def pull(request: web.Request) -> web.Response:
     body = await _body(request)
     source = _required(body, "source")

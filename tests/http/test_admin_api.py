@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gatewayd import cli
-from gatewayd.http import admin_api
+from gatewayd.http import admin_api, router
 from gatewayd.http.middleware import error_middleware
 from tests.fakes import engine_manager_on_fakes
 from tests.http.test_front_door import _gateway, chat
@@ -25,7 +25,7 @@ async def client(tmp_path: Path) -> AsyncIterator[Client]:
     mgr, _, _ = engine_manager_on_fakes(tmp_path, max_engines=2)
     app = web.Application(middlewares=[error_middleware])
     app[admin_api.ENGINES] = mgr
-    admin_api.add_routes(app)
+    router.install(app)
     async with TestClient(TestServer(app)) as c:
         yield c
     await mgr.close()

@@ -20,7 +20,7 @@ from gatewayd.adapters.learned_memory import RAM_FILE_NAME, LearnedMemory
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.core.config import ModelConfig
 from gatewayd.core.engine_units import EngineLayout
-from gatewayd.http import admin_api, pull_api
+from gatewayd.http import admin_api, router
 from gatewayd.http.middleware import error_middleware
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.pulls import Puller
@@ -53,8 +53,7 @@ async def api_on(tmp_path: Path, hub_url: str, **config: Any) -> tuple[Client, E
     app[admin_api.PULLER] = Puller(
         hub=HuggingFaceHub(endpoint=hub_url), models_dir=lambda: mgr.config.models_dir,
         catalog=mgr.catalog, rescan=reloader.rescan_models, publish=events.publish)
-    admin_api.add_routes(app)
-    pull_api.add_routes(app)
+    router.install(app)
     return TestClient(TestServer(app)), mgr
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from aiohttp import web
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import MethodNotAllowed, RouteNotFound
 from gatewayd.core.origins import BrowserPolicy, host_name
-from gatewayd.core.routes import ROUTES, TABLE, Answerer, Caller
+from gatewayd.core.routes import ROUTES, TABLE, Answerer, Caller, _r
 
 ROUTE_DOC = Path(__file__).parents[2] / "docs" / "security.md"   # "Routes: deny by default"
 
@@ -30,22 +31,66 @@ def test_the_documented_route_table_is_the_route_table() -> None:
     assert documented == actual
 
 
-def test_the_app_serves_exactly_the_gateways_routes() -> None:
-    """Every handler the gateway registers is in the table, and every route the gateway
-    answers itself has a handler (the engine routes go to the catch-all proxy)."""
+def test_the_app_is_routed_by_the_table_alone() -> None:
+    """aiohttp's router is the table: one resource, each line's handler the function the
+    line names (the engine routes: the relay), nothing registered beside it."""
     from gatewayd.app import build_app
+    from gatewayd.http import openai_api
+    from gatewayd.http.router import TableResource, handler_of
     app = build_app(GatewayConfig(), engines_ctx=_no_engines)
-    registered = set()
-    for resource in app.router.resources():
-        path = resource.canonical
-        if path in ("/{tail}", "/admin/{tail}"):
-            continue
-        for route in resource:
-            if route.method != "HEAD":
-                registered.add((route.method, path.replace("{model_id}", "{id}")))
-    own = {(m, r.path) for r in ROUTES if r.answerer is Answerer.GATEWAY
-           for m in r.methods if m != "HEAD"}
-    assert registered == own
+    resources = list(app.router.resources())
+    assert len(resources) == 1 and isinstance(resources[0], TableResource)
+    assert {route.handler for route in resources[0]} == {handler_of(r) for r in ROUTES}
+    for route in ROUTES:
+        assert (handler_of(route) is openai_api.proxy_request) is route.engine, route.path
+
+
+def test_a_line_names_a_handler_that_exists_or_the_build_stops() -> None:
+    from gatewayd.http.router import handler_of
+    with pytest.raises(LookupError, match=r"no handler 'admin_api\.nothing'"):
+        handler_of(dataclasses.replace(ROUTES[0], handler="admin_api.nothing"))
+    with pytest.raises(ValueError, match="name their handler"):
+        _r("GET", "/x", Caller.PUBLIC, Answerer.GATEWAY)          # the gateway's: named
+    with pytest.raises(ValueError, match="name their handler"):
+        _r("GET", "/x", Caller.INFERENCE, Answerer.ENGINE, handler="admin_api.status")
+
+
+@pytest.mark.parametrize(("method", "path", "handler", "parts"), [
+    ("GET", "/health", "openai_api.health", {}),
+    ("HEAD", "/health", "openai_api.health", {}),
+    ("POST", "/v1/embeddings", "openai_api.proxy_request", {}),
+    ("GET", "/v1/models/org/model:q4", "openai_api.retrieve_model", {"id": "org/model:q4"}),
+    ("POST", "/slots/007", "openai_api.proxy_request", {"n": "7"}),
+    ("GET", "/admin/series", "console_api.call_series", {}),
+    ("POST", "/admin/models/pull", "pull_api.pull", {}),
+])
+async def test_the_router_hands_each_request_the_handler_its_line_names(
+        method: str, path: str, handler: str, parts: dict[str, str]) -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from gatewayd.http.router import TableMatch, TableResource, handler_of
+    resource = TableResource(TABLE, {r: handler_of(r) for r in ROUTES})
+    info, _ = await resource.resolve(make_mocked_request(method, path))
+    assert isinstance(info, TableMatch) and info.entry().route.handler == handler
+    assert info.handler is handler_of(info.entry().route) and dict(info) == parts
+
+
+@pytest.mark.parametrize(("method", "path", "refusal"), [
+    ("GET", "/load", RouteNotFound), ("GET", "/v1/files", RouteNotFound),
+    ("DELETE", "/v1/chat/completions", MethodNotAllowed), ("GET", "/admin/reload",
+                                                           MethodNotAllowed)])
+async def test_what_the_table_lacks_resolves_to_its_refusal(method: str, path: str,
+                                                            refusal: type) -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from gatewayd.http.router import TableMatch, TableResource, handler_of
+    resource = TableResource(TABLE, {r: handler_of(r) for r in ROUTES})
+    info, _ = await resource.resolve(make_mocked_request(method, path))
+    assert isinstance(info, TableMatch) and isinstance(info.refusal, refusal)
+    request = make_mocked_request(method, path)
+    request._match_info = info     # what aiohttp sets once resolved
+    with pytest.raises(refusal):
+        await info.handler(request)
 
 
 async def _no_engines(app: web.Application) -> AsyncIterator[None]:   # never entered
