@@ -173,7 +173,7 @@ SCHEDULING = (
            "            if (left := engines.backoff_left(model.id)) > 0:"),
     Mutant("no-drain", "a model waiting under load on the others gets a place (drain)",
            "gatewayd/service/loader.py",
-           "                    self._turns.use(victim).draining_for = model.id",
+           "                    self._turns.get_or_add(victim).draining_for = model.id",
            "                    await self._wait(deadline, model, reason)"),
     Mutant("no-fifo-line", "models get room in the order they asked",
            "gatewayd/service/loader.py",

@@ -31,7 +31,7 @@ from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NAMES, NORMAL
 from gatewayd.core.waits import ROOM, Swap, Waited, near_miss, reason_of
 from gatewayd.service.engine_manager import EngineManager
-from gatewayd.service.loader import Changes, Loader
+from gatewayd.service.loader import Loader, WakeUp
 from gatewayd.service.reaper import IdleReaper
 from gatewayd.service.turns import QueueListener, Turns, Use
 
@@ -47,9 +47,9 @@ class Dispatcher:
         self._config = config
         self._clock = clock
         self._turns = Turns(clock)
-        self._changes = Changes(clock)
+        self._wake_up = WakeUp(clock)
         self._loader = Loader(engines, catalog=catalog, gpu=gpu, config=config,
-                              turns=self._turns, usages=self.usages, changes=self._changes,
+                              turns=self._turns, usages=self.usages, wake_up=self._wake_up,
                               clock=clock)
         self._reaper = IdleReaper(engines, catalog, self.usages, clock)
         self._wait_listeners: list[WaitListener] = []
@@ -85,7 +85,7 @@ class Dispatcher:
                        ) -> Engine:
         while True:
             engine = self._engines.get(model_id)
-            use = self._turns.use(model_id)
+            use = self._turns.get_or_add(model_id)
             if engine is not None and engine.state is EngineState.READY and (
                     not use.draining or not autoload):
                 self._turns.take(model_id, limit=model.config.max_concurrency if model
@@ -133,7 +133,7 @@ class Dispatcher:
     def release(self, model_id: str, *, counts_as_use: bool = True,
                 priority: int = NORMAL) -> None:
         if self._turns.release(model_id, counts_as_use=counts_as_use, priority=priority):
-            self._changes.notify()
+            self._wake_up.notify()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -172,8 +172,8 @@ class Dispatcher:
                       "overdue": w.overdue(now), "max_wait_s": w.max_wait_s}
                      for w in self._loader.line()]}
 
-    def serves(self, model_id: str) -> bool:
-        """Requests in flight or queued for model_id."""
+    def has_requests(self, model_id: str) -> bool:
+        """Whether model_id has requests in flight or queued for a turn."""
         use = self._turns.peek(model_id)
         return use is not None and (use.in_flight > 0 or bool(use.waiters))
 
@@ -201,13 +201,13 @@ class Dispatcher:
             return   # (a place freed without a change of state: an exit confirmed, a stop done)
         use = self._turns.peek(new.model_id)
         if new.state is EngineState.READY:
-            use = self._turns.use(new.model_id)
+            use = self._turns.get_or_add(new.model_id)
             use.last_used = use.last_used or self._clock()
         elif use is not None and old.state is EngineState.READY:
             use.draining_for = None   # it left service: nothing more to drain
         if use is not None and use.waiters:   # what its waiters wait for now
             self._turns.waiting_for(new.model_id, reason_of(new.state, use.draining))
-        self._changes.notify()
+        self._wake_up.notify()
 
     # -- lifecycle -----------------------------------------------------------------------
 

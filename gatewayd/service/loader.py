@@ -49,7 +49,7 @@ CHANGE_POLL_S = 1.0   # a wait for a change also re-checks this often (nothing i
 LOOK_AGAIN_S = 0.01   # never spin: a retry always yields to the event loop first
 
 
-class Changes:
+class WakeUp:
     """Wakes whoever waits for "something changed" (an engine state, a place freed)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -73,14 +73,14 @@ class Loader:
     def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
                  config: GatewayConfig,
                  turns: Turns, usages: Callable[[], list[scheduler.Usage]],
-                 changes: Changes, clock: Callable[[], float]) -> None:
+                 wake_up: WakeUp, clock: Callable[[], float]) -> None:
         self._engines = engines
         self._catalog = catalog
         self._gpu = gpu
         self._config = config
         self._turns = turns
         self._usages = usages
-        self._changes = changes
+        self._wake_up = wake_up
         self._clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._line: list[str] = []        # models whose loaders want room, oldest first
@@ -186,7 +186,7 @@ class Loader:
             for use in self._turns.uses().values():   # room no longer wanted
                 if use.draining_for == model.id:
                     use.draining_for = None
-            self._changes.notify()
+            self._wake_up.notify()
         self._turns.wake(model.id, error)
 
     async def _make_room_and_start(self, model: Model) -> None:
@@ -209,7 +209,7 @@ class Loader:
                 raise EngineFailed(f"{model.id!r} was not ready within {waited:.0f}s",
                                    retry_after=5, model=model.id)
             engine = engines.get(model.id)
-            use = self._turns.use(model.id)
+            use = self._turns.get_or_add(model.id)
             if engine is not None and engine.state is EngineState.READY:
                 if not use.draining:
                     return
@@ -218,7 +218,7 @@ class Loader:
                     # lower one: the drain is undone, its engine serves it
                     log.info("%s is no longer drained: its own requests come first", model.id)
                     use.draining_for = None
-                    self._changes.notify()
+                    self._wake_up.notify()
                     return
                 await self._wait(deadline, model, "its engine is being evicted")
                 continue
@@ -286,7 +286,7 @@ class Loader:
                                      victim_priority=next((u.priority for u in usages
                                                            if u.model_id == victim), NORMAL))
                     self._drains[victim] = Swap(victim, model.id, self._waited(want), rule)
-                    self._turns.use(victim).draining_for = model.id
+                    self._turns.get_or_add(victim).draining_for = model.id
                     self._made_room(model.id)
                 case scheduler.Wait(why, turn=True) if want.turn_by is not None:
                     # the order's own rules end a turn (overdue, then aged to the highest
@@ -305,7 +305,7 @@ class Loader:
                                 prefix="not enough RAM within "
                                 f"{self._waited_s(model.id):.0f}s: ")
                         raise self._no_room(model, limit, holders, need, where)
-                    await self._changes.wait(deadline)
+                    await self._wake_up.wait(deadline)
 
     def _swap(self, victim: str, model_id: str, want: scheduler.Want) -> Swap:
         """Why victim gives its place to model_id: the rule its drain was for, or (it
@@ -336,7 +336,7 @@ class Loader:
                  + (", draining" if u.draining else ""))
                 for u in self._usages() if u.holds_place and u.model_id != model.id)
             raise self._no_room(model, "engine_limit", holders, 0, None, why=why)
-        await self._changes.wait(deadline)
+        await self._wake_up.wait(deadline)
 
     def _no_room(self, model: Model, limit: str, holders: tuple[tuple[str, str], ...],
                  need: int, where: Placement | None, why: str | None = None) -> GatewayError:
@@ -410,7 +410,7 @@ class Loader:
                 await self._evict(victims[0].model_id, "more engines than max_engines",
                                   why="more engines than max_engines")
             else:
-                await self._changes.wait(deadline)
+                await self._wake_up.wait(deadline)
 
 
 def eviction_reason(victim: str, evicted_for: str | None, why: str) -> str:

@@ -113,7 +113,7 @@ class Reloader:
                                if self._pending.get(model_id) is t else None)
 
     def _idle(self, model_id: str) -> bool:
-        return not self._dispatcher.serves(model_id) and not self._engines.busy(model_id)
+        return not self._dispatcher.has_requests(model_id) and not self._engines.busy(model_id)
 
     async def _wait_idle(self, model_id: str, action: Callable[[str, str], Awaitable[None]],
                          why: str) -> None:

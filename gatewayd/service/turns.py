@@ -62,10 +62,12 @@ class Turns:
         self._uses: dict[str, Use] = {}
         self._listeners: list[QueueListener] = []
 
-    def use(self, model_id: str) -> Use:
+    def get_or_add(self, model_id: str) -> Use:
+        """model_id's use, made (empty) where it has none yet."""
         return self._uses.setdefault(model_id, Use())
 
     def peek(self, model_id: str) -> Use | None:
+        """model_id's use; None where it never had one (nothing is made)."""
         return self._uses.get(model_id)
 
     def uses(self) -> dict[str, Use]:
@@ -80,7 +82,7 @@ class Turns:
 
     def take(self, model_id: str, *, limit: int | None, counts_as_use: bool,
              priority: int = NORMAL) -> None:
-        use = self.use(model_id)
+        use = self.get_or_add(model_id)
         if limit is not None and use.in_flight >= limit:
             raise ConcurrencyLimit(
                 f"{model_id!r} is serving {use.in_flight} requests, its limit "
@@ -93,7 +95,7 @@ class Turns:
 
     def release(self, model_id: str, *, counts_as_use: bool, priority: int = NORMAL) -> bool:
         """True when the engine now serves nobody."""
-        use = self.use(model_id)
+        use = self.get_or_add(model_id)
         use.in_flight -= 1
         use.serving[priority] -= 1
         if counts_as_use:
@@ -105,7 +107,7 @@ class Turns:
     def enqueue(self, model_id: str, limit: int, priority: int = NORMAL,
                 reason: str = ROOM) -> Waiter:
         """A new waiter, waiting for `reason` (core/waits) to begin with."""
-        use = self.use(model_id)
+        use = self.get_or_add(model_id)
         if len(use.waiters) >= limit:
             raise QueueFull(f"{len(use.waiters)} requests already wait for {model_id!r} "
                             f"(queue limit {limit})", retry_after=5, model=model_id)
@@ -117,7 +119,7 @@ class Turns:
         return waiter
 
     def leave(self, model_id: str, waiter: Waiter) -> None:
-        waiters = self.use(model_id).waiters
+        waiters = self.get_or_add(model_id).waiters
         if waiter in waiters:
             waiters.remove(waiter)
             self._depth(model_id)
@@ -137,7 +139,7 @@ class Turns:
 
     def wake(self, model_id: str, error: BaseException | None) -> None:
         """Every waiter, in arrival order: go and take a turn (or hear the error)."""
-        for waiter in list(self.use(model_id).waiters):
+        for waiter in list(self.get_or_add(model_id).waiters):
             if not waiter.future.done():
                 if error is None:
                     waiter.future.set_result(None)
@@ -145,6 +147,6 @@ class Turns:
                     waiter.future.set_exception(error)
 
     def _depth(self, model_id: str) -> None:
-        depth = len(self.use(model_id).waiters)
+        depth = len(self.get_or_add(model_id).waiters)
         for listener in list(self._listeners):
             listener(model_id, depth)

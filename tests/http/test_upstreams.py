@@ -171,7 +171,7 @@ async def test_spill_over_only_when_the_local_model_cannot_take_it(
 
 async def _in_flight(gw: Gateway) -> bool:
     front = gw.client.app[openai_api.FRONT]
-    return front.dispatcher.serves("a")
+    return front.dispatcher.has_requests("a")
 
 
 async def test_an_upstream_down_is_a_fast_clear_answer_and_comes_back(

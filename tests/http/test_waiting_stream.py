@@ -190,7 +190,7 @@ async def test_a_client_that_leaves_after_the_lines_leaves_the_queue(tmp_path: P
             200, "disconnected", 1, 1)
         front = gw.client.app[FRONT]
         deadline = time.monotonic() + 5
-        while front.dispatcher.serves("c"):   # no turn taken, nobody queued
+        while front.dispatcher.has_requests("c"):   # no turn taken, nobody queued
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
 

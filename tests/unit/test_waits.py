@@ -131,7 +131,7 @@ async def test_a_wait_for_its_turn_then_the_load_and_the_bound_that_made_room(
     health.all_ready = False
     b = asyncio.ensure_future(d.acquire("b", autoload=True))
     await asyncio.sleep(5.0)                        # b waits; at 3 s it is overdue: a drains
-    assert d._turns.use("a").draining_for == "b"
+    assert d._turns.get_or_add("a").draining_for == "b"
     d.release("a")                                  # a serves nobody: evicted, b starts
     await until(lambda: state(d, "b") in (EngineState.STARTING, EngineState.LOADING))
     await asyncio.sleep(2.0)
@@ -156,7 +156,7 @@ async def test_a_higher_class_drains_at_once_and_an_idle_engine_served_nobody(
     await d.acquire("a", autoload=True, priority=LOW)
     b = asyncio.ensure_future(d.acquire("b", autoload=True, priority=HIGH))
     await asyncio.sleep(1.0)
-    assert d._turns.use("a").draining_for == "b"
+    assert d._turns.get_or_add("a").draining_for == "b"
     d.release("a", priority=LOW)
     await b
     swap = d.swap("a")
