@@ -492,7 +492,7 @@ def _warn_if_open(config: GatewayConfig, sock: socket.socket | None) -> None:
         loopback = address == "localhost"
     if not loopback:
         log.warning("listening on %s with no API keys: anyone who can reach it may use "
-                    "every model and the admin API; set [auth] keys_file (see README, "
+                    "every model and the admin API; set [auth] keys_file (see docs/security.md, "
                     "\"API keys\")", address)
 
 

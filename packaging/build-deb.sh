@@ -36,7 +36,10 @@ install -Dm644 packaging/polkit/50-llm-gateway.rules \
     "$STAGE/usr/share/polkit-1/rules.d/50-llm-gateway.rules"
 install -Dm644 packaging/gateway.toml "$STAGE/etc/llm-gateway/gateway.toml"
 install -Dm644 README.md "$STAGE/usr/share/doc/llm-gateway/README.md"
-install -Dm644 docs/design.md "$STAGE/usr/share/doc/llm-gateway/design.md"
+# the pages README.md links to, where its links (docs/NAME.md) lead
+for page in docs/*.md; do
+    install -Dm644 "$page" "$STAGE/usr/share/doc/llm-gateway/$page"
+done
 install -Dm644 packaging/grafana/llm-gateway.json \
     "$STAGE/usr/share/doc/llm-gateway/grafana/llm-gateway.json"
 mkdir -p "$STAGE/usr/bin"

@@ -79,6 +79,9 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     assert not {"gguf", "numpy"} & set(site), site
     board = json.loads(box.shell("cat /usr/share/doc/llm-gateway/grafana/llm-gateway.json"))
     assert board["title"] == "llm-gateway" and board["panels"]
+    # README's links (docs/NAME.md) lead to pages installed beside it
+    pages = set(box.shell("ls /usr/share/doc/llm-gateway/docs").split())
+    assert {"design.md", "security.md", "configuration.md"} <= pages, pages
     # a user's setup: an engine binary and a model where the default config looks
     box.shell(f"install -m755 {llama} /usr/local/bin/llama-server && "
               f"install -o llm-gateway -m644 {models}/tiny-alpha.gguf /var/lib/llm-gateway/models/ "
