@@ -371,7 +371,8 @@ class Snapshot:
         yield from (up, busy)
         yield CounterMetricFamily("llm_gateway_native_relay_streams",
                                   "Streams whose events past the first the native relay "
-                                  "(gatewayd/http/relay.c) passed on; the rest went in Python",
+                                  "(gatewayd/adapters/engine_wire/relay.c) passed on; the "
+                                  "rest went in Python",
                                   value=self.native_relay_streams)
         yield GaugeMetricFamily("llm_gateway_native_relay_active",
                                 "Streams the native relay is passing on now",

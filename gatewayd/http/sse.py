@@ -173,8 +173,8 @@ class SseRelay:
                                 "bytes without its end (max_event_mb): the stream ends here")
 
     def took_elsewhere(self, last: bytes, events: int) -> None:
-        """Whole events passed on without feed() (http/native_relay): `last`, the last of
-        them (b"": none), and the number of content events among them."""
+        """Whole events passed on without feed() (adapters/engine_wire/native_relay):
+        `last`, the last of them (b"": none), and the number of content events among them."""
         if last:
             self._last = last
         self.content_events += events

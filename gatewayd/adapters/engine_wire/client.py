@@ -103,8 +103,8 @@ class EngineResponse:
         return self._conn.read_timeout_s
 
     def detach(self) -> int | None:
-        """For http/native_relay: a duplicate of the connection's socket, to be read
-        elsewhere until reattach(), its reading here paused and its read timer off; None
+        """For native_relay (beside this module): a duplicate of the connection's socket, to
+        be read elsewhere until reattach(), its reading here paused and its read timer off; None
         if the body is not chunked or not between two chunks, or something of it is
         buffered here (the relay then stays in Python)."""
         return self._conn.detach()

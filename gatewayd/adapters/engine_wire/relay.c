@@ -340,7 +340,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "gatewayd.adapters.engine_wire._relay",
-    "A stream's events from the engine's socket to the client's (gatewayd/http/relay.c).", -1,
+    "A stream's events from the engine's socket to the client's (gatewayd/adapters/engine_wire/relay.c).", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 
