@@ -8,9 +8,11 @@ connection closed after every stream), the Responses API and Anthropic messages
 chosen by the prompt text: "die after N" drops the connection mid-stream,
 "slow N" waits N ms between tokens, "pad N" makes each token N bytes longer, "linger N"
 waits N ms between the stream's final event and its end, "split N" sends the first
-token's chunk in two writes N ms apart. A hostile engine too: "chunk size X" answers with a
-chunk of size line X, "endless event N" streams an event of N KiB with no end (a blank
-line; "endless event N!": after a whole event), "huge N" answers N KiB of JSON.
+token's chunk in two writes N ms apart, "refuse N" answers llama-server's refusal of a
+prompt past its context with status N (chat and messages). A hostile engine too:
+"chunk size X" answers with a chunk of size line X, "endless event N" streams an event
+of N KiB with no end (a blank line; "endless event N!": after a whole event), "huge N"
+answers N KiB of JSON.
 An OpenAI media server too: /v1/images/generations (a tiny PNG as b64_json),
 /v1/images/edits and /variations (what the upload held, told back), /v1/audio/speech
 (bytes made from the input, `speech_pieces`, streamed in pieces; "die after N" in the
@@ -197,6 +199,8 @@ class FakeEngine:
         prompt = " ".join(str(m.get("content")) for m in payload.get("messages", []))
         if hostile := re.search(r"(chunk size|endless event|huge) (\S+)", prompt):
             return await self._hostile(request, hostile.group(1), hostile.group(2))
+        if refused := _refusal(prompt):
+            return refused
         return await self._counted(self._answer(request, payload, prompt, chat=True))
 
     async def _hostile(self, request: web.Request, how: str, arg: str) -> web.StreamResponse:
@@ -262,6 +266,8 @@ class FakeEngine:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         payload = json.loads(await self._seen(request))
         prompt = " ".join(str(m.get("content")) for m in payload.get("messages", []))
+        if refused := _refusal(prompt):
+            return refused
         n = int(payload.get("max_tokens", 4))
         message = {"id": "msg-1", "type": "message", "role": "assistant", "model": self.name,
                    "content": [{"type": "text", "text": "".join(self._words(n))}],
@@ -385,6 +391,17 @@ class FakeEngine:
         if request.transport is not None:
             request.transport.close()
         return response
+
+
+def _refusal(prompt: str) -> web.Response | None:
+    """"refuse N": llama-server's answer to a prompt past its context, with status N."""
+    if not (refused := re.search(r"refuse (\d{3})", prompt)):
+        return None
+    status = int(refused.group(1))
+    return web.json_response({"error": {
+        "code": status, "message": "the request exceeds the available context size, try "
+        "increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": 9000,
+        "n_ctx": 4096}}, status=status)
 
 
 async def _form(request: web.Request, body: bytes) -> dict[str, str | bytes]:

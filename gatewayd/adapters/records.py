@@ -56,6 +56,8 @@ MIGRATIONS = [
     "CREATE INDEX calls_model_ts ON calls (model, ts)",
     "ALTER TABLE calls ADD COLUMN api_key TEXT",   # the name of the API key used (auth)
     "ALTER TABLE calls ADD COLUMN upstream TEXT",  # the remote upstream that answered
+    # who produced a failed call's error: gateway | engine | upstream (core/errors.ErrorSource)
+    "ALTER TABLE calls ADD COLUMN error_source TEXT",
 ]
 
 
@@ -82,6 +84,7 @@ class CallRecord:
     response_text: str | None = None
     api_key: str | None = None        # the name of the API key the call came with
     upstream: str | None = None       # the remote upstream that answered (engine: None)
+    error_source: str | None = None   # whose error it ended in: gateway | engine | upstream
 
 
 COLUMNS = [f.name for f in fields(CallRecord)]

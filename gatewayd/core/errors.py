@@ -9,15 +9,33 @@ sees a foreign exception type.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any, ClassVar
+
+
+class ErrorSource(StrEnum):
+    """Who produced an error answer: the gateway itself, a local engine, or a remote
+    upstream. Told in ERROR_SOURCE_HEADER on every answer of status >= 400, as `source`
+    inside the gateway's own error bodies and events, and as `error_source` in the call
+    records. An engine's or upstream's body is relayed as it was said: the header tells."""
+
+    GATEWAY = "gateway"
+    ENGINE = "engine"
+    UPSTREAM = "upstream"
+
+
+ERROR_SOURCE_HEADER = "LLM-Gateway-Error-Source"
 
 
 def error_body(message: str, *, type_: str, code: str | None, param: str | None = None,
                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The OpenAI-shaped error envelope: {"error": {message, type, param, code, ...extra}}."""
+    """The OpenAI-shaped error envelope of the gateway's own errors:
+    {"error": {message, type, param, code, ...extra, source: "gateway"}} (the SDKs read
+    the first four and ignore the rest)."""
     error: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
     if extra:
         error.update(extra)
+    error["source"] = ErrorSource.GATEWAY.value
     return {"error": error}
 
 
@@ -31,14 +49,19 @@ ANTHROPIC_ERROR_TYPES: Mapping[int, str] = {
 
 
 def anthropic_error_body(status: int, message: str, *, code: str | None = None,
-                         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                         extra: Mapping[str, Any] | None = None,
+                         source: ErrorSource | None = ErrorSource.GATEWAY) -> dict[str, Any]:
     """The Anthropic error shape, {"type": "error", "error": {type, message}}, for the
-    /v1/messages paths; our own code rides along inside `error`, extra beside it."""
+    /v1/messages paths; our own code and source ride along inside `error`, extra beside
+    it. source None: an engine's or upstream's words retold in this shape (the
+    ERROR_SOURCE_HEADER tells whose)."""
     type_ = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500
                                       else "api_error")
     error: dict[str, Any] = {"type": type_, "message": message}
     if code is not None:
         error["code"] = code
+    if source is not None:
+        error["source"] = source.value
     return {"type": "error", "error": error, **(extra or {})}
 
 

@@ -329,6 +329,22 @@ const ConsoleCore = (() => {
       tokens_per_s: gen > 0 && tokens > 1 ? (tokens - 1) / (gen / 1000) : null };
   }
 
+  // --- the last calls (GET /admin/records) ----------------------------------------------------
+
+  // Whose a call's error was (its record's error_source), in words for the cell's tooltip.
+  const ERROR_SOURCES = {
+    gateway: "the gateway's own error",
+    engine: "the engine's own error answer, relayed as it said it",
+    upstream: "the remote upstream's own error answer, relayed as it said it",
+  };
+
+  // A call's error as the table shows it: whose it was, then its code ("engine:
+  // exceed_context_size_error"); null when the call ended without one.
+  function callError(record) {
+    const text = [record.error_source, record.error_code].filter(Boolean).join(": ");
+    return text ? { text, title: ERROR_SOURCES[record.error_source] || "" } : null;
+  }
+
   // --- live logs -----------------------------------------------------------------------------
 
   // Whether a journal line passes the filter: every word of it, case-insensitive.
@@ -346,7 +362,7 @@ const ConsoleCore = (() => {
 
   return { bucketsOf, quantile, tokensPerSecond, figureSeries, summary, niceMax, plot,
     timeTicks, memoryBar, timeline, runText, duration, keepWindow, sseEvents, streamFigures,
-    lineMatches, appendBounded, FIGURES };
+    lineMatches, appendBounded, callError, FIGURES };
 })();
 
 if (typeof module === "object" && module.exports) module.exports = ConsoleCore;

@@ -206,9 +206,12 @@ async function refreshCalls() {
   $("#calls tbody").replaceChildren(...records.map((r) => {
     const tokens = r.prompt_tokens == null && r.completion_tokens == null ? null
       : `${r.prompt_tokens ?? "–"} / ${r.completion_tokens ?? "–"}`;
+    const error = C.callError(r);
+    const errorCell = cell(error && error.text, "reason");
+    if (error && error.title) errorCell.title = error.title;
     return el("tr", {}, cell(clock(r.ts)), cell(r.model),
       cell(r.upstream ? `${r.endpoint} → ${r.upstream}` : r.endpoint),
-      cell(r.status, "num"), cell(ms(r.latency_ms), "num"),
+      cell(r.status, "num"), errorCell, cell(ms(r.latency_ms), "num"),
       cell(ms(r.ttft_ms), "num"), cell(tokens, "num"));
   }));
 }

@@ -13,7 +13,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from gatewayd.core.errors import (
+    ERROR_SOURCE_HEADER,
     BadFraming,
+    ErrorSource,
     GatewayError,
     ShuttingDown,
     anthropic_error_body,
@@ -49,13 +51,15 @@ def shutdown_error() -> ShuttingDown:
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as a JSON body in the caller's dialect (OpenAI's envelope, or
     Anthropic's on /v1/messages*) with the same status; never a traceback or HTML.
-    Access (http/auth.py: Host, Origin, the route table, keys) is checked here first:
-    one middleware layer less on the hot path."""
+    Each says it is the gateway's own (ERROR_SOURCE_HEADER, and `source` in the body);
+    a relayed engine's or upstream's error answer comes with its own source set by the
+    relay (http/proxy.py). Access (http/auth.py: Host, Origin, the route table, keys)
+    is checked here first: one middleware layer less on the hot path."""
     try:
         matched = check_access(request)
         if request.method == "OPTIONS" and matched is not None:
             return preflight(request, matched)
-        return await handler(request)
+        response = await handler(request)
     except GatewayError as e:
         return _answer(request, e)
     except RequestPayloadError as e:
@@ -69,20 +73,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         message = e.reason or "error"
         code = e.reason.lower().replace(" ", "_") if e.reason else None
         if speaks_anthropic(request.path):
-            return web.json_response(anthropic_error_body(e.status, message, code=code),
-                                     status=e.status)
+            return _own_error(anthropic_error_body(e.status, message, code=code), e.status)
         body = error_body(message, code=code,
                           type_="invalid_request_error" if e.status < 500 else "server_error")
-        return web.json_response(body, status=e.status)
+        return _own_error(body, e.status)
     except asyncio.CancelledError:
         if not request.app[SHUTDOWN].expired:
             raise   # the client went away: nobody to answer
-        return web.json_response(_in_dialect(shutdown_error(), request.path),
-                                 status=ShuttingDown.status)
+        return _own_error(_in_dialect(shutdown_error(), request.path), ShuttingDown.status)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = GatewayError("internal error; see the gateway's journal")
-        return web.json_response(_in_dialect(error, request.path), status=500)
+        return _own_error(_in_dialect(error, request.path), 500)
+    if response.status >= 400 and not response.prepared \
+            and ERROR_SOURCE_HEADER not in response.headers:
+        # a handler's own error answer (none today: they raise): the gateway's too
+        response.headers[ERROR_SOURCE_HEADER] = ErrorSource.GATEWAY.value
+    return response
 
 
 def _answer(request: web.Request, e: GatewayError) -> web.Response:
@@ -91,11 +98,17 @@ def _answer(request: web.Request, e: GatewayError) -> web.Response:
         headers["Retry-After"] = str(e.retry_after)
     if not _for_admin(request):
         withhold_engine_logs(e)
-    response = web.json_response(_in_dialect(e, request.path), status=e.status,
-                                 headers=headers)
+    response = _own_error(_in_dialect(e, request.path), e.status, headers)
     if e.closes_connection:
         response.force_close()
     return response
+
+
+def _own_error(body: dict[str, Any], status: int,
+               headers: dict[str, str] | None = None) -> web.Response:
+    """An error answer of the gateway's own, which says so (ERROR_SOURCE_HEADER)."""
+    return web.json_response(body, status=status, headers={
+        **(headers or {}), ERROR_SOURCE_HEADER: ErrorSource.GATEWAY.value})
 
 
 class ClientBytesRefused(logging.Filter):

@@ -39,6 +39,7 @@ from gatewayd.core.errors import (
     EngineFailed,
     EngineLimitReached,
     EngineUnavailable,
+    ErrorSource,
     GatewayError,
     GpuUnavailable,
     InsufficientGpu,
@@ -300,9 +301,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         if told is not None and told.response is not None:
             return await told.end(e)   # its 200 is out: the stream's error event says it
         record.status, record.outcome, record.error_code = e.status, "error", e.code
+        record.error_source = ErrorSource.GATEWAY.value   # (the middleware answers it)
         raise
     except web.HTTPException as e:
         record.status, record.outcome = e.status, "error"
+        record.error_source = ErrorSource.GATEWAY.value
         raise
     except asyncio.CancelledError:
         if record.stream:   # a stream's relay knows whether it was all delivered
@@ -315,6 +318,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         if request.app[SHUTDOWN].expired:   # cancelled at the drain deadline: the client is there
             error = shutdown_error()
             record.status, record.outcome, record.error_code = error.status, "error", error.code
+            record.error_source = ErrorSource.GATEWAY.value
             raise error from None
         record.disconnected, record.outcome = True, "disconnected"
         raise

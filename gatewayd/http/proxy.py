@@ -43,10 +43,12 @@ from gatewayd.adapters.records import CallRecord
 from gatewayd.adapters.remote_client import REMOTE_ERRORS, AnswerPastLimit
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import (
+    ERROR_SOURCE_HEADER,
     AnswerTooLarge,
     EngineBusy,
     EngineFailed,
     EngineUnavailable,
+    ErrorSource,
     EventTooLarge,
     GatewayError,
     InvalidRequest,
@@ -68,7 +70,8 @@ from gatewayd.http.sse import SSE_HEADERS, SseRelay, error_event, stream_format,
 REQUEST_HEADERS = frozenset({"content-type", "accept", "user-agent", "openai-beta",
                              "anthropic-version", "anthropic-beta"})
 # An answer reaches the client with what describes it and the server's advice, never an
-# engine's or upstream's cookies or CORS headers (llama-server allows any origin).
+# engine's or upstream's cookies or CORS headers (llama-server allows any origin), nor
+# the gateway's own headers (ERROR_SOURCE_HEADER: the relay sets it, an engine cannot).
 ANSWER_HEADERS = frozenset({"content-type", "content-language", "retry-after", "x-request-id",
                             "request-id", "openai-processing-ms", "openai-version"})
 ANSWER_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
@@ -110,6 +113,11 @@ class Outgoing:
     # its 200 and SSE head are out, the events go on in it, and an answer that is no
     # stream can only be told as the stream's error event
     response: web.StreamResponse | None = None
+
+    @property
+    def source(self) -> ErrorSource:
+        """Whose an error answer relayed as it was said is (ERROR_SOURCE_HEADER)."""
+        return ErrorSource.ENGINE if self.upstream is None else ErrorSource.UPSTREAM
 
     def unavailable(self, e: BaseException, while_: str = "did not take the request"
                     ) -> GatewayError:
@@ -196,6 +204,8 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
         if upstream.status >= 400:
             record.outcome = "error"
             record.error_code = _error_code(data)
+            record.error_source = out.source.value
+            headers[ERROR_SOURCE_HEADER] = out.source.value   # (theirs dropped: ANSWER_HEADERS)
             if speaks_anthropic(request.path):
                 data = _as_anthropic_error(data, upstream.status)
                 headers["Content-Type"] = "application/json"
@@ -211,7 +221,10 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     response = out.response   # begun already (its 200 told the client of a wait), or:
     if response is None:
         record.status = upstream.status
-        response = web.StreamResponse(status=upstream.status, headers=SSE_HEADERS)
+        headers = dict(SSE_HEADERS)
+        if upstream.status >= 400:   # an engine's (upstream's) error, told as a stream
+            record.error_source = headers[ERROR_SOURCE_HEADER] = out.source.value
+        response = web.StreamResponse(status=upstream.status, headers=headers)
         if chunked:
             response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
     writer = await response.prepare(request)
@@ -260,6 +273,7 @@ async def _relay_stream(request: web.Request, upstream: Answer,
                 error = out.broke_off(e)
                 record.outcome = error.code
             record.error_code = error.code
+            record.error_source = ErrorSource.GATEWAY.value   # the event is ours
             event = error_event(stream_format(request.path), error)
             await _write(request, response, event, record, out.stall_timeout_s)
         await _write_eof(request, response, record, out.stall_timeout_s)
@@ -283,6 +297,7 @@ async def _relay_stream(request: web.Request, upstream: Answer,
         upstream.close()
         error = shutdown_error()
         record.outcome, record.error_code = "error", error.code
+        record.error_source = ErrorSource.GATEWAY.value
         with contextlib.suppress(_ClientGone, ConnectionError):
             event = error_event(stream_format(request.path), error)
             await _write(request, response, event, record, out.stall_timeout_s)
@@ -336,6 +351,7 @@ async def _relay_media(request: web.Request, upstream: Answer, out: Outgoing,
         except TRANSPORT_ERRORS as e:
             error = out.broke_off(e)
             record.outcome = record.error_code = error.code   # as a stream's (_relay_stream)
+            record.error_source = ErrorSource.GATEWAY.value   # (told by the cut, no event)
             upstream.close()
             _end_unfinished(request, response)
             return response
@@ -349,6 +365,7 @@ async def _relay_media(request: web.Request, upstream: Answer, out: Outgoing,
         upstream.close()
         error = shutdown_error()
         record.outcome, record.error_code = "error", error.code
+        record.error_source = ErrorSource.GATEWAY.value
         _end_unfinished(request, response)   # (done: not re-raised, as _relay_stream)
     return response
 
@@ -548,7 +565,8 @@ def _usage_from_body(record: CallRecord, data: bytes, content_type: str) -> None
 
 
 def _as_anthropic_error(data: bytes, status: int) -> bytes:
-    """An engine's OpenAI-shaped error, retold in Anthropic's shape for /v1/messages."""
+    """An engine's OpenAI-shaped error, retold in Anthropic's shape for /v1/messages: its
+    words, not the gateway's (no `source` in it: the relay's ERROR_SOURCE_HEADER says)."""
     message = data.decode(errors="replace").strip() or f"HTTP {status}"
     try:
         body = json.loads(data)
@@ -559,7 +577,7 @@ def _as_anthropic_error(data: bytes, status: int) -> bytes:
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         message = error["message"]
-    return json.dumps(anthropic_error_body(status, message)).encode()
+    return json.dumps(anthropic_error_body(status, message, source=None)).encode()
 
 
 def _error_code(data: bytes) -> str | None:

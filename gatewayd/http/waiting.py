@@ -23,7 +23,7 @@ from aiohttp import web
 
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core import progress
-from gatewayd.core.errors import GatewayError
+from gatewayd.core.errors import ErrorSource, GatewayError
 from gatewayd.http.middleware import withhold_engine_logs
 from gatewayd.http.sse import SSE_HEADERS, error_event, stream_format
 from gatewayd.service.dispatcher import Dispatcher
@@ -92,6 +92,7 @@ class Progress:
         record = self._record
         record.stream, record.status = True, self.response.status
         record.outcome, record.error_code = "error", error.code
+        record.error_source = ErrorSource.GATEWAY.value   # the event is ours
         with contextlib.suppress(ClientLeft):
             await self._send(error_event(stream_format(self._request.path), error))
             await self._bounded(self.response.write_eof())

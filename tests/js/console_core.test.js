@@ -218,3 +218,18 @@ test("lineMatches: every word, any case; appendBounded keeps the newest", () => 
   assert.equal(C.lineMatches("anything", ""), true);
   assert.deepEqual(C.appendBounded([1, 2, 3], [4, 5], 3), [3, 4, 5]);
 });
+
+test("callError: whose the error was, then its code; none for a call without one", () => {
+  const engine = C.callError({ status: 400, error_source: "engine",
+    error_code: "exceed_context_size_error" });
+  assert.equal(engine.text, "engine: exceed_context_size_error");
+  assert.match(engine.title, /engine's own error answer, relayed/);
+  assert.equal(C.callError({ status: 503, error_source: "gateway", error_code: "queue_full" })
+    .text, "gateway: queue_full");
+  assert.equal(C.callError({ status: 500, error_source: "upstream", error_code: null }).text,
+    "upstream");
+  // a record from before the column (no error_source) still shows its code
+  assert.deepEqual(C.callError({ status: 200, error_code: "client_stalled" }),
+    { text: "client_stalled", title: "" });
+  assert.equal(C.callError({ status: 200, error_source: null, error_code: null }), null);
+});

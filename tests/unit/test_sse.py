@@ -104,7 +104,7 @@ def test_an_error_ends_each_stream_in_its_own_format() -> None:
     name, data = _payload(error_event(StreamFormat.ANTHROPIC, error))
     assert name == "error" and data["type"] == "error"
     assert data["error"] == {"type": "api_error", "message": "the engine stopped",
-                             "code": "engine_failed"}
+                             "code": "engine_failed", "source": "gateway"}   # ours
 
 
 def test_events_without_usage_pass_as_the_very_bytes_read_even_when_usage_is_dropped(

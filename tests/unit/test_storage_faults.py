@@ -182,3 +182,37 @@ async def test_records_still_lingering_at_close_are_written_and_the_file_reopens
     assert [r["endpoint"] for r in records.query(db)] == ["/v1/embeddings",
                                                           "/v1/chat/completions"]
     assert [p.name for p in tmp_path.iterdir() if "corrupt" in p.name] == []
+
+
+def test_a_database_from_before_error_source_is_migrated_and_keeps_its_records(
+        tmp_path: Path) -> None:
+    """A records database as a gateway without the error_source column left it (its calls
+    in it) opens, gains the column, keeps every call (theirs: no source), and takes new
+    calls with their source; `llm-gateway records` and /admin/records read both."""
+    db = tmp_path / "records.db"
+    before = next(i for i, m in enumerate(records.MIGRATIONS) if "error_source" in m)
+    old = sqlite3.connect(db)
+    for number, statement in enumerate(records.MIGRATIONS[:before], start=1):
+        with old:
+            old.execute(statement)
+            old.execute(f"PRAGMA user_version = {number}")
+    with old:
+        old.execute("INSERT INTO calls (ts, method, endpoint, status, outcome, error_code, "
+                    "latency_ms, bytes_in, bytes_out, stream, disconnected) VALUES "
+                    "(1000.0, 'POST', '/v1/chat/completions', 400, 'error', '400', 2.0, "
+                    "10, 20, 0, 0)")
+    old.close()
+    writer = RecordWriter(db)
+    writer.add(CallRecord(ts=2000.0, method="POST", endpoint="/v1/chat/completions",
+                          status=400, outcome="error", error_code="400",
+                          error_source="engine"))
+    writer.close()
+    rows = records.query(db)
+    assert [(r["ts"], r["error_code"], r["error_source"]) for r in rows] == [
+        (2000.0, "400", "engine"), (1000.0, "400", None)]
+    check = sqlite3.connect(db)
+    try:
+        (version,) = check.execute("PRAGMA user_version").fetchone()
+    finally:
+        check.close()
+    assert version == len(records.MIGRATIONS)
