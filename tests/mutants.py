@@ -115,7 +115,7 @@ SCHEDULING = (
            "            if True:\n"
            "                self._registry.bump(model_id)\n                yield"),
     Mutant("await-before-stop", "choosing a victim and stopping it are atomic",
-           "gatewayd/service/loader.py",
+           "gatewayd/service/eviction.py",
            "        log.info(\"evicting %s (%s)\", victim, reason)\n",
            "        log.info(\"evicting %s (%s)\", victim, reason)\n"
            "        await asyncio.sleep(0)\n"),
@@ -154,11 +154,11 @@ SCHEDULING = (
     Mutant("try-anyway-at-once", "'try anyway' waits while a stopped engine's memory may "
            "still be coming back",
            "gatewayd/service/loader.py",
-           "                case scheduler.TryAnyway() if self._memory_coming_back():",
-           "                case scheduler.TryAnyway() if False:"),
+           "            case scheduler.TryAnyway() if self._evictor.memory_coming_back():",
+           "            case scheduler.TryAnyway() if False:"),
     Mutant("settle-waits-for-gone-memory", "an eviction does not wait for memory that "
            "showed as free before its stop, while room is there",
-           "gatewayd/service/loader.py",
+           "gatewayd/service/eviction.py",
            "                        room_for is not None and now >= room_for):",
            "                        False):"),
     Mutant("stopping-holds-no-memory", "a stopping engine's memory counts until it is gone",
@@ -167,14 +167,15 @@ SCHEDULING = (
            "    if not holds_place or state not in (EngineState.STARTING, EngineState.LOADING):"),
     Mutant("failed-is-sticky", "a failed model is tried again by a later request",
            "gatewayd/service/loader.py",
-           "            if (left := engines.backoff_left(model.id)) > 0:",
-           "            if engine is not None and engine.state is EngineState.FAILED:\n"
-           "                raise engines.failed_error(model.id)\n"
-           "            if (left := engines.backoff_left(model.id)) > 0:"),
+           "            if (left := self._engines.backoff_left(model.id)) > 0:",
+           "            if (failed := self._engines.get(model.id)) is not None \\\n"
+           "                    and failed.state is EngineState.FAILED:\n"
+           "                raise self._engines.failed_error(model.id)\n"
+           "            if (left := self._engines.backoff_left(model.id)) > 0:"),
     Mutant("no-drain", "a model waiting under load on the others gets a place (drain)",
            "gatewayd/service/loader.py",
-           "                    self._turns.get_or_add(victim).draining_for = model.id",
-           "                    await self._wait(deadline, model, reason)"),
+           "                self._drain(victim, model.id, reason, want, usages)",
+           "                await self._wait(bounds.room_by, model, reason)"),
     Mutant("no-fifo-line", "models get room in the order they asked",
            "gatewayd/service/loader.py",
            "ahead=len(ahead),",
@@ -277,17 +278,17 @@ SCHEDULING = (
            "u.state is EngineState.READY\n",
            tests=(SCHED + "test_idle_ttl",)),
     Mutant("fifo-counts-those-behind", "only the models ahead in the line come first",
-           "gatewayd/service/loader.py",
+           "gatewayd/service/room_line.py",
            "            if other == model_id:\n                break",
            "            if other == model_id:\n                continue",
            tests=(FIFO,)),
     Mutant("drain-outlives-its-loader", "a drain ends when the model it made room for "
            "no longer wants room",
-           "gatewayd/service/loader.py",
-           "                if use.draining_for == model.id:\n"
-           "                    use.draining_for = None",
-           "                if use.draining_for == model.id:\n"
-           "                    pass",
+           "gatewayd/service/room_line.py",
+           "            if use.draining_for == model_id:\n"
+           "                use.draining_for = None",
+           "            if use.draining_for == model_id:\n"
+           "                pass",
            tests=(D + "test_pinned_engines_stay_busy_ones_drain_and_the_wait_is_bounded",)),
     Mutant("draining-takes-new-requests", "a draining engine takes no new requests: they "
            "queue behind the model it makes room for",
@@ -996,9 +997,9 @@ GROUPED = (
     Mutant("grouped-turn-keeps-the-deadline", "a lower class waiting to be aged is served, "
            "not refused when the wait for room runs out",
            "gatewayd/service/loader.py",
-           "                    deadline = max(deadline, self._clock() + "
+           "                bounds.room_by = max(bounds.room_by, self._clock() + "
            "self._config.eviction_wait_s)\n",
-           "                    pass\n",
+           "                pass\n",
            tests=(MODEL_T + "test_grouped_a_lower_class_waits_to_be_aged_not_refused",)),
     Mutant("grouped-drains-at-once", "a busy engine keeps its place for its own traffic "
            "while the waiting model's turn has not come", "gatewayd/core/scheduler.py",

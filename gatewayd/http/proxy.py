@@ -2,7 +2,7 @@
 the answer back.
 
 The hot path. What it costs is paid per request, so:
-- local engines are spoken to by http/engine_client (keep-alive pool per socket, a
+- local engines are spoken to by adapters/engine_wire (keep-alive pool per socket, a
   connection of its own for a stream: llama-server closes the connection after every
   SSE answer although it says keep-alive); remote upstreams by their aiohttp session;
   both answer as an `Answer`, so one relay serves both;
@@ -475,7 +475,7 @@ NATIVE_TRIES = 8
 async def _relay_native(native: NativeRelay, request: web.Request, upstream: EngineResponse,
                         sse: SseRelay, record: CallRecord, stall_timeout_s: float,
                         sent: _Sent) -> bool:
-    """As much of the stream as relay.c passes on (http/native_relay): the same bytes as
+    """As much of the stream as relay.c passes on (engine_wire/native_relay): the same bytes as
     _relay_pushed's, framed the same way; it stops where Python is needed, and
     _relay_pushed goes on from there with what it read and did not send. False if relay.c
     could not take the stream now (nothing changed)."""

@@ -31,9 +31,10 @@ from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NAMES, NORMAL
 from gatewayd.core.waits import ROOM, Swap, Waited, near_miss, reason_of
 from gatewayd.service.engine_manager import EngineManager
-from gatewayd.service.loader import Loader, WakeUp
+from gatewayd.service.loader import Loader
 from gatewayd.service.reaper import IdleReaper
 from gatewayd.service.turns import QueueListener, Turns, Use
+from gatewayd.service.wake_up import WakeUp
 
 WaitListener = Callable[[Waited], None]
 

@@ -11,7 +11,7 @@ every step:
 - every request is answered within its deadline (room within eviction_wait_s, the load
   within load_timeout_s), and with success unless a crash explains the error;
 - first come, first served across models: a model asks for room when its first request
-  queues (its loader joins the line, loader.py) and gets it when its loader starts its
+  queues (its loader joins the line, room_line.py) and gets it when its loader starts its
   engine; no model gets room while one that asked before it still waits for room (its
   request not ended), unless a place beyond what those need is free and there is no GPU
   (core/scheduler.py: what they need in memory is not known). Checked at every start, as

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gatewayd.adapters.events import EventHub
-from gatewayd.service.loader import eviction_reason
+from gatewayd.service.eviction import eviction_reason
 
 
 class Clock:

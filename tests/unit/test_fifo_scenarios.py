@@ -1,7 +1,7 @@
 """First come, first served across models: fixed scenarios where the model at the head of
 the line for room cannot use a place yet and a model behind it could take one.
 
-The line (gatewayd/service/loader.py) orders the models waiting for room by their first
+The line (gatewayd/service/room_line.py) orders the models waiting for room by their first
 request; the scheduler lets a model behind the head take only room beyond what the models
 ahead need (core/scheduler.plan_start's `ahead`). In the model test's scenarios the head
 is also the first loader to look again after every change, so the line's order is kept
