@@ -40,6 +40,7 @@ from gatewayd.adapters.admin_socket import may_administer, peer_of
 from gatewayd.adapters.host_names import own_host_names
 from gatewayd.core.auth import ADMIN, INFERENCE, ApiKey, KeyRing, presented_key
 from gatewayd.core.errors import (
+    ERROR_SOURCE_HEADER,
     AdminNotAllowed,
     AdminNotPublic,
     BadFraming,
@@ -69,6 +70,7 @@ CORS_REQUEST_HEADERS = ("Authorization, X-Api-Key, Content-Type, Accept, OpenAI-
                         "X-Stainless-Runtime-Version, Anthropic-Dangerous-Direct-Browser-Access, "
                         "LLM-Gateway-Priority, LLM-Gateway-Progress")
 CORS_MAX_AGE_S = 600
+CORS_EXPOSED_HEADERS = f"Retry-After, {ERROR_SOURCE_HEADER}"   # what a page may read
 CROSS_SITE = frozenset({"cross-site", "same-site"})   # Sec-Fetch-Site: another site's page
 # The request head the gateway takes: a field or request line of 8 KiB (aiohttp's own
 # default), 32 KiB in all. aiohttp's parser is given more room (PARSER_LIMITS, up to
@@ -303,10 +305,13 @@ def preflight(request: web.Request, matched: Matched) -> web.Response:
 
 
 async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: an allowed page of another origin may read the answer."""
+    """on_response_prepare: an allowed page of another origin may read the answer, and
+    the headers a client acts on (when to retry, whose an error is), which a browser
+    hides from a page unless they are exposed."""
     origin = request.get(CORS_ORIGIN)
     if origin is not None and "Access-Control-Allow-Origin" not in response.headers:
         response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED_HEADERS
         response.headers["Vary"] = "Origin"
 
 

@@ -292,6 +292,13 @@ async def test_allowed_origins_get_cors_and_others_do_not(tmp_path: Path) -> Non
         # the engine's own CORS headers (llama-server allows any origin) never pass
         assert "*" not in [line.split(":", 1)[1].strip() for line in head.lower().splitlines()
                            if line.startswith("access-control-allow-origin")]
+        # a page may read when to retry and whose an error is (a browser hides both else)
+        status, _, head = await raw(gw, "POST", "/v1/chat/completions", {
+            "Origin": app_origin, "Content-Type": "application/json"},
+            json.dumps(chat("nope")).encode())
+        assert status == 404
+        assert "access-control-expose-headers: retry-after, llm-gateway-error-source" \
+            in head.lower()
         status, _, _ = await raw(gw, "POST", "/v1/chat/completions", {
             "Origin": "https://other.example", "Content-Type": "application/json"},
             json.dumps(chat("a")).encode())
