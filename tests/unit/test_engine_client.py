@@ -6,6 +6,7 @@ loops the gateway can run on (asyncio, and uvloop, which it uses where installed
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import select
 import socket
@@ -27,6 +28,7 @@ from gatewayd.adapters.engine_wire.errors import (
     EngineConnectionError,
 )
 from gatewayd.adapters.engine_wire.framing import MAX_HEAD
+from gatewayd.adapters.engine_wire.pool import Pool
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
@@ -684,3 +686,28 @@ async def test_bytes_past_an_answers_end_break_its_connection(engine: Engine) ->
     engine.handler = answer_each(ok(b"good"))
     assert await get(client, engine) == (200, b"good")
     await client.close()
+
+
+async def test_a_waiter_cancelled_just_before_a_release_leaves_without_an_error() -> None:
+    """A client that leaves while it waits for a connection: its cancel lands, then a
+    connection is released before its task runs again. The release passes over the
+    cancelled waiter (taking it off the queue); the waiter leaving must not fail for it
+    (it raised ValueError from deque.remove, found by the fast tier under uvloop)."""
+    pool = Pool(keepalive_s=5.0, limit=1, refused=collections.Counter())
+    await pool.acquire(None, queue_limit=8)            # the one connection, in use
+    waiting = asyncio.ensure_future(pool.acquire(None, queue_limit=8))
+    late = asyncio.ensure_future(pool.acquire(None, queue_limit=8))
+    for _ in range(100):
+        if len(pool.waiters) == 2:
+            break
+        await asyncio.sleep(0)
+    waiting.cancel()
+    pool.release()        # before `waiting` runs: the connection goes to `late`
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await late
+    assert pool.busy == 1 and not pool.waiters
+    late_timeout = asyncio.ensure_future(pool.acquire(0.01, queue_limit=8))
+    with pytest.raises(ConnectionsBusy):
+        await late_timeout
+    assert not pool.waiters

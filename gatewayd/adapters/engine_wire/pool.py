@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -45,17 +46,22 @@ class Pool:
                 await waiter       # _admit counted the connection as ours before waking us
         except BaseException as e:
             handed = waiter.done() and not waiter.cancelled()
+            if not handed:
+                self._leave(waiter)
             if isinstance(e, TimeoutError):
                 if handed:
                     return         # handed a connection as the time ran out: it is ours
-                self.waiters.remove(waiter)
                 raise ConnectionsBusy(f"all {self.limit} of the engine's connections stayed "
                                       f"busy for {timeout:g} s") from None
             if handed:
                 self.release()   # handed a connection just as we were cancelled: pass it on
-            else:
-                self.waiters.remove(waiter)
             raise
+
+    def _leave(self, waiter: asyncio.Future[None]) -> None:
+        """A waiter gives up its place in the queue: a release may already have passed
+        over it (cancelled before its task ran again) and taken it off."""
+        with contextlib.suppress(ValueError):
+            self.waiters.remove(waiter)
 
     def release(self) -> None:
         self.busy -= 1
