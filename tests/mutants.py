@@ -749,10 +749,10 @@ RESTARTS = (
                   "restart",)),
     Mutant("shut-socket-fails-at-once", "a request that met a just-dead engine's shut "
            "socket waits for systemd's restart",
-           "gatewayd/http/openai_api.py",
-           "                if not (reached_no_engine(e) and await "
-           "front.dispatcher.unreachable(engine)):",
-           "                if True:",
+           "gatewayd/service/dispatcher.py",
+           "            if last or not refused.reached_no_process or not await "
+           "self.coming_back(engine):",
+           "            if True:",
            tests=("tests/http/test_engine_restart_http.py",)),
     Mutant("reset-request-replayed", "a request the dying engine's connection took is "
            "never sent to the restarted one",

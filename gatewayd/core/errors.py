@@ -164,6 +164,10 @@ class EngineUnavailable(GatewayError):
     """The engine's socket refused or dropped the request before it was answered."""
 
     status, type, code = 502, "server_error", "engine_unavailable"
+    # the socket refused the connection and no earlier try went out on another: the
+    # request reached no process (a just-dead engine's shut socket), so it may be sent
+    # to the engine systemd restarts (Dispatcher.journey)
+    reached_no_process: bool = False
 
 
 class EngineBusy(GatewayError):

@@ -23,7 +23,6 @@ from multidict import CIMultiDict
 
 from gatewayd.adapters.answer import Answer
 from gatewayd.adapters.engine_wire.client import EngineClient
-from gatewayd.adapters.engine_wire.errors import EngineConnectionError
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.adapters.remote_client import never_connected, to_remote
@@ -38,7 +37,6 @@ from gatewayd.core.errors import (
     ConcurrencyLimit,
     EngineFailed,
     EngineLimitReached,
-    EngineUnavailable,
     ErrorSource,
     GatewayError,
     GpuUnavailable,
@@ -186,6 +184,8 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:
+    """An engine route of the table: the request parsed into a Call, delivered to whoever
+    answers it (deliver), and recorded however it ends."""
     front = request.app[FRONT]
     t0 = time.monotonic()
     key = request_key(request)
@@ -193,104 +193,9 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
                         api_key=key.name if key is not None else None)
     told: Progress | None = None   # a stream told of its wait (http/waiting)
     try:
-        matched = request_route(request)
-        if matched is None or not matched.route.engine:
-            # only an engine route of the table (core/routes.py) is relayed; the gate
-            # (http/auth) stops the rest, and an app built without it relays nothing
-            raise RouteNotFound(f"{request.path} is not a path this gateway serves")
-        body = await read_body(request, front.config.max_body_bytes)
-        record.bytes_in = len(body)
-        model, payload, multipart = await model_of(request, body)
-        asked = model or request.query.get("model")
-        catalog = front.engines.catalog
-        if asked is not None:
-            check_asked(key, catalog, asked)
-        try:
-            model_id = choose_model(request.path, asked, catalog=catalog,
-                                    engines=front.engines.engines(),
-                                    default_model=front.config.default_model)
-        except ModelNotFound as e:
-            if asked is None or not front.remotes.candidates((asked,)):
-                e.extra["available_models"] = available_models(front, key)
-                raise
-            model_id = asked    # a remote model: served by an upstream only
-        local = catalog.get(model_id)
-        names = local.names if local is not None else frozenset({model_id.casefold()})
-        record.model = model_id
-        headers = request_headers(request.headers)   # never the client's key: ours to check
-        if key is not None:
-            check_model(key, model_id, names)
-        # Inference (POST) may load a model and counts as use for eviction; polls such
-        # as GET /props or /metrics?model= neither load one nor keep one alive.
-        inference = request.method == "POST"
-        autoload = (inference and front.config.autoload
-                    and request.query.get("autoload") != "false")
-        stream = payload is not None and payload.get("stream") is True
-        try:   # its class for the order of waiting models (core/priority)
-            priority = of_request(key.priority if key is not None else None,
-                                  local.config.priority if local is not None else NORMAL,
-                                  request.headers.get(PRIORITY_HEADER))
-        except ValueError as e:
-            raise InvalidRequest(str(e), param=PRIORITY_HEADER) from None
-        if stream and local is not None:
-            told = waits_told(front, request, record, t0, model_id)
-        drop_usage = False
-        if stream and request.path in USAGE_PATHS and payload is not None:
-            options = payload.get("stream_options")
-            if not (isinstance(options, dict) and options.get("include_usage")):
-                # ask for usage on the client's behalf (for the record), hide it again
-                payload["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                             "include_usage": True}
-                body = json.dumps(payload).encode()
-                drop_usage = True
-        if request.path in TRANSLATION_PATHS and not multipart:
-            raise InvalidRequest("a translation is a multipart/form-data upload with a "
-                                 "`file` and a `model` field")
-        if front.config.records_store_text and not multipart:
-            record.request_text = _capped(body, front.config.records_text_max_bytes)
-        call = Call(request, record, t0, payload, body, headers, stream, drop_usage,
-                    matched.target,
-                    whisper=local is not None and local.backend is Backend.WHISPER,
-                    priority=priority, told=told)
-
-        def acquire() -> Awaitable[Engine]:   # its engine, the wait told where asked
-            waiting = front.dispatcher.acquire(model_id, autoload=autoload,
-                                               counts_as_use=inference, priority=priority)
-            return waiting if told is None else told.wait(
-                waiting, lambda _: front.dispatcher.release(
-                    model_id, counts_as_use=inference, priority=priority))
-
-        if local is not None and not local.config.downloaded and autoload \
-                and front.puller is not None:
-            # its file pulled from its source first, within the wait for a load; the
-            # catalog has it once this returns (503 model_downloading with the ETA if not)
-            pulled = front.puller.ensure(local, front.config.load_timeout_s)
-            await (pulled if told is None else told.wait(pulled))
-        if local is None:
-            response = await relay_remote(front, call, names, model_id)
-        elif local.config.spill_over and matched.route.upstream \
-                and front.remotes.candidates(names):
-            try:
-                engine = await acquire()
-            except SPILL_OVER as e:
-                log.info("%s cannot take the request here (%s): spilling over", model_id,
-                         e.code)
-                response = await relay_remote(front, call, names, model_id)
-            else:
-                response = await relay_local(front, call, engine, multipart, inference)
-        else:
-            engine = await acquire()
-            try:
-                response = await relay_local(front, call, engine, multipart, inference)
-            except EngineUnavailable as e:
-                if not (reached_no_engine(e) and await front.dispatcher.unreachable(engine)):
-                    raise
-                # its engine had just died (systemd restarts it): the request reached no
-                # process, so it waits for the restarted one like any other, once
-                log.info("%s: its engine's socket is shut and systemd restarts it: the "
-                         "request waits for it", model_id)
-                engine = await acquire()
-                response = await relay_local(front, call, engine, multipart, inference)
+        call = await parse_call(front, request, key, record, t0)
+        told = call.told
+        response = await deliver(front, call)
         if front.config.records_store_text and isinstance(response, web.Response) \
                 and isinstance(response.body, bytes):
             record.response_text = _capped(response.body, front.config.records_text_max_bytes)
@@ -305,7 +210,6 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         raise
     except web.HTTPException as e:
         record.status, record.outcome = e.status, "error"
-        record.error_source = ErrorSource.GATEWAY.value
         raise
     except asyncio.CancelledError:
         if record.stream:   # a stream's relay knows whether it was all delivered
@@ -318,7 +222,6 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         if request.app[SHUTDOWN].expired:   # cancelled at the drain deadline: the client is there
             error = shutdown_error()
             record.status, record.outcome, record.error_code = error.status, "error", error.code
-            record.error_source = ErrorSource.GATEWAY.value
             raise error from None
         record.disconnected, record.outcome = True, "disconnected"
         raise
@@ -328,6 +231,73 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             front.records.add(record)
         if front.metrics is not None:
             front.metrics.observe_call(record)
+
+
+async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
+                     record: CallRecord, t0: float) -> Call:
+    """The request as it will go out: its route, body, model (the key's rules checked),
+    class, and our changes to it; raises the client's error otherwise."""
+    matched = request_route(request)
+    if matched is None or not matched.route.engine:
+        # only an engine route of the table (core/routes.py) is relayed; the gate
+        # (http/auth) stops the rest, and an app built without it relays nothing
+        raise RouteNotFound(f"{request.path} is not a path this gateway serves")
+    body = await read_body(request, front.config.max_body_bytes)
+    record.bytes_in = len(body)
+    model, payload, multipart = await model_of(request, body)
+    asked = model or request.query.get("model")
+    catalog = front.engines.catalog
+    if asked is not None:
+        check_asked(key, catalog, asked)
+    try:
+        model_id = choose_model(request.path, asked, catalog=catalog,
+                                engines=front.engines.engines(),
+                                default_model=front.config.default_model)
+    except ModelNotFound as e:
+        if asked is None or not front.remotes.candidates((asked,)):
+            e.extra["available_models"] = available_models(front, key)
+            raise
+        model_id = asked    # a remote model: served by an upstream only
+    local = catalog.get(model_id)
+    names = local.names if local is not None else frozenset({model_id.casefold()})
+    record.model = model_id
+    headers = request_headers(request.headers)   # never the client's key: ours to check
+    if key is not None:
+        check_model(key, model_id, names)
+    # Inference (POST) may load a model and counts as use for eviction; polls such
+    # as GET /props or /metrics?model= neither load one nor keep one alive.
+    inference = request.method == "POST"
+    autoload = (inference and front.config.autoload
+                and request.query.get("autoload") != "false")
+    stream = payload is not None and payload.get("stream") is True
+    try:   # its class for the order of waiting models (core/priority)
+        priority = of_request(key.priority if key is not None else None,
+                              local.config.priority if local is not None else NORMAL,
+                              request.headers.get(PRIORITY_HEADER))
+    except ValueError as e:
+        raise InvalidRequest(str(e), param=PRIORITY_HEADER) from None
+    drop_usage = False
+    if stream and request.path in USAGE_PATHS and payload is not None:
+        options = payload.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage")):
+            # ask for usage on the client's behalf (for the record), hide it again
+            payload["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                         "include_usage": True}
+            body = json.dumps(payload).encode()
+            drop_usage = True
+    if request.path in TRANSLATION_PATHS and not multipart:
+        raise InvalidRequest("a translation is a multipart/form-data upload with a "
+                             "`file` and a `model` field")
+    if front.config.records_store_text and not multipart:
+        record.request_text = _capped(body, front.config.records_text_max_bytes)
+    told = waits_told(front, request, record, t0, model_id) \
+        if stream and local is not None else None
+    return Call(request, record, t0, payload, body, headers, stream, drop_usage,
+                matched.target, model_id=model_id, local=local, names=names,
+                upstream_route=matched.route.upstream, multipart=multipart,
+                inference=inference, autoload=autoload,
+                whisper=local is not None and local.backend is Backend.WHISPER,
+                priority=priority, told=told)
 
 
 @dataclass
@@ -343,36 +313,66 @@ class Call:
     stream: bool
     drop_usage: bool
     target: str       # the path to send on: the route table's spelling, not the client's
+    model_id: str = ""
+    local: Model | None = None     # None: a remote model, served by an upstream only
+    names: frozenset[str] = frozenset()   # the model's names, as upstreams are asked
+    upstream_route: bool = False   # an OpenAI path under /v1/, which an upstream may take
+    multipart: bool = False
+    inference: bool = True   # a POST: it may load the model and counts as use
+    autoload: bool = False
     whisper: bool = False   # a whisper model's: its engine is whisper-server, whose
                             # requests and answers differ from OpenAI's
-    priority: int = NORMAL  # its class (core/priority): its turn was taken in it
+    priority: int = NORMAL  # its class (core/priority): its turn is taken in it
     told: Progress | None = None   # its wait told to its client: the stream begun there
 
 
-async def relay_local(front: FrontDoor, call: Call, engine: Engine, multipart: bool,
-                      inference: bool) -> web.StreamResponse:
-    """To the model's engine; its turn (taken by acquire) is given back at the end."""
-    request = call.request
-    try:
-        body, path = call.body, call.target
-        if call.whisper and multipart and request.path in TRANSLATION_PATHS:
-            # whisper-server has one inference path (an openai server its own translations)
-            body = as_whisper_translation(body, _boundary(request))
-            path = WHISPER_INFERENCE_PATH
-        target = _with_query(path, request)
-        call.record.engine = engine.unit
-        send = to_engine(front.engine_client, engine.socket, request.method, target,
-                         call.headers, body, stream=call.stream)
-        return await relay(request, outgoing(front.config, send, call), call.record, call.t0)
-    finally:
-        front.dispatcher.release(engine.model_id, counts_as_use=inference,
-                                 priority=call.priority)
+async def deliver(front: FrontDoor, call: Call) -> web.StreamResponse:
+    """The request to whoever answers it: a remote model's upstream, or its model's engine
+    for one journey (service/dispatcher.journey: the turn, the send, the one retry on an
+    engine systemd restarts, the turn given back), its file pulled first where it has
+    none yet; a local model with spill_over goes to an upstream when it gets no turn."""
+    local = call.local
+    if local is None:
+        return await relay_remote(front, call)
+    told = call.told
+    if not local.config.downloaded and call.autoload and front.puller is not None:
+        # its file pulled from its source first, within the wait for a load; the
+        # catalog has it once this returns (503 model_downloading with the ETA if not)
+        pulled = front.puller.ensure(local, front.config.load_timeout_s)
+        await (pulled if told is None else told.wait(pulled))
+
+    async def spill_over(e: GatewayError) -> web.StreamResponse:
+        if not isinstance(e, SPILL_OVER):
+            raise e
+        log.info("%s cannot take the request here (%s): spilling over", local.id, e.code)
+        return await relay_remote(front, call)
+
+    spills = local.config.spill_over and call.upstream_route \
+        and bool(front.remotes.candidates(call.names))
+    return await front.dispatcher.journey(
+        local.id, lambda engine: relay_local(front, call, engine), autoload=call.autoload,
+        counts_as_use=call.inference, priority=call.priority,
+        wait=None if told is None else told.wait, no_turn=spill_over if spills else None)
 
 
-async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
-                       asked: str) -> web.StreamResponse:
-    """To the first upstream serving one of names that is up and has room."""
+async def relay_local(front: FrontDoor, call: Call, engine: Engine) -> web.StreamResponse:
+    """To the model's engine, in the turn the journey took."""
     request = call.request
+    body, path = call.body, call.target
+    if call.whisper and call.multipart and request.path in TRANSLATION_PATHS:
+        # whisper-server has one inference path (an openai server its own translations)
+        body = as_whisper_translation(body, _boundary(request))
+        path = WHISPER_INFERENCE_PATH
+    target = _with_query(path, request)
+    call.record.engine = engine.unit
+    send = to_engine(front.engine_client, engine.socket, request.method, target,
+                     call.headers, body, stream=call.stream)
+    return await relay(request, outgoing(front.config, send, call), call.record, call.t0)
+
+
+async def relay_remote(front: FrontDoor, call: Call) -> web.StreamResponse:
+    """To the first upstream serving one of the model's names that is up and has room."""
+    request, names, asked = call.request, call.names, call.model_id
     route = request_route(request)
     if route is None or not route.route.upstream:
         raise InvalidRequest(f"{asked!r} is served by a remote upstream, which is asked "
@@ -406,13 +406,6 @@ async def relay_remote(front: FrontDoor, call: Call, names: frozenset[str],
             raise
     finally:
         front.remotes.release(remote)
-
-
-def reached_no_engine(e: EngineUnavailable) -> bool:
-    """The request could not be sent: its engine's socket refused the connection, and no
-    earlier try of it went out on another."""
-    cause = e.__cause__
-    return isinstance(cause, EngineConnectionError) and cause.connect
 
 
 def check_asked(key: ApiKey | None, catalog: Catalog, asked: str) -> None:

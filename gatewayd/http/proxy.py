@@ -122,7 +122,9 @@ class Outgoing:
     def unavailable(self, e: BaseException, while_: str = "did not take the request"
                     ) -> GatewayError:
         if self.upstream is None:
-            return EngineUnavailable(f"the engine {while_}: {e}")
+            error = EngineUnavailable(f"the engine {while_}: {e}")
+            error.reached_no_process = isinstance(e, EngineConnectionError) and e.connect
+            return error
         if isinstance(e, TimeoutError):
             return UpstreamTimeout(f"upstream {self.upstream!r} {while_}: no answer in time "
                                    f"({type(e).__name__})", upstream=self.upstream)

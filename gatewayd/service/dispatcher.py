@@ -18,15 +18,16 @@ nobody at the moment it is chosen, and from that moment (its stop marks it
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import COMING_STATES, Engine, EngineState
-from gatewayd.core.errors import GatewayError, ModelNotLoaded
+from gatewayd.core.errors import EngineUnavailable, GatewayError, ModelNotLoaded
 from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NAMES, NORMAL
 from gatewayd.core.waits import ROOM, Swap, Waited, near_miss, reason_of
@@ -37,6 +38,11 @@ from gatewayd.service.turns import QueueListener, Turns, Use
 from gatewayd.service.wake_up import WakeUp
 
 WaitListener = Callable[[Waited], None]
+T = TypeVar("T")
+# a caller's way of waiting for a turn (http/waiting tells a stream why it waits): the
+# wait, and what gives back a turn taken just as the caller gave up
+WaitFor = Callable[[Awaitable[Engine], Callable[[Engine], object]], Awaitable[Engine]]
+log = logging.getLogger("gatewayd.dispatcher")
 
 
 class Dispatcher:
@@ -58,15 +64,57 @@ class Dispatcher:
 
     # -- the request path ----------------------------------------------------------
 
+    async def journey(self, model_id: str, send: Callable[[Engine], Awaitable[T]], *,
+                      autoload: bool, counts_as_use: bool = True, priority: int = NORMAL,
+                      wait: WaitFor | None = None,
+                      no_turn: Callable[[GatewayError], Awaitable[T]] | None = None) -> T:
+        """A request's whole journey to model_id's engine, in one scope: its turn taken
+        (queued; the engine loaded where autoload), send(engine), and the turn given back
+        however it ends. A request the engine's socket refused before it reached any
+        process (the engine had just died, and systemd restarts it) waits for the
+        restarted engine like any other and is sent to it, once. wait: the wait for the
+        turn, as the caller tells it (http/waiting); no_turn: the answer where no turn
+        could be had (spill-over to a remote upstream), else that error is raised."""
+        for last in (False, True):
+            try:
+                engine = await self._take(model_id, autoload, counts_as_use, priority, wait)
+            except GatewayError as e:
+                if no_turn is None:
+                    raise
+                return await no_turn(e)
+            try:
+                return await send(engine)
+            except EngineUnavailable as e:
+                refused = e
+            finally:
+                self.release(model_id, counts_as_use=counts_as_use, priority=priority)
+            if last or not refused.reached_no_process or not await self.coming_back(engine):
+                raise refused
+            log.info("%s: its engine's socket is shut and systemd restarts it: the request "
+                     "waits for it", model_id)
+        raise AssertionError("a journey ends in an answer or an error")   # pragma: no cover
+
     @contextlib.asynccontextmanager
     async def serve(self, model_id: str, *, autoload: bool, counts_as_use: bool = True,
-                    priority: int = NORMAL) -> AsyncIterator[Engine]:
-        engine = await self.acquire(model_id, autoload=autoload, counts_as_use=counts_as_use,
-                                    priority=priority)
+                    priority: int = NORMAL, wait: WaitFor | None = None
+                    ) -> AsyncIterator[Engine]:
+        """A turn at model_id's engine for the scope, given back when it ends. wait: the
+        wait for the turn as the caller tells it; its undo gives back a turn taken just
+        as the caller gave up."""
+        engine = await self._take(model_id, autoload, counts_as_use, priority, wait)
         try:
             yield engine
         finally:
             self.release(model_id, counts_as_use=counts_as_use, priority=priority)
+
+    async def _take(self, model_id: str, autoload: bool, counts_as_use: bool, priority: int,
+                    wait: WaitFor | None) -> Engine:
+        waiting = self.acquire(model_id, autoload=autoload, counts_as_use=counts_as_use,
+                               priority=priority)
+        if wait is None:
+            return await waiting
+        return await wait(waiting, lambda _: self.release(
+            model_id, counts_as_use=counts_as_use, priority=priority))
 
     async def acquire(self, model_id: str, *, autoload: bool, counts_as_use: bool = True,
                       priority: int = NORMAL) -> Engine:
@@ -126,10 +174,10 @@ class Dispatcher:
         for listener in list(self._wait_listeners):
             listener(done)
 
-    async def unreachable(self, engine: Engine) -> bool:
-        """The engine's socket refused a request that reached no process: whether it is
-        coming back (systemd restarting it), so that the request may be acquired again."""
-        return await self._engines.unreachable(engine.model_id, engine.main_pid)
+    async def coming_back(self, engine: Engine) -> bool:
+        """Whether the engine, whose socket refused a request that reached no process, is
+        on its way back (systemd restarting it), so that the request may wait for it."""
+        return await self._engines.coming_back(engine.model_id, engine.main_pid)
 
     def release(self, model_id: str, *, counts_as_use: bool = True,
                 priority: int = NORMAL) -> None:

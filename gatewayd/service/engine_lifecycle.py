@@ -311,7 +311,7 @@ class EngineLifecycle:
             self._capacity.track(model_id, info.control_group)
         self._registry.reconcile(model_id, info)
 
-    async def unreachable(self, model_id: str, main_pid: int) -> bool:
+    async def coming_back(self, model_id: str, main_pid: int) -> bool:
         """A request found the engine's socket shut (it reached no process): whether the
         engine is on its way back, systemd restarting it, so that the request can wait for
         it. Its process may have died a moment ago, before systemd's signal came: ask

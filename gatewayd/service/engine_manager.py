@@ -143,8 +143,8 @@ class EngineManager:
     async def kill_unresponsive(self, model_id: str, main_pid: int, silent_s: float) -> None:
         await self._lifecycle.kill_unresponsive(model_id, main_pid, silent_s)
 
-    async def unreachable(self, model_id: str, main_pid: int) -> bool:
-        return await self._lifecycle.unreachable(model_id, main_pid)
+    async def coming_back(self, model_id: str, main_pid: int) -> bool:
+        return await self._lifecycle.coming_back(model_id, main_pid)
 
     def take_over(self, info: EngineUnitInfo) -> Engine | None:
         return self._lifecycle.take_over(info)

@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 
-from gatewayd.core.engines import EngineState
+from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
     ConcurrencyLimit,
     EngineBinaryMissing,
     EngineFailed,
     EngineLimitReached,
+    EngineUnavailable,
+    GatewayError,
     InsufficientGpu,
     ModelNotLoaded,
     QueueFull,
@@ -346,3 +348,43 @@ async def test_a_request_for_a_model_being_parked_makes_room_meanwhile(
     assert units.log[-1] == "start a"
     await d.close()
     await mgr.close()
+
+
+async def test_a_journey_gives_its_turn_back_however_it_ends(tmp_path: Path) -> None:
+    """Dispatcher.journey, the one owner of a request's way to a local engine: the turn it
+    takes is given back on an answer, on an error, and on the error that is no reason to
+    send again (a request an engine took and then dropped); a request refused before it
+    reached any process, by an engine that is not coming back, is not sent twice; where
+    no turn can be had, the caller's no_turn answers (spill-over) instead."""
+    d, units, _ = dispatcher_on_fakes(tmp_path, max_engines=2)
+    sent: list[str] = []
+
+    def in_flight() -> int:
+        use = d._turns.peek("a")
+        return use.in_flight if use is not None else 0
+
+    async def answer(engine: Engine) -> str:
+        sent.append(engine.model_id)
+        assert in_flight() == 1
+        return "answer"
+    assert await d.journey("a", answer, autoload=True) == "answer"
+    assert in_flight() == 0 and sent == ["a"]
+
+    for reached in (False, True):   # dropped after it was sent; refused, nothing restarts
+        async def refused(engine: Engine, reached: bool = reached) -> str:
+            sent.append(engine.model_id)
+            error = EngineUnavailable("the engine did not take the request")
+            error.reached_no_process = reached
+            raise error
+        sent.clear()
+        with pytest.raises(EngineUnavailable):
+            await d.journey("a", refused, autoload=True)
+        assert in_flight() == 0 and sent == ["a"]   # once: its engine is not coming back
+
+    async def no_turn(e: GatewayError) -> str:
+        return f"elsewhere ({e.code})"
+    assert await d.journey("b", answer, autoload=False, no_turn=no_turn) == \
+        "elsewhere (model_not_loaded)"
+    with pytest.raises(ModelNotLoaded):
+        await d.journey("b", answer, autoload=False)
+    assert "start b" not in units.log
