@@ -35,11 +35,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--force", action="store_true", help="stop its engine first")
 
 
-Call = Callable[..., Any]
+ApiCall = Callable[..., Any]
 Follow = Callable[[], Iterator[dict[str, Any]]]
 
 
-def run_pull(args: argparse.Namespace, call: Call, follow: Follow,
+def run_pull(args: argparse.Namespace, call: ApiCall, follow: Follow,
              out: TextIO = sys.stdout) -> int:
     """Start the pull and draw it until it ends; 0 when the model is here."""
     body = {"source": args.source, "mmproj": args.mmproj,

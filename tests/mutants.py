@@ -408,8 +408,8 @@ ACCESS = (
     Mutant("default-model-not-checked", "a key's model check covers a model the gateway "
            "chose (default_model), not only the one asked for",
            "gatewayd/http/openai_api.py",
-           "        if key is not None:\n            check_model(key, model_id, names)",
-           "        if False:\n            check_model(key, model_id, names)",
+           "    if key is not None:\n        check_model(key, model_id, names)",
+           "    if False:\n        check_model(key, model_id, names)",
            tests=(KEYS + "test_a_model_the_gateway_chooses_is_checked_against_the_key_too",)),
     Mutant("refused-body-untold", "a body the HTTP parser refuses part-way (a framing "
            "field in its trailers) is answered and its connection closed, not held",
@@ -550,8 +550,8 @@ RELAYS = (
     Mutant("usage-not-asked", "the gateway asks a stream for its usage on the client's "
            "behalf (the record's token counts)",
            "gatewayd/http/openai_api.py",
-           "        if stream and request.path in USAGE_PATHS and payload is not None:",
-           "        if False:",
+           "    if stream and request.path in USAGE_PATHS and payload is not None:",
+           "    if False:",
            tests=(FRONT + "test_stream_gets_usage_for_the_record_but_not_for_the_client",)),
     Mutant("framed-usage-passes", "an event naming usage goes through feed (read, and "
            "hidden where asked), never on as it came",

@@ -171,7 +171,7 @@ def answer_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
 async def relay(request: web.Request, out: Outgoing, record: CallRecord,
                 t0: float) -> web.StreamResponse:
     try:
-        upstream = await out.send()
+        answer = await out.send()
     except ConnectionsQueueFull as e:
         raise QueueFull(f"the engine is busy: {e}; try again", retry_after=BUSY_RETRY_S,
                         model=record.model) from e
@@ -181,52 +181,52 @@ async def relay(request: web.Request, out: Outgoing, record: CallRecord,
     except TRANSPORT_ERRORS as e:
         raise out.unavailable(e) from e
     try:
-        content_type = upstream.headers.get("Content-Type", "")
+        content_type = answer.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
-            return await _relay_stream(request, upstream, out, record, t0)
+            return await _relay_stream(request, answer, out, record, t0)
         if out.response is not None:
-            raise await _not_a_stream(upstream, out)
-        if upstream.status < 400 and is_media(content_type):
-            return await _relay_media(request, upstream, out, record)
+            raise await _not_a_stream(answer, out)
+        if answer.status < 400 and is_media(content_type):
+            return await _relay_media(request, answer, out, record)
         try:
-            data = await upstream.read(out.max_answer_bytes)
+            data = await answer.read(out.max_answer_bytes)
         except (AnswerPastLimit, EngineAnswerTooLarge) as e:
             who = "the engine" if out.upstream is None else f"upstream {out.upstream!r}"
             raise AnswerTooLarge(f"{who} answered with more than {out.max_answer_bytes} "
                                  "bytes (max_answer_mb): refused") from e
         except TRANSPORT_ERRORS as e:
             raise out.unavailable(e, "failed while answering") from e
-        if upstream.status == 200 and out.whisper:
+        if answer.status == 200 and out.whisper:
             data = normalise_transcription(data, content_type)
-        record.status = upstream.status
+        record.status = answer.status
         record.bytes_out = len(data)
         _usage_from_body(record, data, content_type)
-        headers = answer_headers(upstream.headers)
+        headers = answer_headers(answer.headers)
         headers.pop("Content-Encoding", None)
-        if upstream.status >= 400:
+        if answer.status >= 400:
             record.outcome = "error"
             record.error_code = _error_code(data)
             record.error_source = out.source.value
             headers[ERROR_SOURCE_HEADER] = out.source.value   # (theirs dropped: ANSWER_HEADERS)
             if speaks_anthropic(request.path):
-                data = _as_anthropic_error(data, upstream.status)
+                data = _as_anthropic_error(data, answer.status)
                 headers["Content-Type"] = "application/json"
-        return web.Response(body=data, status=upstream.status, headers=headers)
+        return web.Response(body=data, status=answer.status, headers=headers)
     finally:
-        upstream.release()
+        answer.release()
 
 
-async def _relay_stream(request: web.Request, upstream: Answer,
+async def _relay_stream(request: web.Request, answer: Answer,
                         out: Outgoing, record: CallRecord, t0: float) -> web.StreamResponse:
     record.stream = True
     chunked = request.version >= aiohttp.HttpVersion11
     response = out.response   # begun already (its 200 told the client of a wait), or:
     if response is None:
-        record.status = upstream.status
+        record.status = answer.status
         headers = dict(SSE_HEADERS)
-        if upstream.status >= 400:   # an engine's (upstream's) error, told as a stream
+        if answer.status >= 400:   # an engine's (upstream's) error, told as a stream
             record.error_source = headers[ERROR_SOURCE_HEADER] = out.source.value
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response = web.StreamResponse(status=answer.status, headers=headers)
         if chunked:
             response.enable_chunked_encoding()   # what relay_pushed frames by hand relies on
     writer = await response.prepare(request)
@@ -237,25 +237,25 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     native_tries = NATIVE_TRIES if chunked and native is not None and native.enabled else 0
     try:
         try:
-            while chunk := await upstream.read_some():
+            while chunk := await answer.read_some():
                 data = sse.feed(chunk)
                 if data:
                     if record.ttft_ms is None:
                         record.ttft_ms = (time.monotonic() - t0) * 1000
                     await _write(request, response, data, record, out.stall_timeout_s, sent)
-                    if isinstance(upstream, EngineResponse) and writer is not None \
+                    if isinstance(answer, EngineResponse) and writer is not None \
                             and request.method != "HEAD":
                         # the head and the first event are out: the rest is pushed, by
                         # relay.c while it can, then from the engine connection's callback
                         if native_tries and native is not None:
                             native_tries -= 1
                             if not (sse.between_events
-                                    and native.usable(request.transport, upstream)
-                                    and await _relay_native(native, request, upstream, sse,
+                                    and native.usable(request.transport, answer)
+                                    and await _relay_native(native, request, answer, sse,
                                                             record, out.stall_timeout_s,
                                                             sent)) and native_tries:
                                 continue   # more came meanwhile: sent, then tried again
-                        await _relay_pushed(request, upstream, writer, sse, record, chunked,
+                        await _relay_pushed(request, answer, writer, sse, record, chunked,
                                             out.stall_timeout_s, sent)
                         break
             tail = sse.flush()
@@ -268,7 +268,7 @@ async def _relay_stream(request: web.Request, upstream: Answer,
             # The engine died mid-stream, or went past a bound. The status is sent: end
             # with an error event.
             if isinstance(e, EventTooLarge):
-                upstream.close()   # the rest of the answer is not read
+                answer.close()   # the rest of the answer is not read
                 error: GatewayError = e
                 record.outcome = "error"
             else:
@@ -282,21 +282,21 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     except _ClientGone:
         if not delivered:
             if sent.all_of(sse):
-                upstream.close()   # delivered; the engine's end still to come: not reused
+                answer.close()   # delivered; the engine's end still to come: not reused
             else:
-                _client_left(record, upstream)
+                _client_left(record, answer)
     except asyncio.CancelledError:  # aiohttp cancels the handler when the client goes,
         if delivered:               # or when the gateway's drain time has run out
             raise
         if sent.all_of(sse):
-            upstream.close()
+            answer.close()
             raise
         if not request.app[SHUTDOWN].expired:
-            _client_left(record, upstream)
+            _client_left(record, answer)
             raise
         # the gateway cancelled us at its drain deadline: the client is still there and
         # is told why its answer ends here (the stream is done, so it is not re-raised)
-        upstream.close()
+        answer.close()
         error = shutdown_error()
         record.outcome, record.error_code = "error", error.code
         record.error_source = ErrorSource.GATEWAY.value
@@ -309,18 +309,18 @@ async def _relay_stream(request: web.Request, upstream: Answer,
     return response
 
 
-async def _not_a_stream(upstream: Answer, out: Outgoing) -> GatewayError:
+async def _not_a_stream(answer: Answer, out: Outgoing) -> GatewayError:
     """An answer that is no event stream (an engine's error, as a rule) to a stream whose
     200 is out: the error its event will say, with the engine's (or upstream's) words."""
     try:
-        data = await upstream.read(out.max_answer_bytes)
+        data = await answer.read(out.max_answer_bytes)
     except (AnswerPastLimit, EngineAnswerTooLarge, *TRANSPORT_ERRORS):
         data = b""
     who = "the engine" if out.upstream is None else f"upstream {out.upstream!r}"
-    said = json.loads(_as_anthropic_error(data, upstream.status))["error"]["message"]
-    message = (f"{who} answered {upstream.status} instead of a stream: "
+    said = json.loads(_as_anthropic_error(data, answer.status))["error"]["message"]
+    message = (f"{who} answered {answer.status} instead of a stream: "
                f"{out.redact(said)[:1000]}")
-    if 400 <= upstream.status < 500:
+    if 400 <= answer.status < 500:
         return InvalidRequest(message)
     if out.upstream is None:
         return EngineFailed(message)
@@ -332,7 +332,7 @@ def is_media(content_type: str) -> bool:
     return content_type.partition(";")[0].strip().lower().startswith(MEDIA_TYPES)
 
 
-async def _relay_media(request: web.Request, upstream: Answer, out: Outgoing,
+async def _relay_media(request: web.Request, answer: Answer, out: Outgoing,
                        record: CallRecord) -> web.StreamResponse:
     """A media answer, each piece written to the client as it arrives: nothing is held but
     the piece in hand, so no max_answer_mb applies. Its end cannot be told in-band as a
@@ -340,31 +340,31 @@ async def _relay_media(request: web.Request, upstream: Answer, out: Outgoing,
     deadline, closes the client's connection before the body's end, which a chunked
     body shows (no last chunk). HTTP/1.0 has no chunks: the body ends with the
     connection (middleware.close_unframed)."""
-    record.status = upstream.status
-    response = web.StreamResponse(status=upstream.status,
-                                  headers=answer_headers(upstream.headers))
+    record.status = answer.status
+    response = web.StreamResponse(status=answer.status,
+                                  headers=answer_headers(answer.headers))
     if request.version >= aiohttp.HttpVersion11:
         response.enable_chunked_encoding()   # (HTTP/1.0: ended by the close, close_unframed)
     await response.prepare(request)
     try:
         try:
-            while chunk := await upstream.read_some():
+            while chunk := await answer.read_some():
                 await _write(request, response, chunk, record, out.stall_timeout_s)
         except TRANSPORT_ERRORS as e:
             error = out.broke_off(e)
             record.outcome = record.error_code = error.code   # as a stream's (_relay_stream)
             record.error_source = ErrorSource.GATEWAY.value   # (told by the cut, no event)
-            upstream.close()
+            answer.close()
             _end_unfinished(request, response)
             return response
         await _write_eof(request, response, record, out.stall_timeout_s)
     except _ClientGone:
-        _client_left(record, upstream)
+        _client_left(record, answer)
     except asyncio.CancelledError:   # the client went, or the gateway's drain time ran out
         if not request.app[SHUTDOWN].expired:
-            _client_left(record, upstream)
+            _client_left(record, answer)
             raise
-        upstream.close()
+        answer.close()
         error = shutdown_error()
         record.outcome, record.error_code = "error", error.code
         record.error_source = ErrorSource.GATEWAY.value
@@ -405,7 +405,7 @@ class _Sent:
 PUSH_HIGH_WATER = 64 * 1024   # bytes unsent to a slow client before the engine is held
 
 
-async def _relay_pushed(request: web.Request, upstream: EngineResponse,
+async def _relay_pushed(request: web.Request, answer: EngineResponse,
                         writer: AbstractStreamWriter, sse: SseRelay, record: CallRecord,
                         chunked: bool, stall_timeout_s: float, sent: _Sent) -> None:
     """The rest of an engine's stream, each event written to the client from the engine
@@ -430,12 +430,12 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
             return
         if transport.is_closing():
             gone = sent.dropped = True
-            upstream.close()   # the engine stops generating for nobody
+            answer.close()   # the engine stops generating for nobody
             return
         write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
         record.bytes_out += len(data)
         if buffered() > PUSH_HIGH_WATER:
-            upstream.hold()
+            answer.hold()
 
     def push_chunk(chunk: bytes, size: int) -> bool:
         # the engine's chunk, one event in it as a rule, goes on with its framing as is
@@ -444,12 +444,12 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
         write(chunk)
         record.bytes_out += size
         if buffered() > PUSH_HIGH_WATER:
-            upstream.hold()
+            answer.hold()
         return True
 
-    upstream.relay_to(push, push_chunk if chunked else None)
+    answer.relay_to(push, push_chunk if chunked else None)
     try:
-        while not await upstream.wait_end():   # held: let the client catch up
+        while not await answer.wait_end():   # held: let the client catch up
             try:
                 await _to_client(writer.drain(), request, record, stall_timeout_s)
             except _ClientGone:
@@ -457,7 +457,7 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
                 raise
             if transport.is_closing():
                 raise _ClientGone()
-            upstream.resume()
+            answer.resume()
     except TRANSPORT_ERRORS as e:
         if gone:
             raise _ClientGone() from None
@@ -474,7 +474,7 @@ async def _relay_pushed(request: web.Request, upstream: EngineResponse,
 NATIVE_TRIES = 8
 
 
-async def _relay_native(native: NativeRelay, request: web.Request, upstream: EngineResponse,
+async def _relay_native(native: NativeRelay, request: web.Request, answer: EngineResponse,
                         sse: SseRelay, record: CallRecord, stall_timeout_s: float,
                         sent: _Sent) -> bool:
     """As much of the stream as relay.c passes on (engine_wire/native_relay): the same bytes as
@@ -490,7 +490,7 @@ async def _relay_native(native: NativeRelay, request: web.Request, upstream: Eng
             record.error_code = "client_stalled"
 
     assert request.transport is not None   # (usable() said so)
-    done = await native.forward(request.transport, upstream, stall_timeout_s, took)
+    done = await native.forward(request.transport, answer, stall_timeout_s, took)
     if done is None:
         return False
     if done.client_gone:
@@ -500,10 +500,10 @@ async def _relay_native(native: NativeRelay, request: web.Request, upstream: Eng
     return True
 
 
-def _client_left(record: CallRecord, upstream: Answer) -> None:
+def _client_left(record: CallRecord, answer: Answer) -> None:
     record.disconnected = True
     record.outcome = "disconnected"
-    upstream.close()  # drop the engine connection: it stops generating for nobody
+    answer.close()  # drop the engine connection: it stops generating for nobody
 
 
 async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
