@@ -2,47 +2,37 @@
 
 Parsed from TOML (`/etc/llm-gateway/gateway.toml`, or `--config`; reading the
 file is gatewayd.adapters.config_file's job). Every key is optional. Unknown
-keys are errors, so a typo never silently does nothing.
+keys are errors, so a typo never silently does nothing. The keys, their types,
+defaults and bounds are declared once, in core/config_schema; this module reads
+them into GatewayConfig and adds the rules that span keys. (Backend, ModelKind and
+UnitMode, the words of three keys, are declared there too; the rest of the code
+imports them from here.)
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from gatewayd.core.auth import KeyRing
+from gatewayd.core.config_schema import TABLES, expect, no_unknown, program, read_table
+from gatewayd.core.config_schema import Backend as Backend
+from gatewayd.core.config_schema import ModelKind as ModelKind
+from gatewayd.core.config_schema import UnitMode as UnitMode
 from gatewayd.core.errors import ConfigError, ModelSourceInvalid
-from gatewayd.core.priority import CLASSES, NORMAL, parse_class
-from gatewayd.core.progress import MODES as PROGRESS_MODES
+from gatewayd.core.priority import NORMAL
 from gatewayd.core.pull import PullSpec, valid_name
 from gatewayd.core.upstreams import UpstreamConfig, parse_upstreams
 
 DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/llm-gateway")
-MAX_ENGINES_RANGE = range(1, 17)
-PARKED_ENGINES_RANGE = range(0, 33)
-
-
-class Backend(StrEnum):
-    LLAMA = "llama"        # llama-server
-    WHISPER = "whisper"    # whisper-server
-    OPENAI = "openai"      # any server of OpenAI's API, run from the model's `command`
-
-
-class ModelKind(StrEnum):
-    """What a model is for, and so which requests its engine answers."""
-
-    CHAT = "chat"              # generation: chat, completions, responses, messages
-    EMBEDDING = "embedding"    # llama-server --embeddings: /v1/embeddings only
-    RERANK = "rerank"          # llama-server --rerank: /v1/rerank only
-    AUDIO = "audio"            # whisper-server: transcriptions and translations
-    IMAGE = "image"            # /v1/images/generations, edits, variations (openai backend)
-    SPEECH = "speech"          # /v1/audio/speech (openai backend)
+# the tables of one kind each ([listen], [records]...), as opposed to [models.NAME]
+_SECTIONS = tuple(table for table in TABLES if table and not table.endswith(".NAME"))
+# the keys of a server the gateway does not know (backend = "openai"), refused for the others
+_OPENAI_ONLY = ("command", "ready_path", "ready_status")
 
 
 # which kinds each backend's engines can be
@@ -66,14 +56,6 @@ _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 # llama-server flags that decide what its engine answers
 EMBEDDING_FLAGS = frozenset({"--embedding", "--embeddings"})
 RERANK_FLAGS = frozenset({"--rerank", "--reranking"})
-
-
-class UnitMode(StrEnum):
-    """How engine units are created (see docs/design.md, "Privilege model")."""
-
-    AUTO = "auto"            # transient when safe (user manager, or root), else template
-    TRANSIENT = "transient"  # StartTransientUnit
-    TEMPLATE = "template"    # llm-engine@<id>.service + a settings file per instance
 
 
 @dataclass(frozen=True)
@@ -227,73 +209,24 @@ class GatewayConfig:
         return self.max_wait_s
 
 
-SCHEDULES = ("grouped", "fifo")
-_MODEL_KEYS = {"path", "backend", "args", "mmproj", "aliases", "ctx_size", "env",
-               "memory_max", "memory_high", "cpu_quota", "cuda_visible_devices",
-               "vram_margin_mib", "threads",
-               "pin", "preload", "idle_ttl_s", "max_concurrency", "queue_limit", "kind",
-               "max_wait_s", "priority",
-               "kv_cache_save", "spill_over", "command", "ready_path", "ready_status",
-               "vram_mib", "ram_mib", "source"}
-_OPENAI_ONLY = ("command", "ready_path", "ready_status")
-_TOP_KEYS = {"models_dir", "models", "max_engines", "vram_margin_mib", "llama_server",
-             "whisper_server", "state_dir", "bus", "unit_mode", "load_timeout_s",
-             "listen", "default_model", "max_body_mb", "read_timeout_s", "shutdown_timeout_s",
-             "records", "autoload", "eviction_wait_s", "queue_limit", "health",
-             "schedule", "max_wait_s", "priority_aging_s", "stream_progress",
-             "kv_cache_max_mb", "auth", "admin", "upstreams", "parked_engines",
-             "max_answer_mb", "max_event_mb", "memory"}
-
-
 def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
                  base: Path | None = None, state_dir: Path = DEFAULT_STATE_DIR
                  ) -> GatewayConfig:
     """Settings from parsed TOML. Relative paths are taken from base (default: the
     file's directory); state_dir is the default where the file names none."""
     where = str(source) if source else "config"
-    _no_unknown(data, _TOP_KEYS, where)
     base = base or (source.parent if source else Path("."))
-    listen = data.get("listen", {})
-    _expect(listen, dict, where, "listen")
-    _no_unknown(listen, {"host", "port", "allowed_hosts", "allowed_origins"},
-                f"{where} [listen]")
-
-    max_engines = _expect(data.get("max_engines", 4), int, where, "max_engines")
-    if max_engines not in MAX_ENGINES_RANGE:
-        raise ConfigError(f"{where}: max_engines = {max_engines} is out of range: allowed "
-                          f"{MAX_ENGINES_RANGE.start}..{MAX_ENGINES_RANGE.stop - 1}")
-    parked_engines = _expect(data.get("parked_engines", 4), int, where, "parked_engines")
-    if parked_engines not in PARKED_ENGINES_RANGE:
-        raise ConfigError(f"{where}: parked_engines = {parked_engines} is out of range: "
-                          f"allowed {PARKED_ENGINES_RANGE.start}..{PARKED_ENGINES_RANGE.stop - 1}")
-    models_table = _expect(data.get("models", {}), dict, where, "models")
-    models = tuple(_parse_model(name, table, base, where)
-                   for name, table in models_table.items())
-    try:
-        unit_mode = UnitMode(data.get("unit_mode", "auto"))
-    except ValueError:
-        raise ConfigError(f"{where}: unit_mode must be one of "
-                          f"{', '.join(m.value for m in UnitMode)}") from None
-    records = data.get("records", {})
-    _expect(records, dict, where, "records")
-    _no_unknown(records, {"enabled", "path", "store_text", "text_max_bytes", "max_age_days",
-                          "max_mb"}, f"{where} [records]")
-    max_body_mb = _at_least_1(data.get("max_body_mb", 256), where, "max_body_mb")
-    max_answer_mb = _at_least_1(data.get("max_answer_mb", 256), where, "max_answer_mb")
-    max_event_mb = _at_least_1(data.get("max_event_mb", 4), where, "max_event_mb")
-    health = data.get("health", {})
-    _expect(health, dict, where, "health")
-    _no_unknown(health, {"interval_s", "timeout_s", "misses"}, f"{where} [health]")
-    auth = data.get("auth", {})
-    _expect(auth, dict, where, "auth")
-    _no_unknown(auth, {"keys_file"}, f"{where} [auth]")
-    admin = data.get("admin", {})
-    _expect(admin, dict, where, "admin")
-    _no_unknown(admin, {"socket", "group", "public", "public_metrics"}, f"{where} [admin]")
-    memory = data.get("memory", {})
-    _expect(memory, dict, where, "memory")
-    _no_unknown(memory, {"ram_reserve_mib", "ram_budget_mib", "ram_margin_mib",
-                         "auto_memory_high", "memory_high_headroom_pct"}, f"{where} [memory]")
+    no_unknown(data, "", where)
+    sections = {"": data}
+    for table in _SECTIONS:
+        sections[table] = expect(data.get(table, {}), dict, where, table)
+        no_unknown(sections[table], table, f"{where} [{table}]")
+    values: dict[str, Any] = {}
+    for table, section in sections.items():
+        values |= read_table(section, table, where, f"{table}." if table else "", base)
+    values["state_dir"] = values["state_dir"] or state_dir   # the caller's: systemd's, or ours
+    models = tuple(_parse_model(name, table, base, where) for name, table
+                   in expect(data.get("models", {}), dict, where, "models").items())
     upstreams = parse_upstreams(data.get("upstreams", {}), base, where)
     spilling = [m.name for m in models if m.spill_over]
     if spilling and not upstreams:
@@ -303,83 +236,11 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     if sourced and data.get("models_dir") is None:
         raise ConfigError(f"{where}: {', '.join(sourced)} name a source to pull from, but "
                           "there is no models_dir to pull into")
-    port = _expect(listen.get("port", 8080), int, where, "listen.port")
-    if not 0 < port < 65536:
-        raise ConfigError(f"{where}: listen.port = {port} is not a TCP port")
+    listen = sections["listen"]
     return GatewayConfig(
-        models_dir=_path(data.get("models_dir"), base, where, "models_dir"),
-        models=models,
-        max_engines=max_engines,
-        parked_engines=parked_engines,
-        vram_margin_mib=_non_negative(data.get("vram_margin_mib", 1024), where, "vram_margin_mib"),
-        ram_reserve_mib=_non_negative(memory.get("ram_reserve_mib", 1024), where,
-                                      "memory.ram_reserve_mib"),
-        ram_budget_mib=None if memory.get("ram_budget_mib") is None else int(_positive(
-            _expect(memory["ram_budget_mib"], int, where, "memory.ram_budget_mib"), where,
-            "memory.ram_budget_mib")),
-        ram_margin_mib=_non_negative(memory.get("ram_margin_mib", 256), where,
-                                     "memory.ram_margin_mib"),
-        auto_memory_high=_expect(memory.get("auto_memory_high", False), bool, where,
-                                 "memory.auto_memory_high"),
-        memory_high_headroom_pct=_non_negative(memory.get("memory_high_headroom_pct", 25),
-                                               where, "memory.memory_high_headroom_pct"),
-        llama_server=_binary(data.get("llama_server", "llama-server"), base, where,
-                             "llama_server"),
-        whisper_server=_binary(data.get("whisper_server", "whisper-server"), base, where,
-                               "whisper_server"),
-        state_dir=_path(data.get("state_dir"), base, where, "state_dir") or state_dir,
-        bus=_expect(data.get("bus", "auto"), str, where, "bus"),
-        unit_mode=unit_mode,
-        load_timeout_s=float(_positive(data.get("load_timeout_s", 300), where,
-                                       "load_timeout_s")),
-        listen_host=_expect(listen.get("host", "127.0.0.1"), str, where, "listen.host"),
-        listen_port=port,
+        **values, models=models, upstreams=upstreams, source=source,
         allowed_hosts=_hosts(listen.get("allowed_hosts", []), where),
-        allowed_origins=_origins(listen.get("allowed_origins", []), where),
-        default_model=_optional(data.get("default_model"), str, where, "default_model"),
-        max_body_bytes=max_body_mb * 1024 * 1024,
-        max_answer_bytes=max_answer_mb * 1024 * 1024,
-        max_event_bytes=max_event_mb * 1024 * 1024,
-        read_timeout_s=float(_positive(data.get("read_timeout_s", 600), where,
-                                       "read_timeout_s")),
-        shutdown_timeout_s=float(_positive(data.get("shutdown_timeout_s", 30), where,
-                                           "shutdown_timeout_s")),
-        autoload=_expect(data.get("autoload", True), bool, where, "autoload"),
-        eviction_wait_s=float(_positive(data.get("eviction_wait_s", 30), where,
-                                        "eviction_wait_s")),
-        schedule=_one_of(data.get("schedule", "grouped"), SCHEDULES, where, "schedule"),
-        max_wait_s=float(_positive(data.get("max_wait_s", 20), where, "max_wait_s")),
-        priority_aging_s=float(_positive(data.get("priority_aging_s", 120), where,
-                                         "priority_aging_s")),
-        stream_progress=_one_of(data.get("stream_progress", "opt-in"), PROGRESS_MODES, where,
-                                "stream_progress"),
-        queue_limit=_non_negative(data.get("queue_limit", 100), where, "queue_limit"),
-        kv_cache_max_mb=_non_negative(data.get("kv_cache_max_mb", 4096), where,
-                                      "kv_cache_max_mb"),
-        records_enabled=_expect(records.get("enabled", True), bool, where, "records.enabled"),
-        records_path=_path(records.get("path"), base, where, "records.path"),
-        records_store_text=_expect(records.get("store_text", False), bool, where,
-                                   "records.store_text"),
-        records_text_max_bytes=_non_negative(records.get("text_max_bytes", 4096), where,
-                                             "records.text_max_bytes"),
-        records_max_age_days=float(_finite(records.get("max_age_days", 30), where,
-                                           "records.max_age_days")),
-        records_max_bytes=_non_negative(records.get("max_mb", 1024), where,
-                                        "records.max_mb") * 1024 * 1024,
-        health_interval_s=float(_positive(health.get("interval_s", 5), where,
-                                          "health.interval_s")),
-        health_timeout_s=float(_positive(health.get("timeout_s", 5), where,
-                                         "health.timeout_s")),
-        health_misses=_non_negative(health.get("misses", 3), where, "health.misses"),
-        auth_keys_file=_path(auth.get("keys_file"), base, where, "auth.keys_file"),
-        admin_socket=_path(admin.get("socket"), base, where, "admin.socket"),
-        admin_group=_optional(admin.get("group"), str, where, "admin.group"),
-        admin_public=_expect(admin.get("public", False), bool, where, "admin.public"),
-        admin_public_metrics=_expect(admin.get("public_metrics", False), bool, where,
-                                     "admin.public_metrics"),
-        upstreams=upstreams,
-        source=source,
-    )
+        allowed_origins=_origins(listen.get("allowed_origins", []), where))
 
 
 def _names(value: Any, where: str, key: str) -> list[str]:
@@ -464,13 +325,8 @@ def _command(table: Mapping[str, Any], backend: Backend, base: Path, where: str,
     """An openai model's command line: a list of strings, the server first, with the
     placeholders of PLACEHOLDERS; it must listen on {socket} or {port}, one of them."""
     if backend is not Backend.OPENAI:
-        given = [k for k in _OPENAI_ONLY if k in table]
-        if given:
-            raise ConfigError(f"{where}: {key}.{given[0]} is only for backend = \"openai\" "
-                              f"(a {backend.value} model's engine is "
-                              f"{backend.value}-server, run by the gateway)")
         return ()
-    command = _expect(table.get("command"), list, where, f"{key}.command")
+    command = expect(table.get("command"), list, where, f"{key}.command")
     if not command or not all(isinstance(a, str) for a in command) or not command[0].strip():
         raise ConfigError(f"{where}: {key}.command must be a non-empty list of strings, the "
                           "server's program first")
@@ -491,7 +347,7 @@ def _command(table: Mapping[str, Any], backend: Backend, base: Path, where: str,
         if name in used and table.get(needs) is None:
             raise ConfigError(f"{where}: {key}.command uses {{{name}}} but [{key}] has no "
                               f"{needs}")
-    return (_binary(command[0], base, where, f"{key}.command"), *command[1:])
+    return (program(command[0], base, where, f"{key}.command"), *command[1:])
 
 
 def placeholders(text: str, where: str, key: str) -> list[str]:
@@ -524,8 +380,8 @@ def fill(text: str, values: Mapping[str, str]) -> str:
 
 def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     key = f"models.{name}"
-    _expect(table, dict, where, key)
-    _no_unknown(table, _MODEL_KEYS, f"{where} [{key}]")
+    expect(table, dict, where, key)
+    no_unknown(table, "models.NAME", f"{where} [{key}]")
     if not name.strip():
         raise ConfigError(f"{where}: a model name cannot be empty")
     try:
@@ -533,65 +389,26 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     except ValueError:
         raise ConfigError(f"{where}: {key}.backend must be one of "
                           f"{', '.join(repr(b.value) for b in Backend)}") from None
-    path = _path(table.get("path"), base, where, f"{key}.path")
-    source = _source(table.get("source"), path, backend, where, key, name)
-    if path is None and source is None and backend is not Backend.OPENAI:
+    if backend is not Backend.OPENAI and (given := [k for k in _OPENAI_ONLY if k in table]):
+        raise ConfigError(f"{where}: {key}.{given[0]} is only for backend = \"openai\" "
+                          f"(a {backend.value} model's engine is "
+                          f"{backend.value}-server, run by the gateway)")
+    values = read_table(table, "models.NAME", where, f"{key}.", base)
+    source = _source(table.get("source"), values["path"], backend, where, key, name)
+    if values["path"] is None and source is None and backend is not Backend.OPENAI:
         raise ConfigError(f"{where}: [{key}] needs a path (the model file) or a source "
                           "(where to pull it from)")
-    args = _expect(table.get("args", []), list, where, f"{key}.args")
-    if args and backend is Backend.OPENAI:
+    if values["args"] and backend is Backend.OPENAI:
         raise ConfigError(f"{where}: {key}.args is for llama and whisper models; an openai "
                           "model's whole command line is its `command`")
-    aliases = _expect(table.get("aliases", []), list, where, f"{key}.aliases")
-    env = _expect(table.get("env", {}), dict, where, f"{key}.env")
-    for item in (*args, *aliases, *env.values()):
-        _expect(item, str, where, f"{key} (args, aliases and env values)")
-    ctx = _optional(table.get("ctx_size"), int, where, f"{key}.ctx_size")
-    kinds = _kinds(table.get("kind"), backend, args, where, f"{key}.kind")
-    command = _command(table, backend, base, where, key)
-    ready_path = _expect(table.get("ready_path", "/v1/models"), str, where, f"{key}.ready_path")
+    kinds = _kinds(table.get("kind"), backend, values["args"], where, f"{key}.kind")
+    ready_path = values["ready_path"]
     if not ready_path.startswith("/") or any(c in ready_path for c in " \r\n#"):
         raise ConfigError(f"{where}: {key}.ready_path = {ready_path!r} is not a path (it "
                           "starts with /, e.g. \"/health\" or \"/v1/models\")")
-    ready_status = _expect(table.get("ready_status", 200), int, where, f"{key}.ready_status")
-    if not 200 <= ready_status < 400:
-        raise ConfigError(f"{where}: {key}.ready_status = {ready_status} is not a success "
-                          "status (200-399)")
-    margin = table.get("vram_margin_mib")
-    return ModelConfig(
-        name=name, path=path, backend=backend, args=tuple(args),
-        mmproj=_path(table.get("mmproj"), base, where, f"{key}.mmproj"),
-        aliases=tuple(aliases), ctx_size=ctx, env=dict(env),
-        memory_max=_bytes(table.get("memory_max"), where, f"{key}.memory_max"),
-        memory_high=_bytes(table.get("memory_high"), where, f"{key}.memory_high"),
-        cpu_quota=_percent(table.get("cpu_quota"), where, f"{key}.cpu_quota"),
-        cuda_visible_devices=_optional(table.get("cuda_visible_devices"), str, where,
-                                       f"{key}.cuda_visible_devices"),
-        vram_margin_mib=None if margin is None else _non_negative(margin, where,
-                                                                  f"{key}.vram_margin_mib"),
-        threads=_optional(table.get("threads"), int, where, f"{key}.threads"),
-        pin=_expect(table.get("pin", False), bool, where, f"{key}.pin"),
-        kind=kinds[0] if kinds else None,
-        also=kinds[1:],
-        preload=_expect(table.get("preload", False), bool, where, f"{key}.preload"),
-        idle_ttl_s=None if table.get("idle_ttl_s") is None else float(
-            _positive(table["idle_ttl_s"], where, f"{key}.idle_ttl_s")),
-        max_concurrency=None if table.get("max_concurrency") is None else int(
-            _positive(_expect(table["max_concurrency"], int, where, f"{key}.max_concurrency"),
-                      where, f"{key}.max_concurrency")),
-        queue_limit=None if table.get("queue_limit") is None else _non_negative(
-            table["queue_limit"], where, f"{key}.queue_limit"),
-        max_wait_s=None if table.get("max_wait_s") is None else float(
-            _positive(table["max_wait_s"], where, f"{key}.max_wait_s")),
-        priority=priority_class(table.get("priority", "normal"), where, f"{key}.priority"),
-        kv_cache_save=_expect(table.get("kv_cache_save", True), bool, where,
-                              f"{key}.kv_cache_save"),
-        spill_over=_expect(table.get("spill_over", False), bool, where, f"{key}.spill_over"),
-        command=command, ready_path=ready_path, ready_status=ready_status,
-        vram_mib=_mib(table.get("vram_mib"), where, f"{key}.vram_mib"),
-        ram_mib=_mib(table.get("ram_mib"), where, f"{key}.ram_mib"),
-        source=source,
-    )
+    return ModelConfig(name=name, backend=backend, kind=kinds[0] if kinds else None,
+                       also=kinds[1:], command=_command(table, backend, base, where, key),
+                       source=source, **values)
 
 
 def _source(value: Any, path: Path | None, backend: Backend, where: str,
@@ -599,7 +416,7 @@ def _source(value: Any, path: Path | None, backend: Backend, where: str,
     """A model's hub source, as `llm-gateway pull` takes it (normalised)."""
     if value is None:
         return None
-    text = _expect(value, str, where, f"{key}.source")
+    text = expect(value, str, where, f"{key}.source")
     if path is not None:
         raise ConfigError(f"{where}: [{key}] has a path and a source: the source is where "
                           "the file is pulled from when it is not here; give one of them")
@@ -610,125 +427,3 @@ def _source(value: Any, path: Path | None, backend: Backend, where: str,
         return str(PullSpec.parse(text))
     except ModelSourceInvalid as e:
         raise ConfigError(f"{where}: {key}.source: {e.message}") from None
-
-
-def _one_of(value: Any, words: tuple[str, ...], where: str, key: str) -> str:
-    text: str = _expect(value, str, where, key)
-    if text not in words:
-        raise ConfigError(f"{where}: {key} must be one of {', '.join(words)}, not {text!r}")
-    return text
-
-
-def priority_class(value: Any, where: str, key: str) -> int:
-    """A priority class by name (core/priority): low, normal or high."""
-    found = parse_class(value)
-    if found is None:
-        raise ConfigError(f"{where}: {key} must be one of {', '.join(CLASSES)}, not "
-                          f"{value!r}")
-    return found
-
-
-def _mib(value: Any, where: str, key: str) -> int | None:
-    """A declared memory need in MiB (a positive integer)."""
-    if value is None:
-        return None
-    number: int = _expect(value, int, where, key)
-    if number < 1:
-        raise ConfigError(f"{where}: {key} must be a positive number of MiB")
-    return number
-
-
-def _no_unknown(table: Mapping[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
-                          f"known: {', '.join(sorted(known))}")
-
-
-def _expect(value: Any, kind: type | tuple[type, ...], where: str, key: str) -> Any:
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ConfigError(f"{where}: {key} must be a {names}, not {value!r}")
-    return value
-
-
-def _optional(value: Any, kind: type, where: str, key: str) -> Any:
-    return None if value is None else _expect(value, kind, where, key)
-
-
-def _non_negative(value: Any, where: str, key: str) -> int:
-    number: int = _expect(value, int, where, key)
-    if number < 0:
-        raise ConfigError(f"{where}: {key} cannot be negative")
-    return number
-
-
-def _finite(value: Any, where: str, key: str) -> float:
-    """A number of seconds, days...: not negative, and finite (TOML has inf and nan; an
-    infinite timeout is no timeout, and relay.c's wait would overflow on it)."""
-    number: float = _expect(value, (int, float), where, key)
-    if not math.isfinite(number):
-        raise ConfigError(f"{where}: {key} = {number} is not a finite number")
-    if number < 0:
-        raise ConfigError(f"{where}: {key} cannot be negative")
-    return number
-
-
-def _positive(value: Any, where: str, key: str) -> float:
-    number = _finite(value, where, key)
-    if number <= 0:
-        raise ConfigError(f"{where}: {key} must be positive")
-    return number
-
-
-def _at_least_1(value: Any, where: str, key: str) -> int:
-    number: int = _expect(value, int, where, key)
-    if number < 1:
-        raise ConfigError(f"{where}: {key} must be at least 1")
-    return number
-
-
-def _bytes(value: Any, where: str, key: str) -> int | None:
-    """512M, 8G, or a plain number of bytes (systemd's base-1024 suffixes)."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        return value
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = str(value).strip().upper()
-    try:
-        number = float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
-    except (ValueError, IndexError):
-        number = -1
-    if not math.isfinite(number) or number <= 0:
-        raise ConfigError(f"{where}: {key} = {value!r} is not a size (use e.g. \"512M\" or "
-                          "\"8G\")")
-    return int(number)
-
-
-def _percent(value: Any, where: str, key: str) -> float | None:
-    """"150%" (of one CPU) -> 150.0."""
-    if value is None:
-        return None
-    text = str(value).strip()
-    try:
-        number = float(text.removesuffix("%")) if text.endswith("%") else -1.0
-    except ValueError:
-        number = -1.0
-    if not math.isfinite(number) or number <= 0:
-        raise ConfigError(f"{where}: {key} = {value!r} is not a CPU quota (use e.g. \"200%\")")
-    return number
-
-
-def _binary(value: Any, base: Path, where: str, key: str) -> str:
-    """An engine server: a bare name is looked up in PATH when an engine starts; a path
-    with a slash is taken from base (the configuration file's directory) if relative."""
-    name = _expect(value, str, where, key).strip()
-    if not name:
-        raise ConfigError(f"{where}: {key} is empty: give the engine server's name or path")
-    return str(base / name) if "/" in name and not name.startswith("/") else name
-
-
-def _path(value: Any, base: Path, where: str, key: str) -> Path | None:
-    if value is None:
-        return None
-    path = Path(_expect(value, str, where, key)).expanduser()
-    return path if path.is_absolute() else base / path
