@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog, Model
@@ -31,8 +31,8 @@ from gatewayd.core.errors import EngineUnavailable, GatewayError, ModelNotLoaded
 from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NAMES, NORMAL
 from gatewayd.core.waits import ROOM, Swap, Waited, near_miss, reason_of
-from gatewayd.service.engine_manager import EngineManager
-from gatewayd.service.loader import Loader
+from gatewayd.service.engine_registry import EngineListener
+from gatewayd.service.loader import LoadedEngines, Loader
 from gatewayd.service.reaper import IdleReaper
 from gatewayd.service.turns import QueueListener, Turns, Use
 from gatewayd.service.wake_up import WakeUp
@@ -45,8 +45,22 @@ WaitFor = Callable[[Awaitable[Engine], Callable[[Engine], object]], Awaitable[En
 log = logging.getLogger("gatewayd.dispatcher")
 
 
+class DispatchedEngines(LoadedEngines, Protocol):
+    """What the dispatcher asks of the engines (service/engine_manager has it): besides
+    the loaders', the engines and their changes, an estimate, and whether one that
+    refused a request is coming back."""
+
+    def engines(self) -> list[Engine]: ...
+
+    def subscribe(self, listener: EngineListener) -> Callable[[], None]: ...
+
+    def need_mib(self, model: Model) -> int: ...
+
+    async def coming_back(self, model_id: str, main_pid: int) -> bool: ...
+
+
 class Dispatcher:
-    def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
+    def __init__(self, engines: DispatchedEngines, *, catalog: Catalog, gpu: GpuProbe,
                  config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._engines = engines
         self._catalog = catalog

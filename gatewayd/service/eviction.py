@@ -12,15 +12,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from gatewayd.core import scheduler
 from gatewayd.core.budget import model_need_mib
-from gatewayd.core.catalog import Catalog
+from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
+from gatewayd.core.engines import Engine
 from gatewayd.core.errors import EngineNotRunning, GatewayError
 from gatewayd.core.placement import total
 from gatewayd.core.ports import GpuProbe
-from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.turns import Turns
 from gatewayd.service.wake_up import WakeUp
 
@@ -29,8 +30,20 @@ MEMORY_SETTLE_S = 10.0   # how long a stopped engine's GPU memory may take to sh
 MEMORY_POLL_S = 0.1
 
 
+class EvictedEngines(Protocol):
+    """What eviction asks of the engines (service/engine_manager has it)."""
+
+    @property
+    def last_release(self) -> float | None: ...
+
+    def measured_mib(self, model: Model) -> int | None: ...
+
+    async def stop(self, model_id: str, *, reason: str = "requested",
+                   evicted_for: str | None = None) -> Engine: ...
+
+
 class Evictor:
-    def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
+    def __init__(self, engines: EvictedEngines, *, catalog: Catalog, gpu: GpuProbe,
                  config: GatewayConfig, turns: Turns,
                  usages: Callable[[], list[scheduler.Usage]], wake_up: WakeUp,
                  clock: Callable[[], float]) -> None:

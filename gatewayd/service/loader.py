@@ -20,12 +20,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gatewayd.core import scheduler
 from gatewayd.core.budget import insufficient_gpu, insufficient_ram
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import COMING_STATES, EngineState
+from gatewayd.core.engines import COMING_STATES, Engine, EngineState
 from gatewayd.core.errors import (
     AlreadyRunning,
     EngineFailed,
@@ -38,9 +39,8 @@ from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NORMAL
 from gatewayd.core.ram_budget import RamLedger
 from gatewayd.core.waits import Swap, room_rule
-from gatewayd.service.engine_manager import EngineManager
-from gatewayd.service.eviction import MEMORY_POLL_S, Evictor
-from gatewayd.service.room_line import RoomLine
+from gatewayd.service.eviction import MEMORY_POLL_S, EvictedEngines, Evictor
+from gatewayd.service.room_line import LineEngines, RoomLine
 from gatewayd.service.turns import Turns
 from gatewayd.service.wake_up import CHANGE_POLL_S, WakeUp
 
@@ -58,8 +58,33 @@ class Bounds:
     room_by: float
 
 
+class LoadedEngines(LineEngines, EvictedEngines, Protocol):
+    """What the loaders ask of the engines (service/engine_manager has it): besides the
+    line's and eviction's, a start and what it must wait for or could fail on."""
+
+    def busy(self, model_id: str) -> bool: ...
+
+    def backoff_left(self, model_id: str) -> float: ...
+
+    def failed_error(self, model_id: str, *, retry_after: int | None = None
+                     ) -> EngineFailed: ...
+
+    def check_ram_ceiling(self, model: Model) -> None: ...
+
+    def check_startable(self, model: Model) -> None: ...
+
+    def place(self, model: Model) -> Placement | None: ...
+
+    def ram(self, model: Model | None = None) -> RamLedger | None: ...
+
+    async def start(self, model_id: str, *, wait: bool = True, force: bool = False
+                    ) -> Engine: ...
+
+    async def wait_ready(self, model_id: str, timeout: float | None = None) -> Engine: ...
+
+
 class Loader:
-    def __init__(self, engines: EngineManager, *, catalog: Catalog, gpu: GpuProbe,
+    def __init__(self, engines: LoadedEngines, *, catalog: Catalog, gpu: GpuProbe,
                  config: GatewayConfig,
                  turns: Turns, usages: Callable[[], list[scheduler.Usage]],
                  wake_up: WakeUp, clock: Callable[[], float]) -> None:

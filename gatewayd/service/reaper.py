@@ -6,21 +6,29 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog
+from gatewayd.core.engines import Engine
 from gatewayd.core.errors import GatewayError
-from gatewayd.service.engine_manager import EngineManager
 
 log = logging.getLogger("gatewayd.dispatcher")
 UNSET_TTL_S = 60.0   # models without a TTL count as this when choosing the period
+
+
+class StoppedEngines(Protocol):
+    """What the reaper asks of the engines (service/engine_manager has it)."""
+
+    async def stop(self, model_id: str, *, reason: str = "requested",
+                   evicted_for: str | None = None) -> Engine: ...
 
 
 class IdleReaper:
     """Checks at a quarter of the shortest TTL (at least every 0.2 s); only runs when
     some model has a TTL."""
 
-    def __init__(self, engines: EngineManager, catalog: Catalog,
+    def __init__(self, engines: StoppedEngines, catalog: Catalog,
                  usages: Callable[[], list[scheduler.Usage]],
                  clock: Callable[[], float]) -> None:
         self._engines = engines

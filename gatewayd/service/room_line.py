@@ -14,19 +14,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 from gatewayd.core import scheduler
-from gatewayd.core.catalog import Catalog
+from gatewayd.core.budget import Need
+from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import EngineState
+from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.priority import NORMAL, aged, turn_bound_s
 from gatewayd.core.waits import SERVED_NOBODY, Swap
-from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.turns import Turns
 
 
+class LineEngines(Protocol):
+    """What the line reads of the engines (service/engine_manager has it)."""
+
+    def get(self, model_id: str) -> Engine | None: ...
+
+    def need(self, model: Model) -> Need: ...
+
+
 class RoomLine:
-    def __init__(self, engines: EngineManager, *, catalog: Catalog, config: GatewayConfig,
+    def __init__(self, engines: LineEngines, *, catalog: Catalog, config: GatewayConfig,
                  turns: Turns, clock: Callable[[], float]) -> None:
         self._engines = engines
         self._catalog = catalog
