@@ -381,6 +381,17 @@ ACCESS = (
            "return TableMatch(_parts(matched), next(iter(self._routes.values())), matched, "
            "None)",
            tests=(ROUTES + "test_the_router_hands_each_request_the_handler_its_line_names",)),
+    Mutant("config-bound-low-excluded", "a bound takes its low edge (max_engines = 1, a "
+           "timeout of 0.5)", "gatewayd/core/config_schema.py",
+           "        return (number > self.low if self.above else number >= self.low) \\",
+           "        return (number > self.low) \\",
+           tests=("tests/unit/test_config_schema.py::test_each_bound_holds_at_its_edges_and_"
+                  "refuses_past_them",)),
+    Mutant("config-unknown-key-ignored", "a typo in the configuration is an error, never a "
+           "key that silently does nothing", "gatewayd/core/config_schema.py",
+           "    if unknown:\n        raise ConfigError(",
+           "    if False:\n        raise ConfigError(",
+           tests=("tests/unit/test_config.py",)),
     Mutant("localhost-anywhere-in-the-name", "only localhost and names under .localhost "
            "are loopback names (x.localhost.attacker.example is the attacker's)",
            "gatewayd/core/origins.py",
