@@ -84,7 +84,7 @@ log = logging.getLogger("gatewayd.front")
 class FrontDoor:
     """The OpenAI-compatible handlers' collaborators, shared by every request."""
     config: GatewayConfig
-    engines: EngineManager
+    manager: EngineManager   # the engine layer (its engines: manager.engines())
     dispatcher: Dispatcher
     engine_client: EngineClient
     records: RecordWriter | None
@@ -97,7 +97,7 @@ FRONT = web.AppKey("front", FrontDoor)
 
 
 async def health(request: web.Request) -> web.Response:
-    engines = request.app[FRONT].engines.engines()
+    engines = request.app[FRONT].manager.engines()
     ready = sum(1 for e in engines if e.state is EngineState.READY)
     return web.json_response({"status": "ok", "engines_ready": ready})
 
@@ -109,10 +109,10 @@ async def no_icon(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     """Ready engines first, then the models that could be started, then remote models."""
     front = request.app[FRONT]
-    engines = {e.model_id: e for e in front.engines.engines()}
+    engines = {e.model_id: e for e in front.manager.engines()}
     key = request_key(request)
-    catalog = front.engines.catalog
-    front.engines.read_ram()   # once for every row: what each engine holds now
+    catalog = front.manager.catalog
+    front.manager.read_ram()   # once for every row: what each engine holds now
     rows = [_model_object(front, model, engines.get(model.id))
             for model in catalog
             if key is None or key.may_use(model.id, model.names)]
@@ -133,9 +133,9 @@ async def retrieve_model(request: web.Request) -> web.Response:
     front = request.app[FRONT]
     asked = request.match_info["id"]
     key = request_key(request)
-    check_asked(key, front.engines.catalog, asked)
+    check_asked(key, front.manager.catalog, asked)
     try:
-        model = front.engines.catalog.resolve(asked)
+        model = front.manager.catalog.resolve(asked)
     except ModelNotFound as e:
         remote = front.remotes.candidates((asked,))
         if not remote:
@@ -145,8 +145,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
         upstream = next(r for r in front.remotes.remotes() if r.name == remote[0].upstream)
         return web.json_response(_remote_object(upstream, remote[0].id))
     check_model(request_key(request), model.id, model.names)
-    front.engines.read_ram()
-    return web.json_response(_model_object(front, model, front.engines.get(model.id)))
+    front.manager.read_ram()
+    return web.json_response(_model_object(front, model, front.manager.get(model.id)))
 
 
 def _remote_object(remote: Remote, model_id: str) -> dict[str, Any]:
@@ -160,8 +160,8 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
     per budget (the need admission counts and where that figure came from; what its
     engine holds now, read by the caller's read_ram)."""
     info = model.describe()
-    need = front.engines.need(model)
-    ram = front.engines.ram_measured(model.id) if engine is not None else None
+    need = front.manager.need(model)
+    ram = front.manager.ram_measured(model.id) if engine is not None else None
     return {
         "id": model.id, "object": "model", "created": int(model.path.stat().st_mtime)
         if model.path is not None and model.path.exists() else 0, "owned_by": "llm-gateway",
@@ -170,7 +170,7 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
         "loaded": engine is not None and engine.state is EngineState.READY,
         "engine": engine.unit if engine else None,
         "vram_estimate_mib": need.vram_mib, "vram_estimate_source": need.vram_source,
-        "vram_measured_mib": front.engines.measured_mib(model),
+        "vram_measured_mib": front.manager.measured_mib(model),
         "ram_estimate_mib": need.ram_mib, "ram_estimate_source": need.ram_source,
         "ram_measured_mib": ram.current_mib if ram else None,
         "ram_measured_source": ram.source if ram else None,
@@ -246,12 +246,12 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
     record.bytes_in = len(body)
     model, payload, multipart = await model_of(request, body)
     asked = model or request.query.get("model")
-    catalog = front.engines.catalog
+    catalog = front.manager.catalog
     if asked is not None:
         check_asked(key, catalog, asked)
     try:
         model_id = choose_model(request.path, asked, catalog=catalog,
-                                engines=front.engines.engines(),
+                                engines=front.manager.engines(),
                                 default_model=front.config.default_model)
     except ModelNotFound as e:
         if asked is None or not front.remotes.candidates((asked,)):
@@ -445,13 +445,13 @@ def waits_told(front: FrontDoor, request: web.Request, record: CallRecord, t0: f
     except ValueError as e:
         raise InvalidRequest(str(e), param=progress.HEADER) from None
     return Progress(request, record, t0, model_id, dispatcher=front.dispatcher,
-                    engines=front.engines, puller=front.puller,
+                    engines=front.manager, puller=front.puller,
                     stall_timeout_s=front.config.read_timeout_s)
 
 
 def available_models(front: FrontDoor, key: ApiKey | None) -> list[str]:
     """The models the caller may use (all of them with keys off)."""
-    catalog = front.engines.catalog
+    catalog = front.manager.catalog
     ids = [m.id for m in catalog if key is None or key.may_use(m.id, m.names)]
     return [*ids, *(m for _, m in front.remotes.serving()
                     if m not in ids and catalog.find(m) is None
