@@ -20,17 +20,49 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
+from gatewayd.core.catalog import Catalog
+from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import RUNNING_STATES as RUNNING
 from gatewayd.core.engines import Engine
 from gatewayd.core.errors import GatewayError
-from gatewayd.service.engine_manager import EngineManager
+from gatewayd.core.ports import EngineUnitInfo
 
 log = logging.getLogger("gatewayd.restore")
 RECONCILE_PERIOD_S = 5.0
 
 
-async def adopt(engines: EngineManager) -> list[Engine]:
+class RestoredEngines(Protocol):
+    """What adopt, restore and the reconciler ask of the engine layer (service/
+    engine_manager has it): systemd's units, the gateway's engines, and a start."""
+
+    catalog: Catalog
+    config: GatewayConfig
+
+    async def list_units(self) -> list[EngineUnitInfo]: ...
+
+    def engines(self) -> list[Engine]: ...
+
+    def get(self, model_id: str) -> Engine | None: ...
+
+    def versions(self) -> dict[str, int]: ...
+
+    def busy(self, model_id: str) -> bool: ...
+
+    def take_over(self, info: EngineUnitInfo) -> Engine | None: ...
+
+    def observe(self, model_id: str, info: EngineUnitInfo | None) -> None: ...
+
+    def desired(self) -> list[str]: ...
+
+    def learn_memory(self) -> list[str]: ...
+
+    async def start(self, model_id: str, *, wait: bool = True, force: bool = False
+                    ) -> Engine: ...
+
+
+async def adopt(engines: RestoredEngines) -> list[Engine]:
     """Take over the engine units that are already running, without restarting them."""
     adopted = []
     for info in await engines.list_units():
@@ -53,7 +85,7 @@ async def adopt(engines: EngineManager) -> list[Engine]:
     return adopted
 
 
-async def restore(engines: EngineManager) -> None:
+async def restore(engines: RestoredEngines) -> None:
     """Start the desired engines, then the preload ones, one at a time, in order."""
     desired = engines.desired()
     preload = [m.id for m in engines.catalog if m.config.preload]
@@ -79,7 +111,7 @@ async def restore(engines: EngineManager) -> None:
 class Reconciler:
     """Keeps the gateway's view of engines equal to systemd's (see the module doc)."""
 
-    def __init__(self, engines: EngineManager, *, on_over_limit: Callable[[], None],
+    def __init__(self, engines: RestoredEngines, *, on_over_limit: Callable[[], None],
                  period_s: float = RECONCILE_PERIOD_S) -> None:
         self._engines = engines
         self._on_over_limit = on_over_limit
