@@ -9,13 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gatewayd.adapters.gguf_meta import read_gguf_facts
 from gatewayd.core.catalog import Catalog, Model, ModelFile, build_catalog
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig
 from gatewayd.core.errors import ConfigError
-from gatewayd.core.memory_estimate import MemoryEstimate, estimate_for
 from gatewayd.core.model_facts import GgufFacts
+
+if TYPE_CHECKING:
+    from gatewayd.core.memory_estimate import MemoryEstimate
 
 FactsReader = Callable[[Path], GgufFacts]
 
@@ -52,6 +55,9 @@ class TensorTables:
         return facts
 
     def estimate(self, model: Model, *, gpu: bool) -> MemoryEstimate | None:
+        # imported at the first estimate (an engine's start), off the socket-activated
+        # start's path (docs/benchmarks.md, "Figures behind choices in the code")
+        from gatewayd.core.memory_estimate import estimate_for
         return estimate_for(model, gpu=gpu, facts=self.facts(model))
 
     def warm(self, models: Iterable[Model]) -> None:
