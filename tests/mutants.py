@@ -1005,12 +1005,21 @@ HARDENING = (
 MODEL_T = "tests/unit/test_dispatcher_model.py::"
 PRIORITY_T = "tests/unit/test_priority.py"
 GROUPED = (
+    Mutant("grouped-line-wait-keeps-the-deadline", "a lower class waiting behind models "
+           "ahead in the line is served once aged, not refused when the wait for room runs "
+           "out", "gatewayd/service/loader.py",
+           "            case scheduler.Wait(why) if ahead and self.grouped and want.turn_by "
+           "is not None \\\n",
+           "            case scheduler.Wait(why) if False and want.turn_by is not None \\\n",
+           tests=(MODEL_T + "test_grouped_a_lower_class_behind_models_ahead_waits_to_be_aged_"
+                  "not_refused",)),
     Mutant("grouped-turn-keeps-the-deadline", "a lower class waiting to be aged is served, "
            "not refused when the wait for room runs out",
            "gatewayd/service/loader.py",
            "                bounds.room_by = max(bounds.room_by, self._clock() + "
-           "self._config.eviction_wait_s)\n",
-           "                pass\n",
+           "self._config.eviction_wait_s)\n"
+           "                await self._wait(want.turn_by",
+           "                await self._wait(want.turn_by",
            tests=(MODEL_T + "test_grouped_a_lower_class_waits_to_be_aged_not_refused",)),
     Mutant("grouped-drains-at-once", "a busy engine keeps its place for its own traffic "
            "while the waiting model's turn has not come", "gatewayd/core/scheduler.py",

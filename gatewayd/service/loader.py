@@ -260,6 +260,12 @@ class Loader:
                 # class by turn_by); the poll's interval is its slack
                 bounds.room_by = max(bounds.room_by, self._clock() + self._config.eviction_wait_s)
                 await self._wait(want.turn_by + 2 * CHANGE_POLL_S, model, why)
+            case scheduler.Wait(why) if ahead and self.grouped and want.turn_by is not None \
+                    and self._clock() < want.turn_by:
+                # the models ahead (of a higher class, or overdue first) come first: until
+                # its turn_by that is its turn too, and room keeps its eviction_wait_s after
+                bounds.room_by = max(bounds.room_by, self._clock() + self._config.eviction_wait_s)
+                await self._wait(bounds.room_by, model, why)
             case scheduler.Wait(why):
                 await self._wait(bounds.room_by, model, why)
             case scheduler.Blocked(limit, holders):

@@ -853,6 +853,20 @@ def test_grouped_a_lower_class_waits_to_be_aged_not_refused() -> None:
                  schedule="grouped")
 
 
+def test_grouped_a_lower_class_behind_models_ahead_waits_to_be_aged_not_refused() -> None:
+    """As above, but what c waits for is the line: a, of a higher class, is ahead of it and
+    takes every place b gives up; its wait behind a is its turn too, bounded by its aging,
+    not by the wait for room (the exploring fuzz found the 503 with seed 55)."""
+    run_scenario([("steady_load", {"model": "b", "seconds": AGING_S + 20.0}),
+                  ("time_passes", {"seconds": 1.0}),
+                  ("requests", {"model": "c", "hold": 0.1, "count": 1, "leave_after": None,
+                                "priority": LOW}),
+                  ("steady_load", {"model": "a", "seconds": AGING_S + 20.0}),
+                  ("time_passes", {"seconds": 2 * AGING_S + 5.0}),
+                  ("check_ok", {"model": "c", "last": 1})],
+                 schedule="grouped")
+
+
 def test_grouped_an_overdue_model_goes_before_one_with_more_waiting() -> None:
     """b has waited its max_wait_s; c has more requests waiting but has not: b first."""
     run_scenario([("steady_load", {"model": "a", "seconds": 20.0}),
