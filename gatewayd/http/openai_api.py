@@ -210,6 +210,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         raise
     except web.HTTPException as e:
         record.status, record.outcome = e.status, "error"
+        record.error_source = ErrorSource.GATEWAY.value
         raise
     except asyncio.CancelledError:
         if record.stream:   # a stream's relay knows whether it was all delivered
@@ -222,6 +223,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         if request.app[SHUTDOWN].expired:   # cancelled at the drain deadline: the client is there
             error = shutdown_error()
             record.status, record.outcome, record.error_code = error.status, "error", error.code
+            record.error_source = ErrorSource.GATEWAY.value
             raise error from None
         record.disconnected, record.outcome = True, "disconnected"
         raise

@@ -6,6 +6,7 @@ call's record keeps the source (`error_source`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from aiohttp import web
 from gatewayd.core import progress
 from gatewayd.core.config import ModelKind
 from gatewayd.core.errors import ERROR_SOURCE_HEADER
+from gatewayd.http.drain import cancel_open_requests
 from tests.fake_engine import FakeEngine
 from tests.fake_upstream import FakeUpstream
 from tests.http.test_front_door import Gateway, _gateway, chat, events, named_events
@@ -188,3 +190,18 @@ async def test_admin_records_carry_the_source(gw: Gateway) -> None:
     rows = (await (await gw.client.get("/admin/records")).json())["records"]
     assert [(r["status"], r["error_source"]) for r in rows] == [
         (404, "gateway"), (400, "engine")]
+
+
+async def test_a_request_answered_at_the_drain_deadline_is_recorded_as_the_gateways(
+        tmp_path: Path) -> None:
+    """A request waiting for its engine's load when the drain time runs out: the 503
+    shutting_down is the gateway's, in its header and in its record."""
+    async for g in _gateway(tmp_path, ("a", "b"), max_engines=2):
+        g.health.all_ready = False      # c loads until the drain deadline
+        asked = asyncio.ensure_future(g.client.post("/v1/chat/completions", json=chat("c")))
+        await loading(g)
+        cancel_open_requests(g.client.app)
+        resp = await asyncio.wait_for(asked, 5)
+        assert resp.status == 503 and resp.headers[ERROR_SOURCE_HEADER] == "gateway"
+        (row,) = await g.records(1)
+        assert (row["error_code"], row["error_source"]) == ("shutting_down", "gateway")
