@@ -188,7 +188,8 @@ KEYS: tuple[Key, ...] = (
         "(its turn, bounded by `max_wait_s`) or `fifo` (the order models asked)",
         words=_words(("grouped", "fifo"))),
     Key("", "max_wait_s", Kind.NUMBER, 20,
-        "grouped: the longest a model is passed over for busy engines", POSITIVE),
+        "grouped: the longest a model is passed over for busy engines of its class "
+        "(a lower class: until aged to theirs)", POSITIVE),
     Key("", "priority_aging_s", Kind.NUMBER, 120,
         "a waiting request counts one priority class higher per this", POSITIVE),
     Key("", "stream_progress", Kind.WORD, "opt-in", "`: waiting for ...` comment lines to a "

@@ -172,3 +172,17 @@ def test_allowed_hosts_and_origins_are_checked_when_read() -> None:
         with pytest.raises(ConfigError, match=r"listen\.allowed"):
             parse_config({"listen": listen})
 
+
+
+def test_a_route_added_by_hand_beside_the_table_gets_a_resource_of_its_own() -> None:
+    """aiohttp reuses an unnamed resource that matches a new route's path: the table's
+    must not be taken for one (it has no routes to add to; adding failed with an
+    AttributeError). Such a route is still behind the gate, which looks the table up."""
+    from gatewayd.http import router
+
+    async def extra(request: web.Request) -> web.Response:
+        return web.Response()
+    app = web.Application()
+    router.install(app)
+    app.router.add_get("/health", extra)
+    assert len(list(app.router.resources())) == 2
