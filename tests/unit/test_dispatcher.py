@@ -174,6 +174,7 @@ async def test_eviction_frees_the_device_that_needs_the_memory(tmp_path: Path) -
 
 async def test_an_adopted_engine_is_counted_on_its_own_device(tmp_path: Path) -> None:
     d, units, _ = dispatcher_on_fakes(tmp_path, gpu=PlacedGpus(120, 120))
+    assert isinstance(d._engines, EngineManager)
     adopted = d._engines.take_over(EngineUnitInfo(
         unit="llm-engine-a.service", model_id="a", socket="/run/llm-engine-a/engine.sock",
         active_state="active", sub_state="running", main_pid=55, n_restarts=0,

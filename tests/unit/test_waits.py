@@ -31,6 +31,7 @@ from gatewayd.core.waits import (
     seconds,
 )
 from gatewayd.service.dispatcher import Dispatcher
+from gatewayd.service.engine_manager import EngineManager
 from tests.fakes import FakeHealth, engine_manager_on_fakes, on_virtual_time
 
 # -- pure ---------------------------------------------------------------------------------
@@ -98,6 +99,12 @@ def approx(value: float) -> Any:
     return pytest.approx(value, abs=0.2)   # the fakes' polls: a tenth of a second or so
 
 
+def manager_of(d: Dispatcher) -> EngineManager:
+    """The engine layer the dispatcher was built on (it sees only what it uses of it)."""
+    assert isinstance(d._engines, EngineManager)
+    return d._engines
+
+
 def on_fakes(tmp_path: Path, **config: Any) -> tuple[Dispatcher, FakeHealth, list[Waited]]:
     mgr, _, health = engine_manager_on_fakes(tmp_path, max_engines=1, **config)
     d = Dispatcher(mgr, catalog=mgr.catalog, gpu=NoGpu("test"), config=mgr.config,
@@ -146,7 +153,7 @@ async def test_a_wait_for_its_turn_then_the_load_and_the_bound_that_made_room(
     assert swap.waited_s == approx(3.0)     # when the bound drained a
     assert swap.because == "'b' waited 3.0 s: max_wait_s"
     await d.close()
-    await d._engines.close()
+    await manager_of(d).close()
 
 
 @on_virtual_time
@@ -169,7 +176,7 @@ async def test_a_higher_class_drains_at_once_and_an_idle_engine_served_nobody(
     swap = d.swap("b")
     assert swap is not None and (swap.model, swap.rule) == ("c", SERVED_NOBODY)
     await d.close()
-    await d._engines.close()
+    await manager_of(d).close()
 
 
 @on_virtual_time
@@ -182,5 +189,5 @@ async def test_a_request_at_a_ready_engine_waits_for_nothing(tmp_path: Path) -> 
     assert len(seen) == n        # the request path: no wait, nothing observed
     d.release("a")
     await d.close()
-    await d._engines.close()
+    await manager_of(d).close()
 
