@@ -59,7 +59,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         matched = check_access(request)
         if request.method == "OPTIONS" and matched is not None:
             return preflight(request, matched)
-        response = await handler(request)
+        return await handler(request)
     except GatewayError as e:
         return _answer(request, e)
     except RequestPayloadError as e:
@@ -85,11 +85,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = GatewayError("internal error; see the gateway's journal")
         return _own_error(_in_dialect(error, request.path), 500)
-    if response.status >= 400 and not response.prepared \
-            and ERROR_SOURCE_HEADER not in response.headers:
-        # a handler's own error answer (none today: they raise): the gateway's too
-        response.headers[ERROR_SOURCE_HEADER] = ErrorSource.GATEWAY.value
-    return response
 
 
 def _answer(request: web.Request, e: GatewayError) -> web.Response:

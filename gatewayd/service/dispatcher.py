@@ -174,9 +174,8 @@ class Dispatcher:
                 await waiter.future   # room made and engine ready (take a turn above), or why not
             finally:
                 self._turns.leave(model_id, waiter)
-                if waiter.wait is not None:
-                    for reason, spent in waiter.wait.end(self._clock()).items():
-                        waited[reason] = waited.get(reason, 0.0) + spent
+                for reason, spent in waiter.wait.end(self._clock()).items():
+                    waited[reason] = waited.get(reason, 0.0) + spent
 
     def _waited(self, model_id: str, model: Model | None, priority: int,
                 parts: dict[str, float], *, handed: bool) -> None:

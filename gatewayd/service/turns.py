@@ -27,12 +27,8 @@ class Waiter:
     its wait split by what it waits for (core/waits)."""
     future: asyncio.Future[None]
     since: float
+    wait: WaitClock
     priority: int = NORMAL
-    wait: WaitClock | None = None
-
-    def __post_init__(self) -> None:
-        if self.wait is None:
-            self.wait = WaitClock(self.since, ROOM)
 
 
 @dataclass
@@ -112,8 +108,8 @@ class Turns:
             raise QueueFull(f"{len(use.waiters)} requests already wait for {model_id!r} "
                             f"(queue limit {limit})", retry_after=5, model=model_id)
         now = self._clock()
-        waiter = Waiter(asyncio.get_running_loop().create_future(), now, priority,
-                        WaitClock(now, reason))
+        waiter = Waiter(asyncio.get_running_loop().create_future(), now,
+                        WaitClock(now, reason), priority)
         use.waiters.append(waiter)
         self._depth(model_id)
         return waiter
@@ -130,8 +126,7 @@ class Turns:
         if use is not None and use.waiters:
             now = self._clock()
             for waiter in use.waiters:
-                if waiter.wait is not None:
-                    waiter.wait.switch(reason, now)
+                waiter.wait.switch(reason, now)
 
     def queued(self, model_id: str) -> int:
         use = self._uses.get(model_id)
