@@ -384,6 +384,9 @@ def read_table(data: Mapping[str, Any], table: str, where: str, prefix: str,
             for key in keys_of(table) if not key.custom}
 
 
+_PYTHON_TYPE = {Kind.INTEGER: int, Kind.BOOLEAN: bool, Kind.STRING: str}
+
+
 def read(value: Any, key: Key, where: str, name: str, base: Path) -> Any:
     """One value as its key declares it; an error names the key (name: as the file has
     it, e.g. "models.chat.ctx_size"). None stays None: unset, with no default."""
@@ -416,8 +419,7 @@ def read(value: Any, key: Key, where: str, name: str, base: Path) -> Any:
         if not math.isfinite(value):   # inf is no timeout at all; relay.c's wait overflows
             raise ConfigError(f"{where}: {name} = {value} is not a finite number")
     else:
-        expect(value, {Kind.INTEGER: int, Kind.BOOLEAN: bool, Kind.STRING: str}[key.kind],
-               where, name)
+        expect(value, _PYTHON_TYPE[key.kind], where, name)
     for bound in key.bounds:
         if not bound.holds(value):
             raise ConfigError(f"{where}: " + bound.says.format(

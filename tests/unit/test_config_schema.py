@@ -13,7 +13,7 @@ import pytest
 
 from gatewayd.core import upstreams
 from gatewayd.core.auth import parse_keys
-from gatewayd.core.config import GatewayConfig, ModelConfig, parse_config
+from gatewayd.core.config import _OPENAI_ONLY, GatewayConfig, ModelConfig, parse_config
 from gatewayd.core.config_schema import KEYS, TABLES, Key, Kind, keys_of, known, markdown
 from gatewayd.core.errors import ConfigError
 
@@ -107,7 +107,7 @@ WRONG: dict[Kind, Any] = {
 @pytest.mark.parametrize("key", READ_HERE, ids=lambda k: f"{k.table}.{k.name}".strip("."))
 def test_a_value_of_the_wrong_type_is_refused_naming_its_key(key: Key) -> None:
     data, name = _file(key, WRONG[key.kind])
-    if key.name in ("command", "ready_path", "ready_status"):   # openai's keys
+    if key.name in _OPENAI_ONLY:   # openai's keys
         data["models"]["m"] = {**data["models"]["m"], "backend": "openai"}
     with pytest.raises(ConfigError) as refused:
         parse_config(data)
