@@ -1066,6 +1066,28 @@ GROUPED = (
            "gatewayd/core/scheduler.py", "IDLE_GRACE_S = 1.0\n", "IDLE_GRACE_S = 0.0\n",
            tests=(MODEL_T + "test_grouped_an_engine_idle_between_its_clients_requests_keeps_"
                   "its_place",)),
+    Mutant("grouped-grace-holds-a-lone-client", "a lone client switching models is not "
+           "held by the grace (nobody else is there to come back)",
+           "gatewayd/core/scheduler.py",
+           "                   or (nobody_served and client is not None"
+           " and u.sole_client == client)]",
+           "                   or False]",
+           tests=(MODEL_T + "test_grouped_a_lone_client_switching_models_is_not_held_by_the_"
+                  "grace", "tests/unit/test_scheduler.py")),
+    Mutant("grouped-grace-ignores-the-client", "the grace is skipped only for the engine's "
+           "own client, not for another's request in its gap",
+           "gatewayd/core/scheduler.py",
+           "                   or (nobody_served and client is not None"
+           " and u.sole_client == client)]",
+           "                   or nobody_served]",
+           tests=(MODEL_T + "test_grouped_an_engine_idle_between_its_clients_requests_keeps_"
+                  "its_place", "tests/unit/test_scheduler.py")),
+    Mutant("turns-sole-client-never-several", "two clients of one engine are several, not "
+           "the last one", "gatewayd/service/turns.py",
+           "            use.sole_client = sole_client((use.sole_client, client))"
+           " if recent else client",
+           "            use.sole_client = client",
+           tests=("tests/unit/test_turns.py",)),
     Mutant("priority-raised-by-client", "a client may lower its class, never raise it",
            "gatewayd/core/priority.py", "    return min(granted, wanted)",
            "    return wanted", tests=(PRIORITY_T,)),

@@ -21,7 +21,9 @@ How room is made, at the head of the line:
    nobody or draining, not pinned): the least recently *used* (used = an inference
    request; status polls do not count); grouped, of the lowest class first, and only
    one that has served nobody for IDLE_GRACE_S (its clients' next request is on its way)
-   unless the waiting model is overdue or of a higher class;
+   unless the waiting model is overdue or of a higher class, or no engine serves anyone
+   and the engine's only recent client is the one now waiting (a lone client switching
+   models swaps at once);
 2. if none can go now, *drain* one (same order): its in-flight requests finish (never
    preempted), its new requests queue behind the waiting model, and once it serves
    nobody it is evicted (1.). Under fifo at once; grouped only when the waiting model
@@ -70,6 +72,9 @@ class Usage:
     exit_unconfirmed: bool = False   # a signal said it ended; systemd has not confirmed
     devices: tuple[str, ...] = ()    # the GPUs it was placed on; (): all (or no GPU)
     priority: int = NORMAL    # the highest class among its requests (idle: its model's)
+    # the one client it served over its last moments (its requests in flight, or within
+    # IDLE_GRACE_S of the last); None: several, or not known
+    sole_client: str | None = None
 
     def victim_order(self, grouped: bool) -> tuple[float, ...]:
         """Sort key of victims, first evicted first: the least recently used (grouped:
@@ -171,7 +176,8 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
                devices: frozenset[str] | None = None, ram_need_mib: int = 0,
                ram_free_mib: int | None = None, ahead_ram_mib: int = 0,
                grouped: bool = False, overdue: bool = False,
-               priority: int = NORMAL, now: float = 0.0) -> Decision:
+               priority: int = NORMAL, now: float = 0.0,
+               client: str | None = None) -> Decision:
     """Can model_id's engine start now, and if not, what happens first?
 
     free_mib is a fresh reading of free GPU memory on the devices placement chose
@@ -181,7 +187,9 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     (None: not checked); ahead is how many models are before this one in the line
     for room, and ahead_ram_mib the RAM they need. grouped: the grouped order (else
     fifo); overdue: the model's oldest request has waited its max_wait_s; priority: the
-    highest class among its waiting requests (aged); now: the clock of last_used.
+    highest class among its waiting requests (aged); now: the clock of last_used;
+    client: the one client all its waiting requests come from (None: several, or
+    not known).
     """
     others = [u for u in usages if u.model_id != model_id and u.holds_place]
     free_places = max_engines - len(others)
@@ -210,9 +218,14 @@ def plan_start(model_id: str, usages: Sequence[Usage], *, max_engines: int, need
     if grouped and not overdue:
         # an engine idle for a moment between its clients' requests still has work: only
         # one idle for IDLE_GRACE_S gives way to a model whose turn has not come (or one
-        # of a lower class than the waiting model's requests)
+        # of a lower class than the waiting model's requests). Nor does one whose only
+        # client is the one now waiting while no engine serves anyone: that client's next
+        # request is the one waiting (a lone client switching models), and the grace
+        # would wait for nobody
+        nobody_served = not any(u.in_flight for u in usages)
         settled = [u for u in victims if now - u.last_used >= IDLE_GRACE_S
-                   or priority > u.priority]
+                   or priority > u.priority
+                   or (nobody_served and client is not None and u.sole_client == client)]
         if victims and not settled:
             return Wait(f"{', '.join(repr(u.model_id) for u in victims)} just served: "
                         f"{model_id!r} waits its turn", turn=True)
@@ -264,9 +277,17 @@ class Want:
     # by when its turn comes at the latest: the earliest of its waiting requests'
     # arrival + core/priority.turn_bound_s (None: nobody waits)
     turn_by: float | None = None
+    client: str | None = None   # the one client its waiting requests come from (None: several)
 
     def overdue(self, now: float) -> bool:
         return self.oldest_at is not None and now - self.oldest_at >= self.max_wait_s
+
+
+def sole_client(clients: Iterable[str | None]) -> str | None:
+    """The one client these requests come from; None where they are several, or one of
+    them is not known."""
+    seen = set(clients)
+    return seen.pop() if len(seen) == 1 else None
 
 
 def line_order(wants: Iterable[Want], *, grouped: bool, now: float) -> list[Want]:

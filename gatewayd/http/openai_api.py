@@ -299,7 +299,7 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
                 upstream_route=matched.route.upstream, multipart=multipart,
                 inference=inference, autoload=autoload,
                 whisper=local is not None and local.backend is Backend.WHISPER,
-                priority=priority, told=told)
+                priority=priority, client=client_of(request, key), told=told)
 
 
 @dataclass
@@ -325,7 +325,20 @@ class Call:
     whisper: bool = False   # a whisper model's: its engine is whisper-server, whose
                             # requests and answers differ from OpenAI's
     priority: int = NORMAL  # its class (core/priority): its turn is taken in it
+    client: str | None = None   # who asks, as the order's grace tells clients apart
     told: Progress | None = None   # its wait told to its client: the stream begun there
+
+
+def client_of(request: web.Request, key: ApiKey | None) -> str | None:
+    """Who asks, as core/scheduler's grace tells clients apart: the host it connects
+    from, and its key where keys are on (not the connection: curl and many scripts open
+    one per request). None where the host cannot be told (a unix socket): the grace then
+    holds as for a stranger."""
+    transport = request.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    if isinstance(peer, tuple) and peer:
+        return f"{key.name if key is not None else ''}@{peer[0]}"
+    return None
 
 
 async def deliver(front: FrontDoor, call: Call) -> web.StreamResponse:
@@ -353,7 +366,7 @@ async def deliver(front: FrontDoor, call: Call) -> web.StreamResponse:
         and bool(front.remotes.candidates(call.names))
     return await front.dispatcher.journey(
         local.id, lambda engine: relay_local(front, call, engine), autoload=call.autoload,
-        counts_as_use=call.inference, priority=call.priority,
+        counts_as_use=call.inference, priority=call.priority, client=call.client,
         wait=None if told is None else told.wait, no_turn=spill_over if spills else None)
 
 

@@ -80,7 +80,7 @@ class Dispatcher:
 
     async def journey(self, model_id: str, send: Callable[[Engine], Awaitable[T]], *,
                       autoload: bool, counts_as_use: bool = True, priority: int = NORMAL,
-                      wait: WaitFor | None = None,
+                      client: str | None = None, wait: WaitFor | None = None,
                       no_turn: Callable[[GatewayError], Awaitable[T]] | None = None) -> T:
         """A request's whole journey to model_id's engine, in one scope: its turn taken
         (queued; the engine loaded where autoload), send(engine), and the turn given back
@@ -88,10 +88,12 @@ class Dispatcher:
         process (the engine had just died, and systemd restarts it) waits for the
         restarted engine like any other and is sent to it, once. wait: the wait for the
         turn, as the caller tells it (http/waiting); no_turn: the answer where no turn
-        could be had (spill-over to a remote upstream), else that error is raised."""
+        could be had (spill-over to a remote upstream), else that error is raised; client:
+        who asks (core/scheduler's grace: a lone client switching models is not held)."""
         for last in (False, True):
             try:
-                engine = await self._take(model_id, autoload, counts_as_use, priority, wait)
+                engine = await self._take(model_id, autoload, counts_as_use, priority, wait,
+                                          client)
             except GatewayError as e:
                 if no_turn is None:
                     raise
@@ -110,49 +112,50 @@ class Dispatcher:
 
     @contextlib.asynccontextmanager
     async def serve(self, model_id: str, *, autoload: bool, counts_as_use: bool = True,
-                    priority: int = NORMAL, wait: WaitFor | None = None
-                    ) -> AsyncIterator[Engine]:
+                    priority: int = NORMAL, wait: WaitFor | None = None,
+                    client: str | None = None) -> AsyncIterator[Engine]:
         """A turn at model_id's engine for the scope, given back when it ends. wait: the
         wait for the turn as the caller tells it; its undo gives back a turn taken just
         as the caller gave up."""
-        engine = await self._take(model_id, autoload, counts_as_use, priority, wait)
+        engine = await self._take(model_id, autoload, counts_as_use, priority, wait, client)
         try:
             yield engine
         finally:
             self.release(model_id, counts_as_use=counts_as_use, priority=priority)
 
     async def _take(self, model_id: str, autoload: bool, counts_as_use: bool, priority: int,
-                    wait: WaitFor | None) -> Engine:
+                    wait: WaitFor | None, client: str | None = None) -> Engine:
         waiting = self.acquire(model_id, autoload=autoload, counts_as_use=counts_as_use,
-                               priority=priority)
+                               priority=priority, client=client)
         if wait is None:
             return await waiting
         return await wait(waiting, lambda _: self.release(
             model_id, counts_as_use=counts_as_use, priority=priority))
 
     async def acquire(self, model_id: str, *, autoload: bool, counts_as_use: bool = True,
-                      priority: int = NORMAL) -> Engine:
+                      priority: int = NORMAL, client: str | None = None) -> Engine:
         model = self._catalog.get(model_id)
         waited: dict[str, float] = {}   # seconds per reason (core/waits), if it waits
         try:
             return await self._acquire(model_id, model, autoload=autoload,
                                        counts_as_use=counts_as_use, priority=priority,
-                                       waited=waited)
+                                       client=client, waited=waited)
         except GatewayError:
             if waited:   # answered with an error after a wait: its bound still counts
                 self._waited(model_id, model, priority, waited, handed=False)
             raise
 
     async def _acquire(self, model_id: str, model: Model | None, *, autoload: bool,
-                       counts_as_use: bool, priority: int, waited: dict[str, float]
-                       ) -> Engine:
+                       counts_as_use: bool, priority: int, client: str | None,
+                       waited: dict[str, float]) -> Engine:
         while True:
             engine = self._engines.get(model_id)
             use = self._turns.get_or_add(model_id)
             if engine is not None and engine.state is EngineState.READY and (
                     not use.draining or not autoload):
                 self._turns.take(model_id, limit=model.config.max_concurrency if model
-                                 else None, counts_as_use=counts_as_use, priority=priority)
+                                 else None, counts_as_use=counts_as_use, priority=priority,
+                                 client=client)
                 if waited:
                     self._waited(model_id, model, priority, waited, handed=True)
                 return engine
@@ -168,7 +171,7 @@ class Dispatcher:
             limit = model.config.queue_limit
             waiter = self._turns.enqueue(
                 model_id, self._config.queue_limit if limit is None else limit, priority,
-                reason_of(engine.state if engine else None, use.draining))
+                reason_of(engine.state if engine else None, use.draining), client)
             self._loader.ensure(model)
             try:
                 await waiter.future   # room made and engine ready (take a turn above), or why not
@@ -218,7 +221,8 @@ class Dispatcher:
                 draining=bool(use and use.draining),
                 exit_unconfirmed=engine.exit_unconfirmed,
                 devices=engine.devices,
-                priority=_class_of(use, model)))
+                priority=_class_of(use, model),
+                sole_client=use.sole_client if use else None))
         return rows
 
     def schedule(self) -> dict[str, Any]:

@@ -240,7 +240,7 @@ class Loader:
             ram_free_mib=None if ram is None else ram.plan_free_mib,
             ahead_ram_mib=line.ahead_ram_mib(ahead) if ahead and ram else 0,
             grouped=self.grouped, overdue=want.overdue(self._clock()),
-            priority=want.priority, now=self._clock())
+            priority=want.priority, now=self._clock(), client=want.client)
         match decision:
             case scheduler.TryAnyway() if self._evictor.memory_coming_back():
                 # an engine just went away: its memory may not show as free yet, so

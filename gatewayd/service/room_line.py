@@ -86,7 +86,8 @@ class RoomLine:
             max_wait, room_made=self._room_made.index(model_id)
             if model_id in self._room_made else None, draining=self._draining(model_id),
             turn_by=min((w.since + turn_bound_s(w.priority, max_wait, aging)
-                         for w in waiters), default=None))
+                         for w in waiters), default=None),
+            client=scheduler.sole_client(w.client for w in waiters))
 
     def order(self) -> list[scheduler.Want]:
         """The models waiting for room, head first (core/scheduler.line_order: grouped,

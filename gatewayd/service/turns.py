@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from gatewayd.core.errors import ConcurrencyLimit, QueueFull
 from gatewayd.core.priority import NORMAL
+from gatewayd.core.scheduler import IDLE_GRACE_S, sole_client
 from gatewayd.core.waits import ROOM, WaitClock
 
 QueueListener = Callable[[str, int], None]
@@ -29,6 +30,7 @@ class Waiter:
     since: float
     wait: WaitClock
     priority: int = NORMAL
+    client: str | None = None   # who asked (http: the key, else the connection); None: not known
 
 
 @dataclass
@@ -40,6 +42,10 @@ class Use:
     waiters: deque[Waiter] = field(default_factory=deque)
     draining_for: str | None = None    # the model this engine is making room for
     serving: Counter[int] = field(default_factory=Counter)   # in flight, by class
+    # the one client served over its last moments: in flight, or within IDLE_GRACE_S of
+    # the last use (None: several, or not known); core/scheduler's grace reads it
+    sole_client: str | None = None
+    released_at: float = float("-inf")   # when a request of its clients last ended
 
     @property
     def draining(self) -> bool:
@@ -77,17 +83,20 @@ class Turns:
     # -- serving ----------------------------------------------------------------------
 
     def take(self, model_id: str, *, limit: int | None, counts_as_use: bool,
-             priority: int = NORMAL) -> None:
+             priority: int = NORMAL, client: str | None = None) -> None:
         use = self.get_or_add(model_id)
         if limit is not None and use.in_flight >= limit:
             raise ConcurrencyLimit(
                 f"{model_id!r} is serving {use.in_flight} requests, its limit "
                 f"(max_concurrency); try again shortly", retry_after=1,
                 model=model_id, max_concurrency=limit)
+        now = self._clock()
         use.in_flight += 1
         use.serving[priority] += 1
         if counts_as_use:
-            use.last_used = self._clock()
+            recent = use.in_flight > 1 or now - use.released_at < IDLE_GRACE_S
+            use.sole_client = sole_client((use.sole_client, client)) if recent else client
+            use.last_used = now
 
     def release(self, model_id: str, *, counts_as_use: bool, priority: int = NORMAL) -> bool:
         """True when the engine now serves nobody."""
@@ -95,13 +104,13 @@ class Turns:
         use.in_flight -= 1
         use.serving[priority] -= 1
         if counts_as_use:
-            use.last_used = self._clock()
+            use.last_used = use.released_at = self._clock()
         return use.in_flight == 0
 
     # -- waiting ------------------------------------------------------------------------
 
     def enqueue(self, model_id: str, limit: int, priority: int = NORMAL,
-                reason: str = ROOM) -> Waiter:
+                reason: str = ROOM, client: str | None = None) -> Waiter:
         """A new waiter, waiting for `reason` (core/waits) to begin with."""
         use = self.get_or_add(model_id)
         if len(use.waiters) >= limit:
@@ -109,7 +118,7 @@ class Turns:
                             f"(queue limit {limit})", retry_after=5, model=model_id)
         now = self._clock()
         waiter = Waiter(asyncio.get_running_loop().create_future(), now,
-                        WaitClock(now, reason), priority)
+                        WaitClock(now, reason), priority, client)
         use.waiters.append(waiter)
         self._depth(model_id)
         return waiter

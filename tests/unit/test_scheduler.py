@@ -16,6 +16,7 @@ from gatewayd.core.scheduler import (
     idle_expired,
     memory_ledger,
     plan_start,
+    sole_client,
 )
 
 R, L, S = EngineState.READY, EngineState.LOADING, EngineState.STOPPING
@@ -67,6 +68,29 @@ def test_plan_start(usages: list[Usage], max_engines: int, need: int, free: int 
         assert type(got) is type(expected) and got.model_id == expected.model_id and got.reason
     else:
         assert got == expected
+
+
+@pytest.mark.parametrize("others,client,sole,evicts", [
+    ([], "me", "me", True),              # a lone client switching models: no grace
+    ([], "me", "you", False),            # its client is another: it may come back
+    ([], None, None, False),             # neither known: the grace holds
+    ([], "me", None, False),             # several clients: the grace holds
+    ([u("b", in_flight=1)], "me", "me", False),   # someone is served: it may be a's
+])
+def test_grouped_the_grace_holds_for_an_engine_s_other_clients(
+        others: list[Usage], client: str | None, sole: str | None, evicts: bool) -> None:
+    """a served its only client 0.1 s ago, and nobody is overdue or of a higher class."""
+    usages = [u("a", last_used=99.9, sole_client=sole), *others]
+    got = plan_start("new", usages, max_engines=len(usages), need_mib=1, free_mib=None,
+                     grouped=True, now=100.0, client=client)
+    assert (isinstance(got, Evict) and got.model_id == "a") if evicts \
+        else (isinstance(got, Wait) and got.turn), got
+
+
+def test_sole_client_is_one_known_client_or_none() -> None:
+    assert sole_client(["x", "x"]) == "x"
+    assert sole_client(["x", "y"]) is None and sole_client(["x", None]) is None
+    assert sole_client([]) is None
 
 
 def test_the_model_itself_is_never_its_own_victim() -> None:
