@@ -959,19 +959,18 @@ HARDENING = (
     Mutant("rm-joins-the-name", "rm of a name that is not a model touches only that "
            "pull's own record (issue 50: '../../x' removed files outside models_dir)",
            "gatewayd/service/pulls.py",
-           "        if models_dir is None or name in self._active or not is_part(name) or \\\n",
-           "        if models_dir is None or name in self._active or \\\n",
-           also=(("gatewayd/service/pulls.py",
-                  '        return inside(models_dir / PULL_DIR, f"{name}.json", '
-                  'what="a pull\'s name")',
-                  '        return models_dir / PULL_DIR / f"{name}.json"'),
-                 ("gatewayd/service/pulls.py",
+           "        if models_dir is None or name in self._active or not is_part(name):\n",
+           "        if models_dir is None or name in self._active:\n",
+           also=(("gatewayd/service/pull_folder.py",
+                  '        return inside(self._pulls, f"{name}.json", what="a pull\'s name")',
+                  '        return self._pulls / f"{name}.json"'),
+                 ("gatewayd/service/pull_folder.py",
                   "        if not is_part(name):\n            return",
                   "        if False:\n            return"),
-                 ("gatewayd/service/pulls.py",
-                  '        shutil.rmtree(inside(folder, name, what="a pull\'s name"), '
+                 ("gatewayd/service/pull_folder.py",
+                  '        shutil.rmtree(inside(self._pulls, name, what="a pull\'s name"), '
                   'ignore_errors=True)',
-                  "        shutil.rmtree(folder / name, ignore_errors=True)")),
+                  "        shutil.rmtree(self._pulls / name, ignore_errors=True)")),
            tests=(SAFE_T + "test_removing_an_unfinished_pull_by_any_name_touches_nothing_"
                   "outside",)),
     Mutant("hub-listing-unchecked", "a hub's file paths and hashes are checked before they "

@@ -1,14 +1,8 @@
 """Pulls: models downloaded from a hub into models_dir, while the gateway serves.
 
-On disk, under models_dir (the gateway's own; the catalog skips dot-folders):
-
-    .pull/<name>.json           what is being pulled (source, commit, files): a pull the
-                                gateway did not finish is resumed when it starts again
-    .pull/blobs/<hash>.part     a file's bytes so far, appended to (resumable)
-    .pull/<name>/               the verified files, gathered until the model is whole
-    <name>/                     the model, renamed into place in one step: the catalog sees
-                                all of it or none of it; <name>/.source.json says where
-                                it came from (a second pull of it has nothing to do)
+On disk, under models_dir (the gateway's own; the catalog skips dot-folders), as
+service/pull_folder lays it out: a record per pull, its partial bytes, its verified files
+gathered, then the model renamed into place in one step.
 
 A file is verified against the hub's SHA-256 (LFS) or git blob id before it leaves
 blobs/; a mismatch discards it. A full disk discards the pull's partial bytes (the space
@@ -30,7 +24,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,12 +55,11 @@ from gatewayd.core.pull import (
     select,
 )
 from gatewayd.core.safe_paths import inside, is_part
+from gatewayd.service.pull_folder import PullFolder
 
 log = logging.getLogger("gatewayd.pull")
 # what a pull that could not resume will never get past: its bytes are deleted
 GONE = (HubRepoNotFound, HubFileNotFound, ModelSourceInvalid)
-PULL_DIR = ".pull"
-SOURCE_FILE = ".source.json"
 PROGRESS_S = 0.5          # how often a running pull's progress is published
 KEPT_FINISHED = 20        # finished pulls /admin/pulls still shows
 HASH_CHUNK = 4 * 1024 * 1024
@@ -123,7 +116,7 @@ class Puller:
         the caller leaves: /admin/events and /admin/pulls follow it. for_model: the file
         of a configured model of that name (its [models.NAME] source), which the name is."""
         spec = PullSpec.parse(source)
-        models_dir = self._writable_models_dir()
+        folder = PullFolder(self._writable_models_dir())
         listing = await asyncio.to_thread(self._hub.listing, spec.repo, spec.revision)
         selection = select(spec, listing, mmproj=mmproj, name=name)
         # a gated repository without a token, a file the hub will not serve: said now, to
@@ -137,24 +130,25 @@ class Puller:
                                       f"{running.state.source}; wait for it or choose "
                                       "another name (--name)")
                 return running.state     # the same files: one download, both follow it
-            if (done := self._already_here(models_dir, selection, listing.commit)) is not None:
+            if (done := folder.already_here(selection, listing.commit, self._clock())
+                    ) is not None:
                 return done
             if not for_model:
-                self._claim_name(models_dir, selection)
-            need = sum(max(f.size - self._partial_size(models_dir, f), 0)
-                       for f in selection.files)
-            usage = self._disk_usage(models_dir)
-            check_space(str(models_dir), need=need, free=usage.free, filesystem=usage.total)
+                self._claim_name(folder.models_dir, selection)
+            need = sum(max(f.size - folder.partial_size(f), 0) for f in selection.files)
+            usage = self._disk_usage(folder.models_dir)
+            check_space(str(folder.models_dir), need=need, free=usage.free,
+                        filesystem=usage.total)
             state = PullState(name=selection.name, source=str(spec), repo=listing.repo,
                               commit=listing.commit, files=selection.files,
-                              started=self._clock(), resumed_bytes=self._on_disk(
-                                  models_dir, selection.name, selection.files))
+                              started=self._clock(), resumed_bytes=folder.on_disk(
+                                  selection.name, selection.files))
             state.done_bytes = state.resumed_bytes
             pull = _Pull(state=state, selection=selection)
             self._failures.pop(selection.name, None)
-            self._record(models_dir, pull, mmproj=mmproj, for_model=for_model)
+            folder.record(state, selection.files, mmproj=mmproj, for_model=for_model)
             self._active[selection.name] = pull
-        pull.task = asyncio.get_running_loop().create_task(self._run(models_dir, pull))
+        pull.task = asyncio.get_running_loop().create_task(self._run(folder, pull))
         log.info("pulling %s from %s at %s: %s (%s)", selection.name, spec, listing.commit[:12],
                  ", ".join(f.path for f in selection.files), size_text(state.total_bytes))
         self._event(state)
@@ -226,9 +220,10 @@ class Puller:
         """The pulls a previous run did not finish, started again at the bytes they had
         (pinned to the commit they began with)."""
         models_dir = self._models_dir()
-        if models_dir is None or not (models_dir / PULL_DIR).is_dir():
+        if models_dir is None:
             return
-        for record_path in sorted((models_dir / PULL_DIR).glob("*.json")):
+        folder = PullFolder(models_dir)
+        for record_path in folder.records():
             try:
                 record = json.loads(record_path.read_text())
                 spec = PullSpec.parse(record["source"])
@@ -244,7 +239,7 @@ class Puller:
                 log.warning("the unfinished pull %s could not resume: %s", record_path.stem,
                             e.message)
                 if isinstance(e, GONE):   # it never will: its bytes go
-                    self._discard_record(models_dir, record_path.stem)
+                    folder.discard_record(record_path.stem)
 
     async def close(self) -> None:
         """The gateway stops: running downloads stop where they are (resumed at the next
@@ -260,18 +255,19 @@ class Puller:
 
     # -- the download -----------------------------------------------------------------
 
-    async def _run(self, models_dir: Path, pull: _Pull) -> None:
+    async def _run(self, folder: PullFolder, pull: _Pull) -> None:
         state = pull.state
-        staging = inside(models_dir / PULL_DIR, state.name, what="a model's name")
-        ticker = asyncio.get_running_loop().create_task(self._tick(models_dir, pull))
+        models_dir = folder.models_dir
+        staging = folder.staging(state.name)
+        ticker = asyncio.get_running_loop().create_task(self._tick(folder, pull))
         keep_partial = True
         try:
             staging.mkdir(mode=0o700, parents=True, exist_ok=True)
             for file in pull.selection.files:
-                await self._fetch(models_dir, pull, file, staging)
+                await self._fetch(folder, pull, file, staging)
             state.state = "verifying"
-            await asyncio.to_thread(self._land, models_dir, staging, pull)
-            self._forget_record(models_dir, state.name)
+            await asyncio.to_thread(folder.land, state, self._clock())
+            folder.forget_record(state.name)
             await self._rescan()
             state.state = "done"
             log.info("pulled %s (%s) into %s", state.name, size_text(state.total_bytes),
@@ -306,21 +302,21 @@ class Puller:
             ticker.cancel()
             state.finished = self._clock()
             if state.state != "done" and not keep_partial:
-                await asyncio.to_thread(self._discard, models_dir, pull)
+                await asyncio.to_thread(folder.discard, state.name, pull.selection.files)
             elif state.state == "done":
                 state.done_bytes = state.total_bytes
             self._active.pop(state.name, None)
             self._finished = [*self._finished, state][-KEPT_FINISHED:]
             self._event(state)
 
-    async def _fetch(self, models_dir: Path, pull: _Pull, file: RemoteFile,
+    async def _fetch(self, folder: PullFolder, pull: _Pull, file: RemoteFile,
                      staging: Path) -> None:
         if pull.cancel.is_set():
             raise PullCancelled
         target = inside(staging, file.name, what="the hub's file name")
         if target.exists():
             return   # verified in an earlier run that stopped before the model was whole
-        part = self._part_path(models_dir, file)
+        part = folder.part_path(file)
         lock = self._blob_locks.setdefault(part.name, asyncio.Lock())
         async with lock:   # two names pulling one file must not append to one part file
             await _in_daemon_thread(self._download, pull, file, part)
@@ -341,26 +337,10 @@ class Puller:
                 return
             self._hub.download(pull.state.repo, pull.state.commit, file, out, pull.cancel)
 
-    def _land(self, models_dir: Path, staging: Path, pull: _Pull) -> None:
-        state = pull.state
-        source = {"source": state.source, "repo": state.repo, "commit": state.commit,
-                  "files": [{"path": f.path, "size": f.size, "sha256": f.sha256}
-                            for f in state.files], "pulled_at": round(self._clock())}
-        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
-        os.chmod(staging / SOURCE_FILE, 0o644)
-        os.chmod(staging, 0o755)
-        dest = models_dir / state.name
-        try:   # rename(2) onto an existing empty folder would succeed: refuse any
-            os.mkdir(dest, 0o700)
-        except FileExistsError:
-            raise ModelExists(f"{dest} appeared while {state.name} was pulled; the pulled "
-                              f"files are kept in {staging}") from None
-        os.rename(staging, dest)   # replaces the empty folder just made: one step
-
-    async def _tick(self, models_dir: Path, pull: _Pull) -> None:
+    async def _tick(self, folder: PullFolder, pull: _Pull) -> None:
         state = pull.state
         while True:
-            done = state.done_bytes = self._on_disk(models_dir, state.name, pull.selection.files)
+            done = state.done_bytes = folder.on_disk(state.name, pull.selection.files)
             state.meter.add(self._clock(), done)
             self._event(state)
             await asyncio.sleep(PROGRESS_S)
@@ -379,26 +359,6 @@ class Puller:
                 "service add it to ReadWritePaths=)")
         return models_dir
 
-    def _already_here(self, models_dir: Path, selection: Selection,
-                      commit: str) -> PullState | None:
-        """The same files of the same commit already pulled under this name: done."""
-        try:
-            source = json.loads((models_dir / selection.name / SOURCE_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        paths = [f.path for f in selection.files]
-        if source.get("commit") != commit or [f.get("path") for f in source.get("files", [])
-                                              ] != paths:
-            raise ModelExists(
-                f"{selection.name} is already here from {source.get('repo')} at "
-                f"{str(source.get('commit'))[:12]}; `llm-gateway rm {selection.name}` "
-                "first to replace it, or pull it under another name (--name)")
-        now = self._clock()
-        return PullState(name=selection.name, source=source.get("source", ""),
-                         repo=source.get("repo", ""), commit=commit, files=selection.files,
-                         state="done", done_bytes=selection.total_bytes, started=now,
-                         finished=now)
-
     def _claim_name(self, models_dir: Path, selection: Selection) -> None:
         name = selection.name
         if (models_dir / name).exists() or self._catalog.find(name) is not None:
@@ -409,67 +369,18 @@ class Puller:
                 raise ModelExists(f"{f.name} would also name the model {other.id!r}; pull "
                                   "it under another name (--name) or remove that one")
 
-    def _on_disk(self, models_dir: Path, name: str, files: Sequence[RemoteFile]) -> int:
-        """The pull's bytes so far: files verified in full, the rest's partial bytes."""
-        return sum(f.size if (models_dir / PULL_DIR / name / f.name).exists()
-                   else self._partial_size(models_dir, f) for f in files)
-
-    def _part_path(self, models_dir: Path, file: RemoteFile) -> Path:
-        key = file.sha256 or file.git_sha1 or hashlib.sha256(file.path.encode()).hexdigest()
-        return inside(models_dir / PULL_DIR / "blobs", f"{key}.part", what="a file's hash")
-
-    def _partial_size(self, models_dir: Path, file: RemoteFile) -> int:
-        try:
-            return min(self._part_path(models_dir, file).stat().st_size, file.size)
-        except OSError:
-            return 0
-
-    def _record(self, models_dir: Path, pull: _Pull, *, mmproj: bool,
-                for_model: bool) -> None:
-        folder = models_dir / PULL_DIR
-        folder.mkdir(mode=0o700, exist_ok=True)
-        state = pull.state
-        self._record_path(models_dir, state.name).write_text(json.dumps({
-            "name": state.name, "source": state.source, "commit": state.commit,
-            "mmproj": mmproj, "for_model": for_model, "parts": [self._part_path(models_dir, f).name
-                                        for f in pull.selection.files]}) + "\n")
-
     def discard_unfinished(self, name: str) -> bool:
         """A pull that ended without its model (failed, or the gateway stopped): its
         record and bytes deleted (rm of a name that is not a model yet). A name that
         could not be a pull's (a path, a catalog name with '/') has none."""
         models_dir = self._models_dir()
-        if models_dir is None or name in self._active or not is_part(name) or \
-                not self._record_path(models_dir, name).exists():
+        if models_dir is None or name in self._active or not is_part(name):
             return False
-        self._discard_record(models_dir, name)
+        folder = PullFolder(models_dir)
+        if not folder.record_path(name).exists():
+            return False
+        folder.discard_record(name)
         return True
-
-    def _record_path(self, models_dir: Path, name: str) -> Path:
-        return inside(models_dir / PULL_DIR, f"{name}.json", what="a pull's name")
-
-    def _discard_record(self, models_dir: Path, name: str) -> None:
-        if not is_part(name):
-            return   # no pull record names it: nothing of it to delete
-        folder = models_dir / PULL_DIR
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            for part in json.loads(self._record_path(models_dir, name).read_text()
-                                   ).get("parts", []):
-                if is_part(part) and part.endswith(".part"):   # read back: checked again
-                    inside(folder / "blobs", part, what="a partial file").unlink(
-                        missing_ok=True)
-        shutil.rmtree(inside(folder, name, what="a pull's name"), ignore_errors=True)
-        self._forget_record(models_dir, name)
-
-    def _forget_record(self, models_dir: Path, name: str) -> None:
-        self._record_path(models_dir, name).unlink(missing_ok=True)
-
-    def _discard(self, models_dir: Path, pull: _Pull) -> None:
-        for f in pull.selection.files:
-            self._part_path(models_dir, f).unlink(missing_ok=True)
-        shutil.rmtree(inside(models_dir / PULL_DIR, pull.state.name, what="a model's name"),
-                      ignore_errors=True)
-        self._forget_record(models_dir, pull.state.name)
 
     def _fail(self, state: PullState, error: GatewayError) -> None:
         self._failures[state.name] = error

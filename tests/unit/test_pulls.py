@@ -32,7 +32,8 @@ from gatewayd.core.errors import (
     PullError,
 )
 from gatewayd.core.pull import PullState, RemoteFile
-from gatewayd.service.pulls import PULL_DIR, SOURCE_FILE, Puller
+from gatewayd.service.pull_folder import PULL_DIR, SOURCE_FILE
+from gatewayd.service.pulls import Puller
 from tests.fake_hub import FakeHub, serve_hub
 
 REPO = "org/Tiny-GGUF"

@@ -18,7 +18,8 @@ from gatewayd.core.engine_units import engine_instance
 from gatewayd.core.errors import ModelSourceInvalid, UnsafePath
 from gatewayd.core.pull import PullSpec, RemoteFile, model_name, valid_name
 from gatewayd.core.safe_paths import digest, inside, is_part, path_part, relative_parts
-from gatewayd.service.pulls import PULL_DIR, Puller
+from gatewayd.service.pull_folder import PULL_DIR
+from gatewayd.service.pulls import Puller
 
 pytestmark = pytest.mark.fuzz
 
