@@ -12,6 +12,7 @@ import os
 import resource
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from gatewayd.adapters import admin_socket, client_tls
+from gatewayd.adapters.batch_store import BatchStore
 from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.engine_memory import CgroupMemoryMeter
@@ -38,7 +40,7 @@ from gatewayd.adapters.listener import Listener, bind_tcp
 from gatewayd.adapters.metrics import GatewayMetrics
 from gatewayd.adapters.model_files import TensorTables, load_catalog
 from gatewayd.adapters.notify import Notifier, inherited_sockets
-from gatewayd.adapters.records import RecordWriter
+from gatewayd.adapters.records import CallRecord, RecordWriter
 from gatewayd.adapters.remote_upstreams import Remotes
 from gatewayd.adapters.systemd import Systemd
 from gatewayd.adapters.unit_control import (
@@ -49,6 +51,7 @@ from gatewayd.adapters.unit_control import (
     resolve_binary,
     runtime_root,
 )
+from gatewayd.core.batch import Batch, Line
 from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import Backend, GatewayConfig, UnitMode
@@ -56,7 +59,7 @@ from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
-from gatewayd.http import admin_api, openai_api, request_parser, router
+from gatewayd.http import admin_api, batches_api, openai_api, request_parser, router
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
 from gatewayd.http.drain import ABANDON_GRACE_S, OPEN_REQUESTS, OpenRequests, drain, track_requests
 from gatewayd.http.middleware import (
@@ -68,6 +71,7 @@ from gatewayd.http.middleware import (
     error_middleware,
 )
 from gatewayd.http.proxy import NATIVE_RELAY
+from gatewayd.service.batches import Batches
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.liveness import Liveness
@@ -256,6 +260,8 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
 
     async def apply(new: GatewayConfig) -> None:   # the adapters' share of a reload
         front.config = new
+        if (batches := app.get(batches_api.BATCHES)) is not None:
+            batches.config = new
         engine_client.queue_limit = new.queue_limit
         for engine in engines.engines():
             if engine.holds_place and (model := engines.catalog.get(engine.model_id)):
@@ -298,6 +304,32 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
             await asyncio.to_thread(records.close)  # drains every queued record
 
 
+async def batch_jobs(app: web.Application) -> AsyncIterator[None]:
+    """OpenAI's Batch API: files and batches under state_dir, the batches a previous run
+    left unended going on (service/batches)."""
+    front = app[openai_api.FRONT]
+    records = front.records
+
+    def record(batch: Batch, line: Line, status: int, latency_ms: float,
+               error_code: str | None) -> None:
+        if records is not None:
+            records.add(CallRecord(
+                ts=time.time(), method="POST", endpoint=line.url, model=line.model,
+                status=status, outcome="ok" if error_code is None and status < 400
+                else "error", error_code=error_code, latency_ms=latency_ms,
+                api_key=batch.owner or None, batch=batch.id))
+    store = await asyncio.to_thread(BatchStore, front.config.state_dir)
+    app[batches_api.BATCHES] = batches = Batches(
+        store, engines=front.manager, dispatcher=front.dispatcher,
+        answers=front.engine_client, config=front.config, catalog=front.manager.catalog,
+        activity=front.activity, record=record)
+    await batches.start()
+    try:
+        yield
+    finally:
+        await batches.close()
+
+
 EngineLayerCtx = Callable[[web.Application], AsyncIterator[None]]
 
 
@@ -338,6 +370,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app.on_shutdown.append(_end_journal_follows)
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(front_door)
+    app.cleanup_ctx.append(batch_jobs)
     app.on_startup.append(_collector_after_start)
     app.on_response_prepare.append(cors_headers)
     app.on_response_prepare.append(close_after_upgrade)

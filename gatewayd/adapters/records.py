@@ -58,6 +58,7 @@ MIGRATIONS = [
     "ALTER TABLE calls ADD COLUMN upstream TEXT",  # the remote upstream that answered
     # who produced a failed call's error: gateway | engine | upstream (core/errors.ErrorSource)
     "ALTER TABLE calls ADD COLUMN error_source TEXT",
+    "ALTER TABLE calls ADD COLUMN batch TEXT",     # the batch a call was a line of
 ]
 
 
@@ -85,6 +86,7 @@ class CallRecord:
     api_key: str | None = None        # the name of the API key the call came with
     upstream: str | None = None       # the remote upstream that answered (engine: None)
     error_source: str | None = None   # whose error it ended in: gateway | engine | upstream
+    batch: str | None = None          # the batch whose line it was (service/batches)
 
 
 COLUMNS = [f.name for f in fields(CallRecord)]

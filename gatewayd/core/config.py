@@ -180,6 +180,14 @@ class GatewayConfig:
     # writer thread (0: no such bound)
     records_max_age_days: float = 30.0
     records_max_bytes: int = 1024 * 1024 * 1024
+    # [batches]: OpenAI's Batch API (core/batch, service/batches), files and batches kept
+    # under state_dir; bounded: a file's size and lines, the files kept, the disk left
+    batch_max_file_bytes: int = 100 * 1024 * 1024
+    batch_max_lines: int = 50_000
+    batch_max_files: int = 500
+    batch_disk_reserve_bytes: int = 1024 * 1024 * 1024
+    batch_idle_s: float = 30.0
+    batch_concurrency: int = 4
     # a ready engine's /health is asked every interval; `misses` answers in a row missing
     # (none within timeout) mean it hangs: it is killed and systemd restarts it (0: never)
     health_interval_s: float = 5.0

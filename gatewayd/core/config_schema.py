@@ -149,6 +149,8 @@ TABLES: Mapping[str, str] = {
     "health": "a ready engine that stops answering `/health` is hung: killed, and "
               "systemd restarts it",
     "records": "one row per call in `<state_dir>/records.db` (SQLite, WAL)",
+    "batches": "batch jobs, OpenAI's Batch API, run when the machine is idle (see "
+               "[batches.md](batches.md))",
     "auth": "API keys (see [security.md](security.md))",
     "admin": "the admin API (see [security.md](security.md))",
     "models.NAME": "one model; explicit entries win over files found in `models_dir`",
@@ -251,6 +253,21 @@ KEYS: tuple[Key, ...] = (
         NOT_NEGATIVE, into="records_max_age_days"),
     Key("records", "max_mb", Kind.INTEGER, 1024, "beyond this much data the oldest are "
         "deleted (0: no bound)", NOT_NEGATIVE, into="records_max_bytes", scale=MB),
+
+    Key("batches", "max_file_mb", Kind.INTEGER, 100, "the largest batch input file taken",
+        MIB, into="batch_max_file_bytes", scale=MB),
+    Key("batches", "max_lines", Kind.INTEGER, 50_000, "the most requests in one input "
+        "file", AT_LEAST_1, into="batch_max_lines"),
+    Key("batches", "max_files", Kind.INTEGER, 500, "the most files kept (inputs and "
+        "outputs); above: 507 until some are deleted", AT_LEAST_1, into="batch_max_files"),
+    Key("batches", "disk_reserve_mb", Kind.INTEGER, 1024, "an upload that would leave less "
+        "free on the state directory's disk is refused (507)", NOT_NEGATIVE,
+        into="batch_disk_reserve_bytes", scale=MB),
+    Key("batches", "idle_s", Kind.NUMBER, 30, "quiet this long (no interactive request), "
+        "batch lines may load models and fill an engine's slots; before: one line per "
+        "ready engine, nothing loaded", NOT_NEGATIVE, into="batch_idle_s"),
+    Key("batches", "concurrency", Kind.INTEGER, 4, "batch lines in flight per model at "
+        "most, once quiet", (Bound(1, 64),), into="batch_concurrency"),
 
     Key("auth", "keys_file", Kind.PATH, None, "the API keys (unset: no keys required)",
         into="auth_keys_file"),

@@ -157,7 +157,12 @@ class NoEngineReady(GatewayError):
 
 
 class BodyTooLarge(GatewayError):
+    """A body past its limit: refused before it is read whole, so the rest of it is still
+    on the connection, which cannot carry another request (closed, and the answer says
+    so: a client's next request would otherwise meet a connection already gone)."""
+
     status, type, code = 413, "invalid_request_error", "request_too_large"
+    closes_connection = True
 
 
 class EngineUnavailable(GatewayError):
@@ -467,3 +472,43 @@ class ModelNotRemovable(GatewayError):
     deletes only the files it would have found itself."""
 
     status, type, code = 409, "invalid_request_error", "model_not_removable"
+
+
+# -- batch jobs (core/batch) ----------------------------------------------------------
+
+class BatchFileInvalid(GatewayError):
+    """An uploaded batch file with bad lines: each named with its number and why."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_batch_file"
+
+
+class BatchInvalid(GatewayError):
+    """A batch that cannot be created from its file as asked."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_batch"
+
+
+class FileNotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "file_not_found"
+
+
+class BatchNotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "batch_not_found"
+
+
+class BatchEnded(GatewayError):
+    """A cancel of a batch that has already ended."""
+
+    status, type, code = 409, "invalid_request_error", "batch_ended"
+
+
+class FileInUse(GatewayError):
+    """A delete of a batch's input file while the batch runs."""
+
+    status, type, code = 409, "invalid_request_error", "file_in_use"
+
+
+class StorageFull(GatewayError):
+    """Over a bound on what is kept (files, bytes, the disk's reserve)."""
+
+    status, type, code = 507, "server_error", "batch_storage_full"

@@ -7,10 +7,11 @@ journald directly; tests pass fakes, app.py passes the real adapters.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
+from gatewayd.core.batch import Batch, Line, StoredFile
 from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
@@ -235,3 +236,61 @@ class HubClient(Protocol):
         is what it has); PullCancelled once cancel is set, OSError when writing fails (a
         full disk)."""
         ...
+
+
+class BatchBook(Protocol):
+    """Batch jobs kept (adapters/batch_store.py: SQLite and a folder of files). Every call
+    is its own transaction, and blocks: the service calls it off the event loop."""
+
+    def path_of(self, file_id: str) -> Any: ...
+
+    def add_file(self, stored: StoredFile, chunks: Iterable[bytes]) -> None: ...
+
+    def file(self, file_id: str) -> StoredFile | None: ...
+
+    def files(self, owner: str | None, *, purpose: str | None, after: str | None,
+              limit: int, newest_first: bool) -> list[StoredFile]: ...
+
+    def count_files(self) -> int: ...
+
+    def delete_file(self, file_id: str) -> None: ...
+
+    def input_of_running(self, file_id: str) -> str | None: ...
+
+    def add_batch(self, batch: Batch, lines: Iterable[Line]) -> None: ...
+
+    def save(self, batch: Batch) -> None: ...
+
+    def batch(self, batch_id: str) -> Batch | None: ...
+
+    def batches(self, owner: str | None, *, after: str | None, limit: int
+                ) -> list[Batch]: ...
+
+    def unended(self) -> list[Batch]: ...
+
+    def pending(self, batch_id: str, limit: int) -> list[Line]: ...
+
+    def mark_sent(self, batch_id: str, number: int) -> None: ...
+
+    def unsend(self, batch_id: str, number: int) -> None: ...
+
+    def finish(self, batch_id: str, number: int, *, ok: bool | None,
+               result: dict[str, Any]) -> None: ...
+
+    def resume(self, batch_id: str) -> list[tuple[int, str]]: ...
+
+    def results(self, batch_id: str, *, ok: bool) -> Iterator[bytes]: ...
+
+    def drop_lines(self, batch_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WholeAnswers(Protocol):
+    """One request to a local engine's socket, its answer read whole
+    (adapters/engine_wire/client.EngineClient.ask): (status, body). Raises
+    EngineUnavailable (reached_no_process where it reached no process), EngineBusy,
+    EngineFailed (the answer broke off) or AnswerTooLarge."""
+
+    async def ask(self, socket: str, target: str, body: bytes, *, limit: int
+                  ) -> tuple[int, bytes]: ...

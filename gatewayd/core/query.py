@@ -1,6 +1,7 @@
-"""The admin API's query parameters: one typed layer, deny by default. Pure.
+"""The query parameters of the gateway's own routes: one typed layer, deny by default. Pure.
 
-Each admin route the gateway answers itself names the parameters it takes and what each
+Each admin route the gateway answers itself (and each other route that says so: the
+Batch API's) names the parameters it takes and what each
 is (`QUERIES`): a bounded integer, a finite number in a range, a flag, one of a few
 words, or a short line of printable text. A parameter not listed, one given twice, or a
 value out of its type or bounds is a 400 naming it, before the handler runs, so no value
@@ -103,6 +104,9 @@ QUERIES: Mapping[str, Mapping[str, Param]] = {
     "/admin/engines/logs": {"model": Text(), **LOG_QUERY},
     "/admin/logs": LOG_QUERY,
     "/admin/metrics": {"engines": Flag()},
+    "/v1/files": {"purpose": OneOf(("batch", "batch_output")), "limit": Int(1, 10_000),
+                  "after": Text(64), "order": OneOf(("asc", "desc"))},
+    "/v1/batches": {"limit": Int(1, 100), "after": Text(64)},
 }
 
 

@@ -24,6 +24,7 @@ docs/security.md's route table is checked against this one (tests/unit/test_rout
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -54,7 +55,8 @@ class Body(StrEnum):
 @dataclass(frozen=True)
 class Route:
     """One path of the table and the methods it is answered for."""
-    path: str                      # as written in the table; "{n}" a number, "{id}" any rest
+    path: str                      # as written in the table; "{n}" a number, "{id}" any
+                                   # rest, "{key}" one id-like part (a file's, a batch's)
     methods: frozenset[str]
     access: Caller
     answerer: Answerer
@@ -62,6 +64,7 @@ class Route:
     keyless: bool = False          # admin, but holds no data: the status page's shell
     note: str = ""
     handler: str = RELAY           # "module.function" under gatewayd/http
+    query: bool = False            # takes core/query's typed parameters only (admin: always)
 
     @property
     def upstream(self) -> bool:
@@ -71,6 +74,12 @@ class Route:
     @property
     def engine(self) -> bool:
         return self.answerer is not Answerer.GATEWAY
+
+    @property
+    def typed_query(self) -> bool:
+        """Its query is core/query's to check: the parameters it lists, typed, no others
+        (the gateway's own admin routes, and those that say so)."""
+        return not self.engine and (self.access is Caller.ADMIN or self.query)
 
 
 @dataclass(frozen=True)
@@ -82,14 +91,15 @@ class Matched:
 
 def _r(methods: str, path: str, access: Caller, answerer: Answerer,
        body: Body = Body.NONE, *, keyless: bool = False, note: str = "",
-       handler: str = RELAY) -> Route:
+       handler: str = RELAY, query: bool = False) -> Route:
     verbs = set(methods.split())
     if "GET" in verbs:
         verbs.add("HEAD")    # aiohttp answers HEAD wherever GET is
     if (answerer is Answerer.GATEWAY) == (handler == RELAY):
         raise ValueError(f"{path}: the gateway's own routes name their handler, and only "
                          "the engine routes go to the relay")
-    return Route(path, frozenset(verbs), access, answerer, body, keyless, note, handler)
+    return Route(path, frozenset(verbs), access, answerer, body, keyless, note, handler,
+                 query)
 
 
 PUB, INF, ADM = Caller.PUBLIC, Caller.INFERENCE, Caller.ADMIN
@@ -171,13 +181,25 @@ ROUTES: tuple[Route, ...] = (
     _r("POST", "/admin/pulls/cancel", ADM, GW, JSON, handler="pull_api.cancel_pull"),
     _r("POST", "/admin/models/remove", ADM, GW, JSON, note="delete a model's files",
        handler="pull_api.remove"),
+    # OpenAI's Batch API (core/batch): a key's own files and batches (the admin's: all)
+    _r("POST", "/v1/files", INF, GW, FORM, note="a batch input file (JSONL), every line "
+       "checked", query=True, handler="batches_api.upload_file"),
+    _r("GET", "/v1/files", INF, GW, query=True, handler="batches_api.list_files"),
+    _r("GET", "/v1/files/{key}", INF, GW, query=True, handler="batches_api.retrieve_file"),
+    _r("DELETE", "/v1/files/{key}", INF, GW, query=True, handler="batches_api.delete_file"),
+    _r("GET", "/v1/files/{key}/content", INF, GW, query=True, handler="batches_api.file_content"),
+    _r("POST", "/v1/batches", INF, GW, JSON, query=True, handler="batches_api.create_batch"),
+    _r("GET", "/v1/batches", INF, GW, query=True, handler="batches_api.list_batches"),
+    _r("GET", "/v1/batches/{key}", INF, GW, query=True, handler="batches_api.retrieve_batch"),
+    _r("POST", "/v1/batches/{key}/cancel", INF, GW, JSON,
+       query=True, handler="batches_api.cancel_batch"),
 )
 
 
 class RouteTable:
     """ROUTES, looked up by a request's decoded path and method: exact paths in one dict,
-    the two patterns ("/slots/{n}", "/v1/models/{id}") by prefix. A path may have a
-    route per method (GET /props is inference, POST /props admin)."""
+    the patterns ("/slots/{n}", "/v1/models/{id}", "/v1/files/{key}/content") by prefix.
+    A path may have a route per method (GET /props is inference, POST /props admin)."""
 
     def __init__(self, routes: Iterable[Route] = ROUTES) -> None:
         self.routes = tuple(routes)
@@ -207,6 +229,9 @@ class RouteTable:
                 return routes, prefix + str(int(rest))
             if kind == "{id}" and rest and not {".", ".."} & set(rest.split("/")):
                 return routes, path    # the gateway's own: a model's name
+            if kind.startswith("{key}") and rest.endswith(suffix := kind[len("{key}"):]) \
+                    and _KEY.fullmatch(rest[:len(rest) - len(suffix)]):
+                return routes, path    # the gateway's own: a file's or a batch's id
         return None
 
     def match(self, method: str, path: str, *, preflight_for: str | None = None) -> Matched:
@@ -231,6 +256,9 @@ class RouteTable:
         """Every method a path is answered for."""
         found = self.find(path)
         return frozenset(m for r in found[0] for m in r.methods) if found else frozenset()
+
+
+_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _add(routes: list[Route], route: Route) -> None:

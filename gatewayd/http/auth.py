@@ -202,7 +202,7 @@ def _check_query(request: web.Request, matched: Matched) -> None:
     """The gateway's own admin routes take the parameters core/query lists, typed, and no
     others (400, once the caller may call the route at all)."""
     route = matched.route
-    if route.access is Caller.ADMIN and not route.engine:
+    if route.typed_query:
         request[QUERY] = parse_query(route.path, request.query.items())
 
 

@@ -65,6 +65,7 @@ from gatewayd.http.proxy import (
     to_engine,
 )
 from gatewayd.http.waiting import ClientLeft, Progress
+from gatewayd.service.batches import Activity
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.pulls import Puller
@@ -91,6 +92,8 @@ class FrontDoor:
     metrics: GatewayMetrics | None = None
     remotes: Remotes = field(default_factory=lambda: Remotes((), read_timeout_s=600))
     puller: Puller | None = None     # a configured model's file pulled at its first use
+    # when an interactive request last came: batch lines keep out of its way until quiet
+    activity: Activity = field(default_factory=Activity)
 
 
 FRONT = web.AppKey("front", FrontDoor)
@@ -349,6 +352,8 @@ async def deliver(front: FrontDoor, call: Call) -> web.StreamResponse:
     local = call.local
     if local is None:
         return await relay_remote(front, call)
+    if call.inference:
+        front.activity.seen()
     told = call.told
     if not local.config.downloaded and call.autoload and front.puller is not None:
         # its file pulled from its source first, within the wait for a load; the

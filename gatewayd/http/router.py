@@ -97,10 +97,14 @@ class TableResource(AbstractResource):
 
 
 def _parts(matched: Matched) -> dict[str, str]:
-    """The path's variable part by its name in the table ("/slots/{n}": {"n": "7"})."""
+    """The path's variable part by its name in the table ("/slots/{n}": {"n": "7"};
+    "/v1/files/{key}/content": {"key": the id})."""
     path = matched.route.path
     head, brace, rest = path.partition("{")
-    return {rest.rstrip("}"): matched.target[len(head):]} if brace else {}
+    if not brace:
+        return {}
+    name, _, suffix = rest.partition("}")
+    return {name: matched.target[len(head):len(matched.target) - len(suffix)]}
 
 
 async def _refuse(request: web.Request) -> web.StreamResponse:

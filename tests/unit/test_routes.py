@@ -76,7 +76,7 @@ async def test_the_router_hands_each_request_the_handler_its_line_names(
 
 
 @pytest.mark.parametrize(("method", "path", "refusal"), [
-    ("GET", "/load", RouteNotFound), ("GET", "/v1/files", RouteNotFound),
+    ("GET", "/load", RouteNotFound), ("GET", "/v1/fine_tuning/jobs", RouteNotFound),
     ("DELETE", "/v1/chat/completions", MethodNotAllowed), ("GET", "/admin/reload",
                                                            MethodNotAllowed)])
 async def test_what_the_table_lacks_resolves_to_its_refusal(method: str, path: str,
@@ -114,7 +114,7 @@ def test_a_listed_route_is_matched_with_its_own_spelling(method: str, path: str,
 
 @pytest.mark.parametrize("path", [
     "/load", "/slots/-1", "/slots/1/2", "/slots/", "/slots/1234567", "/v1/models/",
-    "/v1/models/../../slots", "/v1/models/a/./b", "/ADMIN", "/v1/files", "//v1/models",
+    "/v1/models/../../slots", "/v1/models/a/./b", "/ADMIN", "/v1/fine_tuning/jobs", "//v1/models",
     "/v1/chat/completions/", "/admin/unknown", "/slots/٣", "/slots/1a", "/slots/x"])
 def test_anything_else_is_not_found(path: str) -> None:
     with pytest.raises(RouteNotFound):

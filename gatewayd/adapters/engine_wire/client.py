@@ -38,6 +38,7 @@ from gatewayd.adapters.engine_wire.errors import (
 from gatewayd.adapters.engine_wire.exchange import exchange
 from gatewayd.adapters.engine_wire.framing import request_head
 from gatewayd.adapters.engine_wire.pool import Pool
+from gatewayd.core import errors
 from gatewayd.core.config import GatewayConfig
 
 __all__ = ["AnswerTooLarge", "ConnectionsBusy", "ConnectionsQueueFull", "EngineClient",
@@ -221,6 +222,35 @@ class EngineClient:
         except BaseException:
             pool.release()
             raise
+
+    async def ask(self, socket: str, target: str, body: bytes, *, limit: int
+                  ) -> tuple[int, bytes]:
+        """POST a JSON body to target and read the answer whole (a batch line's request):
+        (status, body). Raises the core's errors, as the proxy would answer them:
+        EngineUnavailable (reached_no_process where no process got the request),
+        QueueFull or EngineBusy, EngineFailed where the answer broke off, AnswerTooLarge
+        past limit bytes."""
+        try:
+            answer = await self.request(socket, "POST", target,
+                                        (("Content-Type", "application/json"),), body)
+        except ConnectionsQueueFull as e:
+            raise errors.QueueFull(f"the engine is busy: {e}", retry_after=5) from e
+        except ConnectionsBusy as e:
+            raise errors.EngineBusy(f"the engine is busy: {e}", retry_after=5) from e
+        except (EngineConnectionError, TimeoutError, OSError) as e:
+            unavailable = errors.EngineUnavailable(f"the engine did not take the request: {e}")
+            unavailable.reached_no_process = isinstance(e, EngineConnectionError) and e.connect
+            raise unavailable from e
+        try:
+            return answer.status, await answer.read(limit)
+        except AnswerTooLarge as e:
+            raise errors.AnswerTooLarge(f"the engine answered with more than {limit} bytes "
+                                        "(max_answer_mb): refused") from e
+        except (EngineConnectionError, TimeoutError, OSError) as e:
+            raise errors.EngineFailed(f"the engine stopped in the middle of the answer: "
+                                      f"{e or type(e).__name__}") from e
+        finally:
+            answer.release()
 
     async def _connect(self, socket: str, pool: Pool) -> Connection:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,180 @@
+"""OpenAI's Batch API over real HTTP, spoken to by the official openai SDK, the engines the
+fake engine (tests/fake_engine.py) behind the real request path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from gatewayd.core.auth import KeyRing, digest, parse_keys
+from tests.http.test_api_keys import ADMIN, ONLY_B, USER
+from tests.http.test_front_door import Gateway, _gateway
+
+
+def ring() -> KeyRing:
+    """user and b-only as test_api_keys has them; ops with both scopes (the Batch API is an
+    inference route: an admin-only key may not call it at all)."""
+    return parse_keys({"keys": {
+        "user": {"sha256": digest(USER)},
+        "ops": {"sha256": digest(ADMIN), "scopes": ["admin", "inference"]},
+        "b-only": {"sha256": digest(ONLY_B), "models": ["B"]},
+    }}, "test")
+
+
+def jsonl(*rows: dict[str, Any]) -> bytes:
+    return b"".join(json.dumps(row).encode() + b"\n" for row in rows)
+
+
+def chat_line(custom_id: str, model: str = "a", text: str = "hi") -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": text}],
+                     "max_tokens": 3}}
+
+
+@pytest.fixture
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
+    async for g in _gateway(tmp_path, ("a",)):
+        yield g
+
+
+def sdk(gw: Gateway, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(gw.client.make_url("/v1")), api_key=key,
+                              max_retries=0)
+
+
+async def ended(client: openai.AsyncOpenAI, batch_id: str) -> Any:
+    async with asyncio.timeout(20):
+        while (batch := await client.batches.retrieve(batch_id)).status not in (
+                "completed", "failed", "expired", "cancelled"):
+            await asyncio.sleep(0.05)
+    return batch
+
+
+async def test_the_sdk_runs_a_batch_and_reads_every_answer_once(gw: Gateway) -> None:
+    client = sdk(gw)
+    rows = [chat_line(f"q{i}", model="a" if i % 2 else "b") for i in range(6)]
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(*rows)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(*rows))
+    batch = await client.batches.create(input_file_id=uploaded.id,
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h", metadata={"run": "1"})
+    assert batch.status == "in_progress" and batch.metadata == {"run": "1"}
+    done = await ended(client, batch.id)
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (6, 6, 0)
+    assert done.output_file_id and done.error_file_id is None
+    content = await client.files.content(done.output_file_id)
+    answers = [json.loads(x) for x in content.text.splitlines()]
+    assert [a["custom_id"] for a in answers] == [f"q{i}" for i in range(6)]
+    assert all(a["response"]["status_code"] == 200 and a["error"] is None and
+               a["response"]["body"]["object"] == "chat.completion" for a in answers)
+    listed = await client.batches.list()
+    assert [b.id for b in listed.data] == [batch.id]
+    files = await client.files.list()
+    assert {f.id for f in files.data} == {uploaded.id, done.output_file_id}
+    deleted = await client.files.delete(uploaded.id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        await client.files.retrieve(uploaded.id)
+    rows_ = await gw.records(6)
+    assert {r["batch"] for r in rows_} == {batch.id}
+    assert {r["endpoint"] for r in rows_} == {"/v1/chat/completions"}
+
+
+async def test_a_bad_file_is_refused_line_by_line_and_nothing_is_kept(gw: Gateway) -> None:
+    client = sdk(gw)
+    bad = jsonl(chat_line("x"), {"custom_id": "y", "method": "POST", "url": "/admin/reload",
+                                 "body": {"model": "a"}}) + b"{nope\n"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.files.create(file=("in.jsonl", bad), purpose="batch")
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "invalid_batch_file"
+    assert [e["line"] for e in error["errors"]] == [2, 3]
+    assert (await client.files.list()).data == []
+
+
+@pytest.mark.parametrize("path,status,code", [
+    ("/v1/files?color=red", 400, "invalid_request"),        # a parameter not listed
+    ("/v1/files?limit=0", 400, "invalid_request"),
+    ("/v1/files/..%2F..%2Fbatches.db", 404, "not_found"),    # one id-like part, or nothing
+    ("/v1/files/file-x/../../content", 404, "not_found"),
+    ("/v1/files/file-absent", 404, "file_not_found"),
+    ("/v1/files/file-absent/content", 404, "file_not_found"),
+    ("/v1/batches/batch_absent", 404, "batch_not_found"),
+    ("/v1/batches?limit=101", 400, "invalid_request"),
+])
+async def test_hostile_reads_get_clear_errors(gw: Gateway, path: str, status: int,
+                                              code: str) -> None:
+    resp = await gw.client.get(path)
+    assert resp.status == status, await resp.text()
+    assert (await resp.json())["error"]["code"] == code
+
+
+async def test_hostile_uploads_get_clear_errors(gw: Gateway) -> None:
+    c = gw.client
+    for form, code in (({"purpose": "fine-tune", "file": b"x"}, "invalid_request"),
+                       ({"purpose": "batch"}, "invalid_request"),
+                       ({"purpose": "batch", "file": jsonl(chat_line("a")), "extra": "1"},
+                        "invalid_request")):
+        data = aiohttp.FormData(default_to_multipart=True)
+        for name, value in form.items():
+            if isinstance(value, bytes):
+                data.add_field(name, value, filename="in.jsonl")
+            else:
+                data.add_field(name, value)
+        resp = await c.post("/v1/files", data=data)
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == code, form
+    too_big = await c.post("/v1/files", data=b"x" * 10,
+                           headers={"Content-Type": "multipart/form-data; boundary=b",
+                                    "Content-Length": str(2**40)})
+    assert too_big.status in (400, 413)
+    not_form = await c.post("/v1/files", json={"purpose": "batch"})
+    assert not_form.status == 415
+    for body, code in (({}, "invalid_request"),
+                       ({"input_file_id": "file-none", "endpoint": "/v1/chat/completions"},
+                        "file_not_found"),
+                       ({"input_file_id": "file-none", "endpoint": "/admin/reload"},
+                        "invalid_batch")):
+        resp = await c.post("/v1/batches", json=body)
+        assert (await resp.json())["error"]["code"] == code, body
+    assert not list((gw.engines.config.state_dir / "files").iterdir())
+
+
+async def test_a_key_sees_only_its_own_files_and_batches(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a", "b"), api_keys=ring()):
+        user, admin, b_only = sdk(gw, USER), sdk(gw, ADMIN), sdk(gw, ONLY_B)
+        mine = await user.files.create(file=("in.jsonl", jsonl(chat_line("1"))),
+                                       purpose="batch")
+        with pytest.raises(openai.NotFoundError):
+            await b_only.files.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            await b_only.batches.create(input_file_id=mine.id,
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        assert (await b_only.files.list()).data == []
+        assert [f.id for f in (await admin.files.list()).data] == [mine.id]
+        # b-only may use b alone: a line for a is refused when the batch is created
+        theirs = await b_only.files.create(file=("in.jsonl", jsonl(chat_line("1", "a"))),
+                                           purpose="batch")
+        with pytest.raises(openai.BadRequestError, match="may not use model 'a'"):
+            await b_only.batches.create(input_file_id=theirs.id,
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        batch = await user.batches.create(input_file_id=mine.id,
+                                          endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            await b_only.batches.cancel(batch.id)
+        assert (await ended(admin, batch.id)).status == "completed"
+        rows = await gw.records(1)
+        assert rows[0]["api_key"] == "user" and rows[0]["batch"] == batch.id
+        no_key = await gw.client.get("/v1/files")
+        assert no_key.status == 401
