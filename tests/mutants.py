@@ -1120,8 +1120,61 @@ ERROR_SOURCES = (
            tests=(WHOSE + "test_the_gateways_own_errors_say_so_in_header_and_body",)),
 )
 
+BATCHES_T = "tests/unit/test_batches.py::"
+BATCH_API_T = "tests/http/test_batches_api.py::"
+BATCHES = (
+    Mutant("batch-lines-at-the-users-class", "a batch line is served at the lowest class, "
+           "below every interactive request", "gatewayd/service/batches.py",
+           "                    priority=LOW, client=f\"batch:{batch.id}\")",
+           "                    priority=NORMAL, client=f\"batch:{batch.id}\")",
+           also=(("gatewayd/service/batches.py", "from gatewayd.core.priority import LOW\n",
+                  "from gatewayd.core.priority import LOW, NORMAL\n"),),
+           tests=(BATCHES_T + "test_every_line_is_answered_once_in_order_at_the_lowest_"
+                  "priority",)),
+    Mutant("batch-busy-engine-filled", "until the gateway is quiet a batch has one line per "
+           "ready engine, and loads nothing", "gatewayd/service/batches.py",
+           "    return ready and in_flight < 1", "    return in_flight < concurrency",
+           tests=(BATCHES_T + "test_may_send_keeps_a_batch_to_one_line_per_ready_engine_"
+                  "until_quiet", BATCHES_T + "test_while_interactive_traffic_came_lately_a_"
+                  "line_waits_for_a_ready_engine")),
+    Mutant("batch-sent-lines-lost-at-a-crash", "a line on its way at a crash is sent again "
+           "by the next run", "gatewayd/adapters/batch_store.py",
+           "            db.execute(\"UPDATE lines SET state = ? WHERE batch_id = ? AND state = ? "
+           "AND \"\n                       \"attempts < ?\", (PENDING, batch_id, SENT, "
+           "ATTEMPTS))",
+           "            pass",
+           tests=(BATCHES_T + "test_a_line_on_its_way_at_a_crash_is_sent_again_once",)),
+    Mutant("batch-resent-for-ever", "a line sent twice by runs that died is not sent a "
+           "third time", "gatewayd/adapters/batch_store.py",
+           "                               (batch_id, SENT, ATTEMPTS)).fetchall()",
+           "                               (batch_id, SENT, 99)).fetchall()",
+           also=(("gatewayd/adapters/batch_store.py",
+                  "\"attempts < ?\", (PENDING, batch_id, SENT, ATTEMPTS))",
+                  "\"attempts < ?\", (PENDING, batch_id, SENT, 99))"),),
+           tests=(BATCHES_T + "test_a_line_sent_twice_when_the_gateway_stopped_is_failed_"
+                  "not_sent_again",)),
+    Mutant("batch-no-turn-is-a-failure", "a line that got no turn is tried again, not "
+           "failed", "gatewayd/service/batches.py",
+           "            except NOT_NOW as e:", "            except ValueError as e:",
+           tests=(BATCHES_T + "test_a_line_that_gets_no_turn_is_tried_again_not_failed",)),
+    Mutant("batch-files-shared", "a key sees only its own files",
+           "gatewayd/http/batches_api.py",
+           "    return None if key is None or ADMIN in key.scopes else key.name",
+           "    return None",
+           tests=(BATCH_API_T + "test_a_key_sees_only_its_own_files_and_batches",)),
+    Mutant("batch-key-any-part", "a file or batch id is one id-like part of the path",
+           "gatewayd/core/routes.py", '_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")',
+           '_KEY = re.compile(r".{1,64}")',
+           tests=(BATCH_API_T + "test_hostile_reads_get_clear_errors",)),
+    Mutant("batch-bad-lines-kept", "a file with a bad line is refused whole",
+           "gatewayd/core/batch.py", "    if problems:\n        shown",
+           "    if False:\n        shown",
+           tests=("tests/unit/test_batch_core.py", BATCH_API_T + "test_a_bad_file_is_"
+                  "refused_line_by_line_and_nothing_is_kept")),
+)
+
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
-           + ANY_ENGINE + PULLS + CONSOLE + HARDENING + GROUPED + ERROR_SOURCES)
+           + ANY_ENGINE + PULLS + CONSOLE + HARDENING + GROUPED + ERROR_SOURCES + BATCHES)
 
 
 def copy_tree(dest: Path) -> None:

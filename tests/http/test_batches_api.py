@@ -106,6 +106,9 @@ async def test_a_bad_file_is_refused_line_by_line_and_nothing_is_kept(gw: Gatewa
     ("/v1/files?limit=0", 400, "invalid_request"),
     ("/v1/files/..%2F..%2Fbatches.db", 404, "not_found"),    # one id-like part, or nothing
     ("/v1/files/file-x/../../content", 404, "not_found"),
+    ("/v1/files/a.b", 404, "not_found"),                      # not an id: no route at all
+    ("/v1/files/a%2Fb/content", 404, "not_found"),
+    ("/v1/batches/x%00y", 404, "not_found"),
     ("/v1/files/file-absent", 404, "file_not_found"),
     ("/v1/files/file-absent/content", 404, "file_not_found"),
     ("/v1/batches/batch_absent", 404, "batch_not_found"),
