@@ -308,16 +308,24 @@ async def batch_jobs(app: web.Application) -> AsyncIterator[None]:
     """OpenAI's Batch API: files and batches under state_dir, the batches a previous run
     left unended going on (service/batches)."""
     front = app[openai_api.FRONT]
-    records = front.records
 
     def record(batch: Batch, line: Line, status: int, latency_ms: float,
-               error_code: str | None) -> None:
-        if records is not None:
-            records.add(CallRecord(
-                ts=time.time(), method="POST", endpoint=line.url, model=line.model,
-                status=status, outcome="ok" if error_code is None and status < 400
-                else "error", error_code=error_code, latency_ms=latency_ms,
-                api_key=batch.owner or None, batch=batch.id))
+               error_code: str | None, answer: Any) -> None:
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        tokens = usage if isinstance(usage, dict) else {}
+        call = CallRecord(
+            ts=time.time() - latency_ms / 1000, method="POST", endpoint=line.url,
+            model=line.model, status=status,
+            outcome="ok" if error_code is None and status < 400 else "error",
+            error_code=error_code, latency_ms=latency_ms, api_key=batch.owner or None,
+            batch=batch.id, prompt_tokens=_count(tokens.get("prompt_tokens")),
+            completion_tokens=_count(tokens.get("completion_tokens")),
+            error_source=None if error_code is None and status < 400
+            else "gateway" if error_code is not None else "engine")
+        if front.records is not None:
+            front.records.add(call)
+        if front.metrics is not None:
+            front.metrics.observe_call(call)   # a batch line is a call like any other
     store = await asyncio.to_thread(BatchStore, front.config.state_dir)
     app[batches_api.BATCHES] = batches = Batches(
         store, engines=front.manager, dispatcher=front.dispatcher,
@@ -328,6 +336,10 @@ async def batch_jobs(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await batches.close()
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 EngineLayerCtx = Callable[[web.Application], AsyncIterator[None]]

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status", type=int)
     p.add_argument("--outcome", choices=["ok", "error", "disconnected", "engine_failed"])
     p.add_argument("-n", "--limit", type=int, default=50)
+    p = sub.add_parser("batches", help="batch jobs (OpenAI's Batch API), newest first: "
+                                       "progress; `batches cancel ID` stops one")
+    p.add_argument("action", nargs="?", choices=["cancel"])
+    p.add_argument("batch", nargs="?", help="the batch to cancel")
+    p.add_argument("-n", "--limit", type=int, default=50)
     p = sub.add_parser("logs", help="an engine's journal, or the gateway's own (--gateway)")
     p.add_argument("model", nargs="?")
     p.add_argument("--gateway", action="store_true", help="the gateway's own journal")
@@ -245,6 +250,8 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         show(args, out, lambda: table(out["records"], [
             "time", "model", "endpoint", "status", "outcome", "prompt_tokens",
             "completion_tokens", "latency_ms", "ttft_ms", "stream"]))
+    elif args.command == "batches":
+        batches(url, args)
     elif args.command == "stats":
         params = {"window": args.window, **({"model": args.model} if args.model else {})}
         out = call(url, "GET", "/admin/series?" + urllib.parse.urlencode(params))
@@ -258,6 +265,31 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         except cli_play.PlayError as e:
             raise CliError(str(e)) from None
     return 0
+
+
+def batches(url: str, args: argparse.Namespace) -> None:
+    """Every key's batches with their progress, or (cancel ID) one cancelled."""
+    if args.action == "cancel":
+        if not args.batch:
+            raise CliError("give the batch to cancel: llm-gateway batches cancel BATCH_ID")
+        out = call(url, "POST", "/admin/batches/cancel", {"batch": args.batch})
+        show(args, out, lambda: [f"{out['id']}: {out['status']}"])
+        return
+    out = call(url, "GET", "/admin/batches?" + urllib.parse.urlencode({"limit": args.limit}))
+    show(args, out, lambda: batch_lines(out["data"]))
+
+
+def batch_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per batch: its id, key, status, lines done of all, failed, created."""
+    if not rows:
+        return ["no batches"]
+    shown = [{"id": b["id"], "key": b.get("owner") or "-", "status": b["status"],
+              "done": f"{b['request_counts']['completed'] + b['request_counts']['failed']}"
+                      f"/{b['request_counts']['total']}",
+              "failed": b["request_counts"]["failed"], "endpoint": b["endpoint"],
+              "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(b["created_at"]))}
+             for b in rows]
+    return table(shown, ["id", "key", "status", "done", "failed", "endpoint", "created"])
 
 
 def logs(url: str, args: argparse.Namespace) -> None:

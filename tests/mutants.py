@@ -1157,6 +1157,11 @@ BATCHES = (
            "failed", "gatewayd/service/batches.py",
            "            except NOT_NOW as e:", "            except ValueError as e:",
            tests=(BATCHES_T + "test_a_line_that_gets_no_turn_is_tried_again_not_failed",)),
+    Mutant("batch-never-expires", "a batch whose window ran out ends expired, its "
+           "unanswered lines in its error file", "gatewayd/service/batches.py",
+           "                running.stop = running.stop or COMPLETED",
+           "                running.stop = COMPLETED",
+           tests=(BATCHES_T + "test_a_batch_expires_when_its_window_runs_out",)),
     Mutant("batch-files-shared", "a key sees only its own files",
            "gatewayd/http/batches_api.py",
            "    return None if key is None or ADMIN in key.scopes else key.name",

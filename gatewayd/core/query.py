@@ -107,6 +107,7 @@ QUERIES: Mapping[str, Mapping[str, Param]] = {
     "/v1/files": {"purpose": OneOf(("batch", "batch_output")), "limit": Int(1, 10_000),
                   "after": Text(64), "order": OneOf(("asc", "desc"))},
     "/v1/batches": {"limit": Int(1, 100), "after": Text(64)},
+    "/admin/batches": {"limit": Int(1, 1000)},
 }
 
 

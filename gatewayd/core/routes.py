@@ -193,6 +193,9 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", "/v1/batches/{key}", INF, GW, query=True, handler="batches_api.retrieve_batch"),
     _r("POST", "/v1/batches/{key}/cancel", INF, GW, JSON,
        query=True, handler="batches_api.cancel_batch"),
+    _r("GET", "/admin/batches", ADM, GW, note="every key's batches: `llm-gateway batches`",
+       handler="batches_api.all_batches"),
+    _r("POST", "/admin/batches/cancel", ADM, GW, JSON, handler="batches_api.cancel_any"),
 )
 
 

@@ -35,6 +35,7 @@ from gatewayd.core.query import FOLLOW_LINES
 from gatewayd.core.waits import Swap
 from gatewayd.http import openai_api
 from gatewayd.http.auth import query_of
+from gatewayd.http.batches_api import BATCHES
 from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
@@ -110,6 +111,9 @@ async def status(request: web.Request) -> web.Response:
         # the order for room and the models waiting for it, head first
         "schedule": dispatcher.schedule()
         if (dispatcher := request.app.get(DISPATCHER)) is not None else None,
+        # the batch jobs not yet ended (OpenAI's Batch objects), oldest first
+        "batches": [b.describe() for b in await batches.unended()]
+        if (batches := request.app.get(BATCHES)) is not None else [],
     })
 
 

@@ -91,26 +91,26 @@ async def _read_part(part: BodyPartReader, limit: int, name: str) -> bytes:
 async def list_files(request: web.Request) -> web.Response:
     query = query_of(request)
     limit = query.get("limit", 10_000)
-    found, more = request.app[BATCHES].files(
+    found, more = await request.app[BATCHES].files(
         seen_by(request_key(request)), purpose=query.get("purpose"),
         after=query.get("after"), limit=limit, newest_first=query.get("order") != "asc")
     return web.json_response(_listing([f.describe() for f in found], more))
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
-    stored = request.app[BATCHES].file(seen_by(request_key(request)),
+    stored = await request.app[BATCHES].file(seen_by(request_key(request)),
                                        request.match_info["key"])
     return web.json_response(stored.describe())
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    stored = request.app[BATCHES].delete_file(seen_by(request_key(request)),
+    stored = await request.app[BATCHES].delete_file(seen_by(request_key(request)),
                                               request.match_info["key"])
     return web.json_response({"id": stored.id, "object": "file", "deleted": True})
 
 
 async def file_content(request: web.Request) -> web.FileResponse:
-    path = request.app[BATCHES].content_path(seen_by(request_key(request)),
+    path = await request.app[BATCHES].content_path(seen_by(request_key(request)),
                                              request.match_info["key"])
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
@@ -136,20 +136,35 @@ async def create_batch(request: web.Request) -> web.Response:
 
 async def list_batches(request: web.Request) -> web.Response:
     query = query_of(request)
-    found, more = request.app[BATCHES].batches(
+    found, more = await request.app[BATCHES].batches(
         seen_by(request_key(request)), after=query.get("after"), limit=query.get("limit", 20))
     return web.json_response(_listing([b.describe() for b in found], more))
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:
-    batch = request.app[BATCHES].batch(seen_by(request_key(request)),
+    batch = await request.app[BATCHES].batch(seen_by(request_key(request)),
                                        request.match_info["key"])
     return web.json_response(batch.describe())
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    batch = request.app[BATCHES].cancel(seen_by(request_key(request)),
+    batch = await request.app[BATCHES].cancel(seen_by(request_key(request)),
                                         request.match_info["key"])
+    return web.json_response(batch.describe())
+
+
+async def all_batches(request: web.Request) -> web.Response:
+    """GET /admin/batches: every key's batches, newest first (`llm-gateway batches`)."""
+    found, more = await request.app[BATCHES].batches(
+        None, after=None, limit=query_of(request).get("limit", 50))
+    return web.json_response(_listing([{**b.describe(), "owner": b.owner} for b in found],
+                                      more))
+
+
+async def cancel_any(request: web.Request) -> web.Response:
+    """POST /admin/batches/cancel {"batch": ID}: any key's batch."""
+    payload = await _json_object(request, request.app[FRONT].config.max_body_bytes)
+    batch = await request.app[BATCHES].cancel(None, _text(payload, "batch"))
     return web.json_response(batch.describe())
 
 

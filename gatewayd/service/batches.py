@@ -89,7 +89,9 @@ NOT_NOW = (ModelNotLoaded, QueueFull, EngineBusy, ConcurrencyLimit, EngineLimitR
 
 
 T = TypeVar("T")
-LineRecorder = Callable[[Batch, Line, int, float, str | None], None]
+# a line's call, once it ended: its batch, the line, the status, the milliseconds it took,
+# the gateway's error code (None: the engine answered) and the engine's answer (its JSON)
+LineRecorder = Callable[[Batch, Line, int, float, str | None, Any], None]
 
 
 class BatchEngines(Protocol):
@@ -175,30 +177,33 @@ class Batches:
                               f"{config.batch_disk_reserve_bytes // 2**20} MiB free "
                               "(batches.disk_reserve_mb)", retry_after=60)
 
-    def file(self, owner: str | None, file_id: str) -> StoredFile:
+    async def file(self, owner: str | None, file_id: str) -> StoredFile:
         """owner's file (None: anyone's); FileNotFound otherwise (another's too: it is not
-        said whether it exists)."""
-        found = self._store.file(file_id)
+        said whether it exists). (Every read of the store is off the event loop: a line's
+        answer being kept holds it for an fsync.)"""
+        found = await asyncio.to_thread(self._store.file, file_id)
         if found is None or (owner is not None and found.owner != owner):
             raise FileNotFound(f"no file {file_id!r}", param="file_id")
         return found
 
-    def files(self, owner: str | None, *, purpose: str | None, after: str | None,
-              limit: int, newest_first: bool) -> tuple[list[StoredFile], bool]:
-        found = self._store.files(owner, purpose=purpose, after=after, limit=limit + 1,
-                                  newest_first=newest_first)
+    async def files(self, owner: str | None, *, purpose: str | None, after: str | None,
+                    limit: int, newest_first: bool) -> tuple[list[StoredFile], bool]:
+        found = await asyncio.to_thread(self._store.files, owner, purpose=purpose,
+                                        after=after, limit=limit + 1,
+                                        newest_first=newest_first)
         return found[:limit], len(found) > limit
 
-    def delete_file(self, owner: str | None, file_id: str) -> StoredFile:
-        found = self.file(owner, file_id)
-        if (running := self._store.input_of_running(file_id)) is not None:
+    async def delete_file(self, owner: str | None, file_id: str) -> StoredFile:
+        found = await self.file(owner, file_id)
+        running = await asyncio.to_thread(self._store.input_of_running, file_id)
+        if running is not None:
             raise FileInUse(f"{file_id} is the input of {running}, which has not ended: "
                             "cancel it first", param="file_id")
-        self._store.delete_file(file_id)
+        await asyncio.to_thread(self._store.delete_file, file_id)
         return found
 
-    def content_path(self, owner: str | None, file_id: str) -> Any:
-        return self._store.path_of(self.file(owner, file_id).id)
+    async def content_path(self, owner: str | None, file_id: str) -> Any:
+        return self._store.path_of((await self.file(owner, file_id)).id)
 
     # -- batches ------------------------------------------------------------------------
 
@@ -214,7 +219,7 @@ class Batches:
             raise BatchInvalid(f"completion_window must be one of {', '.join(WINDOWS)}",
                                param="completion_window")
         checked_metadata = check_metadata(metadata)
-        stored = self.file(owner or None, input_file_id)
+        stored = await self.file(owner or None, input_file_id)
         if stored.purpose != "batch":
             raise BatchInvalid(f"{input_file_id} is not a batch input file (its purpose is "
                                f"{stored.purpose})", param="input_file_id")
@@ -252,25 +257,30 @@ class Batches:
                                f"{line.model!r}", param="input_file_id", line=line.number)
         return Line(line.number, line.custom_id, line.url, model.id, line.body)
 
-    def batch(self, owner: str | None, batch_id: str) -> Batch:
-        found = self._store.batch(batch_id)
+    async def batch(self, owner: str | None, batch_id: str) -> Batch:
+        found = await asyncio.to_thread(self._store.batch, batch_id)
         if found is None or (owner is not None and found.owner != owner):
             raise BatchNotFound(f"no batch {batch_id!r}", param="batch_id")
         return found
 
-    def batches(self, owner: str | None, *, after: str | None, limit: int
-                ) -> tuple[list[Batch], bool]:
-        found = self._store.batches(owner, after=after, limit=limit + 1)
+    async def batches(self, owner: str | None, *, after: str | None, limit: int
+                      ) -> tuple[list[Batch], bool]:
+        found = await asyncio.to_thread(self._store.batches, owner, after=after,
+                                        limit=limit + 1)
         return found[:limit], len(found) > limit
 
-    def cancel(self, owner: str | None, batch_id: str) -> Batch:
+    async def unended(self) -> list[Batch]:
+        """Every batch not yet ended, oldest first (the admin's view)."""
+        return await asyncio.to_thread(self._store.unended)
+
+    async def cancel(self, owner: str | None, batch_id: str) -> Batch:
         """The batch cancelling: its lines in flight stopped, what is answered kept."""
-        batch = self.batch(owner, batch_id)
+        batch = await self.batch(owner, batch_id)
         if batch.status in ENDED:
             raise BatchEnded(f"{batch_id} has already ended ({batch.status})")
         if batch.status != CANCELLING:
             batch.move(CANCELLING, int(self._wall()))
-            self._store.save(batch)
+            await asyncio.to_thread(self._store.save, batch)
         if (running := self._running.get(batch_id)) is not None:
             running.stop = CANCELLED
             running.task.cancel()
@@ -317,8 +327,8 @@ class Batches:
             return
         try:
             if batch.status == IN_PROGRESS:
-                await self._send_all(batch)
-                running.stop = COMPLETED
+                await self._send_all(batch)   # (sets EXPIRED where its window ran out)
+                running.stop = running.stop or COMPLETED
         except asyncio.CancelledError:
             if running.stop is None:   # the gateway stops: the batch goes on next time
                 raise
@@ -366,7 +376,7 @@ class Batches:
                 self._store.unsend(batch.id, line.number)
                 return False
             except GatewayError as e:
-                self._note(batch, line, e.status, t0, e.code)
+                self._note(batch, line, e.status, t0, e.code, None)
                 await asyncio.to_thread(self._store.finish, batch.id, line.number, ok=None,
                                         result=error_line(_request_id(), line.custom_id,
                                                           e.code, e.message))
@@ -376,11 +386,12 @@ class Batches:
                 # again; its attempt is not counted (a crash, which cannot get here, is)
                 self._store.unsend(batch.id, line.number)
                 raise
-        self._note(batch, line, status, t0, None)
+        answer = _json_or_text(body)
+        self._note(batch, line, status, t0, None, answer)
         await asyncio.to_thread(self._store.finish, batch.id, line.number,
                                 ok=200 <= status < 300,
                                 result=answer_line(_request_id(), line.custom_id, status,
-                                                   _json_or_text(body)))
+                                                   answer))
         return True
 
     async def _ask(self, engine: Engine, line: Line) -> tuple[int, bytes]:
@@ -406,9 +417,10 @@ class Batches:
             self._in_flight[model_id] -= 1
 
     def _note(self, batch: Batch, line: Line, status: int, t0: float,
-              error_code: str | None) -> None:
+              error_code: str | None, answer: Any) -> None:
         if self._record is not None:
-            self._record(batch, line, status, (time.monotonic() - t0) * 1000, error_code)
+            self._record(batch, line, status, (time.monotonic() - t0) * 1000, error_code,
+                         answer)
 
     async def _finish(self, batch: Batch, status: str) -> None:
         """The output and error files written from the lines' answers, then the batch

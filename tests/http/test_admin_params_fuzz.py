@@ -29,7 +29,7 @@ ADMIN_GETS = sorted(r.path for r in ROUTES if r.access is Caller.ADMIN and not r
 ADMIN_POSTS = {"/admin/engines/start": ("model",), "/admin/engines/stop": ("model",),
                "/admin/models/remove": ("model", "force"),
                "/admin/models/pull": ("source", "name", "mmproj"),
-               "/admin/pulls/cancel": ("model",)}
+               "/admin/pulls/cancel": ("model",), "/admin/batches/cancel": ("batch",)}
 NAMES = sorted({n for params in QUERIES.values() for n in params} | {"x", "", "model[]"})
 NASTY = ["", "0", "-1", "1", "99999999999999999999", "9223372036854775808", "1e309", "nan",
          "inf", "-inf", "1e-400", " 1", "+1", "1_0", "\u0667", "0x10", "true", "yes",

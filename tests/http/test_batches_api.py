@@ -4,6 +4,7 @@ fake engine (tests/fake_engine.py) behind the real request path."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,10 @@ import aiohttp
 import openai
 import pytest
 
+from gatewayd import cli
 from gatewayd.core.auth import KeyRing, digest, parse_keys
+from gatewayd.http.batches_api import BATCHES
+from gatewayd.http.openai_api import FRONT
 from tests.http.test_api_keys import ADMIN, ONLY_B, USER
 from tests.http.test_front_door import Gateway, _gateway
 
@@ -87,6 +91,8 @@ async def test_the_sdk_runs_a_batch_and_reads_every_answer_once(gw: Gateway) -> 
     rows_ = await gw.records(6)
     assert {r["batch"] for r in rows_} == {batch.id}
     assert {r["endpoint"] for r in rows_} == {"/v1/chat/completions"}
+    assert {(r["status"], r["outcome"], r["completion_tokens"]) for r in rows_} == {
+        (200, "ok", 3)}     # the engine's usage, as an interactive call's record has it
 
 
 async def test_a_bad_file_is_refused_line_by_line_and_nothing_is_kept(gw: Gateway) -> None:
@@ -181,3 +187,53 @@ async def test_a_key_sees_only_its_own_files_and_batches(tmp_path: Path) -> None
         assert rows[0]["api_key"] == "user" and rows[0]["batch"] == batch.id
         no_key = await gw.client.get("/v1/files")
         assert no_key.status == 401
+
+
+async def test_the_admin_status_lists_the_batches_not_yet_ended(gw: Gateway) -> None:
+    # interactive traffic just now, and b not loaded: its line waits (nothing is loaded
+    # for a batch until the gateway is quiet)
+    batches = gw.client.app[BATCHES]
+    batches.config = dataclasses.replace(batches.config, batch_idle_s=3600)
+    gw.client.app[FRONT].activity.seen()
+    client = sdk(gw)
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(chat_line("q", "b"))),
+                                         purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id,
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    status = await (await gw.client.get("/admin/status")).json()
+    (listed,) = status["batches"]
+    assert listed["id"] == batch.id and listed["status"] == "in_progress"
+    assert listed["request_counts"] == {"total": 1, "completed": 0, "failed": 0}
+    assert (await client.batches.cancel(batch.id)).status == "cancelling"
+    assert (await ended(client, batch.id)).status == "cancelled"
+    status = await (await gw.client.get("/admin/status")).json()
+    assert status["batches"] == []
+
+
+async def test_the_cli_lists_every_key_s_batches_and_cancels_one(
+        gw: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
+    batches = gw.client.app[BATCHES]
+    batches.config = dataclasses.replace(batches.config, batch_idle_s=3600)
+    gw.client.app[FRONT].activity.seen()     # b's line waits: b is not loaded
+    client = sdk(gw)
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(chat_line("q", "b"))),
+                                         purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id,
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    url = str(gw.client.make_url(""))
+    assert await asyncio.to_thread(cli.main, ["--url", url, "batches"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].split() == ["ID", "KEY", "STATUS", "DONE", "FAILED", "ENDPOINT",
+                                 "CREATED"]
+    assert listed[1].split()[:5] == [batch.id, "-", "in_progress", "0/1", "0"]
+    assert await asyncio.to_thread(cli.main, ["--url", url, "batches", "cancel",
+                                              batch.id]) == 0
+    assert capsys.readouterr().out.strip() == f"{batch.id}: cancelling"
+    assert (await ended(client, batch.id)).status == "cancelled"
+    assert await asyncio.to_thread(cli.main, ["--url", url, "batches", "cancel",
+                                              batch.id]) == 1
+    assert "has already ended" in capsys.readouterr().err
+    assert await asyncio.to_thread(cli.main, ["--url", url, "--json", "batches"]) == 0
+    assert json.loads(capsys.readouterr().out)["data"][0]["status"] == "cancelled"

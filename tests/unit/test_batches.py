@@ -100,7 +100,7 @@ class Setup:
         return Batches(BatchStore(self.tmp), engines=self.engines, dispatcher=self.journeys,
                        answers=self.answers, config=self.config, catalog=self.catalog,
                        activity=self.activity,
-                       record=lambda b, line, status, ms, code: self.noted.append(
+                       record=lambda b, line, status, ms, code, answer: self.noted.append(
                            (line.custom_id, status, code)))
 
     async def run(self, data: bytes, *, owner: str = "", **kw: Any) -> core.Batch:
@@ -112,14 +112,14 @@ class Setup:
 
     async def ended(self, batch_id: str, timeout: float = 10.0) -> core.Batch:
         async with asyncio.timeout(timeout):
-            while (b := self.batches.batch(None, batch_id)).status not in core.ENDED:
+            while (b := await self.batches.batch(None, batch_id)).status not in core.ENDED:
                 await asyncio.sleep(0.01)
         return b
 
-    def content(self, file_id: str | None) -> list[dict[str, Any]]:
+    async def content(self, file_id: str | None) -> list[dict[str, Any]]:
         if file_id is None:
             return []
-        path = self.batches.content_path(None, file_id)
+        path = await self.batches.content_path(None, file_id)
         return [json.loads(x) for x in Path(path).read_bytes().splitlines()]
 
 
@@ -141,10 +141,10 @@ async def test_every_line_is_answered_once_in_order_at_the_lowest_priority(s: Se
     done = await s.ended(batch.id)
     assert done.status == core.COMPLETED
     assert (done.total, done.completed, done.failed) == (5, 3, 2)
-    out = s.content(done.output_file_id)
+    out = await s.content(done.output_file_id)
     assert [(x["custom_id"], x["response"]["body"]["echo"]) for x in out] == [
         ("c0", "a"), ("c1", "b"), ("c4", "e")]
-    errors = s.content(done.error_file_id)
+    errors = await s.content(done.error_file_id)
     assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [
         ("c2", "bad_input"), ("c3", "engine_failed")]
     assert errors[0]["response"]["status_code"] == 400 and errors[1]["response"] is None
@@ -170,7 +170,8 @@ async def test_while_interactive_traffic_came_lately_a_line_waits_for_a_ready_en
     s.engines.ready = {"other"}   # tiny is not loaded: nothing may load it yet
     batch = await s.run(lines("a", "b", model="tiny"))
     await asyncio.sleep(0.2)
-    assert s.journeys.asked == [] and s.batches.batch(None, batch.id).status == "in_progress"
+    assert s.journeys.asked == []
+    assert (await s.batches.batch(None, batch.id)).status == "in_progress"
     s.engines.ready = {"tiny"}    # loaded by someone else: its lines go, never loading
     done = await s.ended(batch.id)
     assert done.completed == 2 and {a for _, a, _, _ in s.journeys.asked} == {False}
@@ -192,11 +193,11 @@ async def test_cancel_stops_the_lines_in_flight_and_keeps_what_is_done(s: Setup)
     async with asyncio.timeout(5):
         while not s.answers.sent[1:]:
             await asyncio.sleep(0.01)
-    assert s.batches.cancel(None, second.id).status == core.CANCELLING
+    assert (await s.batches.cancel(None, second.id)).status == core.CANCELLING
     done = await s.ended(second.id, timeout=5)
     assert done.status == core.CANCELLED and done.completed == 0
     assert done.output_file_id is None
-    assert s.batches.batch(None, batch.id).status == core.COMPLETED   # the other is kept
+    assert (await s.batches.batch(None, batch.id)).status == core.COMPLETED   # the other is kept
 
 
 async def test_a_line_on_its_way_at_a_crash_is_sent_again_once(tmp_path: Path) -> None:
@@ -215,7 +216,7 @@ async def test_a_line_on_its_way_at_a_crash_is_sent_again_once(tmp_path: Path) -
     done = await again.ended(batch.id)
     assert done.completed == 2 and sorted(r["input"] for r in again.answers.sent) == ["a", "b"]
     await s.batches.close()   # (the abandoned run's tasks: what they undo is long done)
-    assert again.batches.batch(None, batch.id).completed == 2
+    assert (await again.batches.batch(None, batch.id)).completed == 2
     await again.batches.close()
 
 
@@ -236,8 +237,20 @@ async def test_a_line_sent_twice_when_the_gateway_stopped_is_failed_not_sent_aga
     await again.batches.start()
     done = await again.ended(batch.id)
     assert (done.completed, done.failed) == (0, 1) and again.answers.sent == []
-    assert again.content(done.error_file_id)[0]["error"]["code"] == "interrupted"
+    assert (await again.content(done.error_file_id))[0]["error"]["code"] == "interrupted"
     await again.batches.close()
+
+
+async def test_a_batch_expires_when_its_window_runs_out(
+        s: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window of a second: its lines hang in the engine, and the window's end stops
+    them."""
+    monkeypatch.setitem(core.WINDOWS, "24h", 1)
+    s.answers.gate = asyncio.Event()
+    batch = await s.run(lines("a", "b"))
+    done = await s.ended(batch.id, timeout=5)
+    assert done.status == core.EXPIRED and done.stamps.get("expired_at")
+    assert sorted(x["custom_id"] for x in await s.content(done.error_file_id)) == ["c0", "c1"]
 
 
 async def test_an_expired_batch_keeps_its_answers_and_lists_the_rest(s: Setup) -> None:
@@ -253,7 +266,7 @@ async def test_an_expired_batch_keeps_its_answers_and_lists_the_rest(s: Setup) -
     running.task.cancel()
     done = await s.ended(batch.id)
     assert done.status == core.EXPIRED
-    assert {x["error"]["code"] for x in s.content(done.error_file_id)} == {"batch_expired"}
+    assert {x["error"]["code"] for x in await s.content(done.error_file_id)} == {"batch_expired"}
 
 
 async def test_a_batch_is_checked_whole_before_it_exists(s: Setup) -> None:
@@ -266,25 +279,26 @@ async def test_a_batch_is_checked_whole_before_it_exists(s: Setup) -> None:
         await s.run(lines("a", model="other"), may_use=lambda m: m == "tiny")
     with pytest.raises(BatchInvalid, match="another url"):
         await s.run(lines("a"), endpoint="/v1/chat/completions")
-    assert s.batches.batches(None, after=None, limit=10) == ([], False)
+    assert await s.batches.batches(None, after=None, limit=10) == ([], False)
 
 
 async def test_files_are_their_owner_s(s: Setup) -> None:
     mine = await s.batches.upload("alice", "a.jsonl", lines("a"))
     with pytest.raises(FileNotFound):
-        s.batches.file("bob", mine.id)
-    assert s.batches.file("alice", mine.id) == mine == s.batches.file(None, mine.id)
-    assert s.batches.files("bob", purpose=None, after=None, limit=10,
+        await s.batches.file("bob", mine.id)
+    assert await s.batches.file("alice", mine.id) == mine == await s.batches.file(None, mine.id)
+    assert await s.batches.files("bob", purpose=None, after=None, limit=10,
                            newest_first=True) == ([], False)
     batch = await s.run(lines("a"), owner="alice")
-    input_id = s.batches.batch("alice", batch.id).input_file_id
+    input_id = (await s.batches.batch("alice", batch.id)).input_file_id
     s.answers.gate = asyncio.Event()
     running = await s.run(lines("x"), owner="alice")
     with pytest.raises(FileInUse):
-        s.batches.delete_file("alice", s.batches.batch(None, running.id).input_file_id)
+        busy = (await s.batches.batch(None, running.id)).input_file_id
+        await s.batches.delete_file("alice", busy)
     s.answers.gate.set()
     await s.ended(running.id)
     await s.ended(batch.id)
-    s.batches.delete_file("alice", input_id)
+    await s.batches.delete_file("alice", input_id)
     with pytest.raises(FileNotFound):
-        s.batches.file(None, input_id)
+        await s.batches.file(None, input_id)
