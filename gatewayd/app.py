@@ -330,7 +330,7 @@ async def batch_jobs(app: web.Application) -> AsyncIterator[None]:
     app[batches_api.BATCHES] = batches = Batches(
         store, engines=front.manager, dispatcher=front.dispatcher,
         answers=front.engine_client, config=front.config, catalog=front.manager.catalog,
-        activity=front.activity, record=record)
+        activity=front.activity, record=record, publish=app[admin_api.EVENTS].publish)
     await batches.start()
     try:
         yield

@@ -112,7 +112,7 @@ async def status(request: web.Request) -> web.Response:
         "schedule": dispatcher.schedule()
         if (dispatcher := request.app.get(DISPATCHER)) is not None else None,
         # the batch jobs not yet ended (OpenAI's Batch objects), oldest first
-        "batches": [b.describe() for b in await batches.unended()]
+        "batches": [{**b.describe(), "owner": b.owner} for b in await batches.unended()]
         if (batches := request.app.get(BATCHES)) is not None else [],
     })
 

@@ -10,7 +10,7 @@ const C = ConsoleCore;
 const $ = (sel) => document.querySelector(sel);
 const SVG = "http://www.w3.org/2000/svg";
 const queues = {};          // model -> depth, from the event feed
-let models = [], engines = [], pulls = [], gwStatus = null;
+let models = [], engines = [], pulls = [], batches = [], gwStatus = null;
 const COLORS = ["#2f6fdb", "#d9822b", "#1a9e77", "#c2418f", "#7d5bd6", "#8c6d1f", "#3aa1b8",
   "#d64545"];
 const colorOf = (name, names) => COLORS[Math.max(0, names.indexOf(name)) % COLORS.length];
@@ -172,6 +172,10 @@ async function refreshEngines() {
   renderUpstreams(st.upstreams || []);
   pulls = st.pulls || [];
   renderPulls();
+  // the batches not yet ended, and those that ended since the page last asked (events)
+  batches = [...(st.batches || []), ...batches.filter((b) => ENDED.has(b.status)
+    && !(st.batches || []).some((x) => x.id === b.id))];
+  renderBatches();
   renderLogSources();
 }
 
@@ -188,6 +192,30 @@ function renderPulls() {
       el("td", {}, bar), cell(`${size(p.done_bytes)} / ${size(p.total_bytes)}`, "num"),
       cell(p.rate_bps ? size(p.rate_bps) + "/s" : null, "num"),
       cell(p.eta_s != null ? duration(p.eta_s) : null, "num"));
+  }));
+}
+
+// batch jobs (OpenAI's Batch API): from /admin/status, then each `batch` event; the rate
+// and ETA from the lines done since the page first saw each batch
+const ENDED = new Set(["completed", "failed", "expired", "cancelled"]);
+const batchSeen = {};       // id -> [seconds, lines done] when first seen
+function renderBatches() {
+  $("#batches-box").hidden = batches.length === 0;
+  const now = Date.now() / 1000;
+  $("#batches tbody").replaceChildren(...batches.map((b) => {
+    const c = b.request_counts, done = c.completed + c.failed;
+    const first = batchSeen[b.id] || (batchSeen[b.id] = [now, done]);
+    const rate = now > first[0] + 1 ? (done - first[1]) / (now - first[0]) : 0;
+    const bar = el("progress");
+    bar.max = c.total || 1; bar.value = done;
+    return el("tr", { "data-batch": b.id }, cell(b.id), cell(b.owner || "-"),
+      cell(b.endpoint),
+      cell(b.status, "state " + (b.status === "completed" ? "ready"
+        : ENDED.has(b.status) ? "failed" : "loading")),
+      el("td", {}, bar), cell(`${done} / ${c.total}`, "num"), cell(c.failed, "num"),
+      cell(rate > 0 ? `${rate.toFixed(1)}/s` : null, "num"),
+      cell(rate > 0 && !ENDED.has(b.status) ? duration((c.total - done) / rate) : null,
+        "num"));
   }));
 }
 
@@ -738,6 +766,10 @@ function onEvent(event) {
     if (i >= 0) pulls[i] = event; else pulls.unshift(event);
     renderPulls();
     if (event.state === "done") refresh();   // a new model in the catalog
+  } else if (event.type === "batch") {
+    const i = batches.findIndex((b) => b.id === event.id);
+    if (i >= 0) batches[i] = event; else batches.unshift(event);
+    renderBatches();
   } else if (event.type === "engine") {
     // show the new state at once, then reload the details
     const e = engines.find((x) => x.model === event.model);

@@ -81,6 +81,7 @@ from gatewayd.core.priority import LOW
 log = logging.getLogger("gatewayd.batches")
 
 POLL_S = 0.5            # how often a waiting line looks again (a batch is not in a hurry)
+PROGRESS_S = 1.0        # a batch's progress event at most this often
 RETRY_S = 2.0           # after a line got no turn
 CHUNK = 64              # pending lines read at a time
 # what means "not now" for a line, not "this line failed": it is tried again
@@ -138,6 +139,7 @@ class Batches:
     def __init__(self, store: BatchBook, *, engines: BatchEngines,
                  dispatcher: BatchDispatcher, answers: WholeAnswers, config: GatewayConfig,
                  catalog: Catalog, activity: Activity, record: LineRecorder | None = None,
+                 publish: Callable[[dict[str, Any]], None] | None = None,
                  wall: Callable[[], float] = time.time) -> None:
         self._store = store
         self._engines = engines
@@ -147,6 +149,8 @@ class Batches:
         self._catalog = catalog
         self._activity = activity
         self._record = record
+        self._publish = publish
+        self._published: dict[str, float] = {}   # when each batch's progress was last told
         self._wall = wall
         self._running: dict[str, _Running] = {}
         self._in_flight: Counter[str] = Counter()   # lines on their way, per model
@@ -238,6 +242,7 @@ class Batches:
         batch.move(IN_PROGRESS, now)
         await asyncio.to_thread(self._store.add_batch, batch, lines)
         batch.total = len(lines)
+        self._tell(batch)
         self._start(batch.id)
         log.info("batch %s: %d line(s) of %s to %s", batch.id, len(lines), input_file_id,
                  endpoint)
@@ -281,6 +286,7 @@ class Batches:
         if batch.status != CANCELLING:
             batch.move(CANCELLING, int(self._wall()))
             await asyncio.to_thread(self._store.save, batch)
+            self._tell(batch)
         if (running := self._running.get(batch_id)) is not None:
             running.stop = CANCELLED
             running.task.cancel()
@@ -392,7 +398,22 @@ class Batches:
                                 ok=200 <= status < 300,
                                 result=answer_line(_request_id(), line.custom_id, status,
                                                    answer))
+        await self._progress(batch.id)
         return True
+
+    async def _progress(self, batch_id: str) -> None:
+        """The batch's counts told (an event), at most every PROGRESS_S."""
+        now = time.monotonic()
+        if self._publish is None or now - self._published.get(batch_id, -math.inf) \
+                < PROGRESS_S:
+            return
+        self._published[batch_id] = now
+        if (batch := await asyncio.to_thread(self._store.batch, batch_id)) is not None:
+            self._tell(batch)
+
+    def _tell(self, batch: Batch) -> None:
+        if self._publish is not None:
+            self._publish({"type": "batch", **batch.describe(), "owner": batch.owner})
 
     async def _ask(self, engine: Engine, line: Line) -> tuple[int, bytes]:
         return await self._answers.ask(engine.socket, line.url, line.body,
@@ -436,6 +457,9 @@ class Batches:
         batch.move(status, int(self._wall()))
         await asyncio.to_thread(self._store.save, batch)
         await asyncio.to_thread(self._store.drop_lines, batch.id)
+        self._published.pop(batch.id, None)
+        if (ended := await asyncio.to_thread(self._store.batch, batch.id)) is not None:
+            self._tell(ended)
         log.info("batch %s %s", batch.id, status)
 
     async def _expire_pending(self, batch: Batch) -> None:

@@ -7,13 +7,17 @@ image."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from gatewayd.core.auth import digest, parse_keys
 from gatewayd.core.upstreams import UpstreamConfig
+from gatewayd.http.batches_api import BATCHES
+from gatewayd.http.openai_api import FRONT
 from tests.browser import browser_page, png_size
 from tests.fake_hub import FakeHub, serve_hub
 from tests.fake_upstream import FakeUpstream
@@ -106,6 +110,39 @@ async def test_status_page_draws_a_download_as_it_arrives(
                 await page.wait_for("document.getElementById('facts').textContent"
                                     ".includes('4 models')", what="the pulled model counted")
                 assert page.errors == []
+
+
+async def test_status_page_draws_a_batch_and_its_cancel_live(tmp_path: Path) -> None:
+    async for gw in _gateway(tmp_path, ("a",)):
+        # two lines: a's answered at once, b's waits (interactive traffic just now, and b
+        # not loaded: nothing is loaded for a batch until the gateway is quiet)
+        batches = gw.client.app[BATCHES]
+        batches.config = dataclasses.replace(batches.config, batch_idle_s=3600)
+        gw.client.app[FRONT].activity.seen()
+        lines = b"".join(json.dumps({"custom_id": f"q{m}", "method": "POST",
+                                     "url": "/v1/chat/completions",
+                                     "body": chat(m)}).encode() + b"\n" for m in "ab")
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", lines, filename="in.jsonl")
+        uploaded = await (await gw.client.post("/v1/files", data=form)).json()
+        async with browser_page() as page:
+            await page.goto(str(gw.client.make_url("/admin/")))
+            await page.wait_for("document.getElementById('live').textContent === 'live'",
+                                what="the event feed")
+            assert await page.evaluate("document.getElementById('batches-box').hidden")
+            batch = await (await gw.client.post("/v1/batches", json={
+                "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
+                "completion_window": "24h"})).json()
+            row = f"document.querySelector('#batches tr[data-batch=\"{batch['id']}\"]')"
+            await page.wait_for(f"{row} && {row}.querySelector('progress').value === 1 && "
+                                f"{row}.querySelector('progress').max === 2 && "
+                                f"{row}.querySelector('.state').textContent === 'in_progress'",
+                                what="the batch half done", timeout=15)
+            await gw.client.post(f"/v1/batches/{batch['id']}/cancel")
+            await page.wait_for(f"{row}.querySelector('.state').textContent === 'cancelled'",
+                                what="the cancel, live")
+            assert page.errors == []
 
 
 async def test_status_page_fits_a_phone(tmp_path: Path) -> None:
