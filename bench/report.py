@@ -311,6 +311,30 @@ def _judge_mixed_share(f: Figures) -> dict[str, Any]:
             "met": _met(f, all(_le(0.8, f[f"{mix}_grouped"]) for mix in MIXES))}
 
 
+# -- a batch job beside interactive users (bench/batch.py)
+
+def _batch_p99(r: dict[str, Any]) -> Figures | None:
+    return _all(beside=_number(r, "batch", "beside", "p99_ms"),
+                alone=_number(r, "batch", "alone", "p99_ms"))
+
+
+def _judge_batch_p99(f: Figures) -> dict[str, Any]:
+    ratio = f["beside"] / f["alone"] if f["alone"] else math.nan
+    return {"figure": f"{_fmt(f['beside'])} ms", "against": f"alone {_fmt(f['alone'])} ms",
+            "ratio": round(ratio, 3) if math.isfinite(ratio) else None,
+            "compare": _times(ratio), "met": _met(f, _le(ratio, 1.2))}
+
+
+def _batch_rate(r: dict[str, Any]) -> Figures | None:
+    return _all(beside=_number(r, "batch", "batch_lines_per_min_beside"),
+                quiet=_number(r, "batch", "batch_lines_per_min_quiet"))
+
+
+def _judge_batch_rate(f: Figures) -> dict[str, Any]:
+    return {"figure": f"{_fmt(f['beside'])} lines/min beside users",
+            "against": f"quiet {_fmt(f['quiet'])} lines/min", "compare": "", "met": None}
+
+
 INFORMATIONAL = "no goal (informational)"
 
 GOALS = (
@@ -345,6 +369,10 @@ GOALS = (
          "unanswered (each mix)", _mixed_wait, _judge_mixed_wait),
     Goal("mixed traffic: each model's share", "answers share ≥ 0.8 x demand share (each "
          "model, each mix)", _mixed("share_ratio_min", "grouped"), _judge_mixed_share),
+    Goal("interactive p99 beside a batch job", "≤ 1.2 x without the batch",
+         _batch_p99, _judge_batch_p99),
+    Goal("a batch job's lines, beside users and quiet", INFORMATIONAL, _batch_rate,
+         _judge_batch_rate),
     Goal("parked units, realistic model", INFORMATIONAL, _parked, _judge_parked),
     Goal("agent-loop crossover prefix", INFORMATIONAL, _crossover, _judge_crossover),
 )

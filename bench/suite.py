@@ -282,6 +282,9 @@ class Plan:
     mixed_grace_s: float     # past max_wait_s, how long the window's last requests are awaited
     mixed_preset: str        # the model (scripts/get_model.sh PRESET) under three names
     mixed_systems: tuple[str, ...] = ("grouped", "fifo", "router")   # (--mixed-systems)
+    batch_seconds: float = 60.0   # each interactive window, alone and beside a batch
+    batch_clients: int = 2        # interactive clients in a closed loop there
+    batch_preset: str = "realistic"   # the model (scripts/get_model.sh PRESET)
 
 
 # A single stream's rate moves by 2x between streams here (2 cores shared by the engine,
@@ -298,7 +301,8 @@ PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, 
                        real_starts=1, real_cycles=1, agent_turns=2, agent_prefixes=(512,),
                        slot_rounds=1, crowd_active=32, crowd_idle=100, refusal_rounds=1,
                        refusal_seconds=1.0, mixed_seconds=2.0, mixed_clients=4,
-                       mixed_max_wait_s=2.0, mixed_grace_s=1.0, mixed_preset="small")}
+                       mixed_max_wait_s=2.0, mixed_grace_s=1.0, mixed_preset="small",
+                       batch_seconds=2.0, batch_clients=1, batch_preset="small")}
 
 
 def tiny_models(work: Path) -> tuple[Path, Path]:
@@ -323,7 +327,7 @@ def cold_model(cold: Path, args: Sequence[str] = ()) -> str:
 
 # The sections a run can be limited to (--only): "tiny" is sections 1-6 on the tiny models;
 # the others set up their own units and stop them when done
-SECTIONS = ("tiny", "realistic", "agent", "crowd", "refusals", "mixed")
+SECTIONS = ("tiny", "realistic", "agent", "crowd", "refusals", "mixed", "batch")
 
 
 async def once_more(retried: list[dict[str, str]], what: str,
@@ -367,6 +371,9 @@ async def suite(plan: Plan, work: Path, llama: str, sections: Sequence[str] = SE
     if "mixed" in sections:
         from bench import mixed
         results["mixed"] = await mixed.section(plan, work, llama, models, results["retried"])
+    if "batch" in sections:
+        from bench import batch
+        results["batch"] = await batch.section(plan, work, llama, models, results["retried"])
     return results
 
 
@@ -801,8 +808,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mixed-systems", metavar="S,S",
                     help="the systems the mixed section runs, of grouped, fifo, router "
                          "(default: all three)")
+    ap.add_argument("--batch-seconds", type=float, metavar="S",
+                    help="each interactive window in the batch section (full: "
+                         f"{PLANS['full'].batch_seconds:g}, smoke: "
+                         f"{PLANS['smoke'].batch_seconds:g})")
     a = ap.parse_args(argv)
     plan = PLANS[a.mode]
+    if a.batch_seconds is not None:
+        if not a.batch_seconds > 0:
+            ap.error("--batch-seconds: a number of seconds above 0")
+        plan = dataclasses.replace(plan, batch_seconds=a.batch_seconds)
     if a.mixed_systems is not None:
         systems = tuple(x for x in a.mixed_systems.split(",") if x)
         if not systems or set(systems) - set(plan.mixed_systems):

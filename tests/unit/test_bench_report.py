@@ -15,7 +15,8 @@ from bench import report
 
 GOALS = [g.goal for g in report.GOALS]
 (ACTIVATION, COLD, SWAP, AGENT, SLOTS, STREAM, ADDED, CEILING, REFUSALS, FLOODED,
- MIXED_SWAPS, MIXED_ANSWERS, MIXED_P99, MIXED_WAIT, MIXED_SHARE, PARKED, CROSSOVER) = GOALS
+ MIXED_SWAPS, MIXED_ANSWERS, MIXED_P99, MIXED_WAIT, MIXED_SHARE, BATCH_P99, BATCH_RATE,
+ PARKED, CROSSOVER) = GOALS
 
 
 def full() -> dict[str, Any]:
@@ -64,6 +65,10 @@ def full() -> dict[str, Any]:
                          "errors": {"gateway": 0, "bare": 0}},
         "refusals": refusals(),
         "mixed": mixed(),
+        "batch": {"alone": {"answers": 100, "p50_ms": 500.0, "p99_ms": 1000.0},
+                  "beside": {"answers": 95, "p50_ms": 520.0, "p99_ms": 1100.0},
+                  "p99_ratio": 1.1, "p50_ratio": 1.04, "batch_lines_per_min_beside": 20.0,
+                  "batch_lines_per_min_quiet": 80.0},
         "seconds": 300.0}
 
 
@@ -124,7 +129,9 @@ def test_every_goal_met() -> None:
     got = rows(full())
     assert list(got) == GOALS
     assert {g: got[g]["met"] for g in GOALS} == {**dict.fromkeys(GOALS, True),
-                                                PARKED: None, CROSSOVER: None}
+                                                PARKED: None, CROSSOVER: None,
+                                                BATCH_RATE: None}
+    assert got[BATCH_P99]["figure"] == "1100 ms" and got[BATCH_P99]["ratio"] == 1.1
     assert got[COLD]["figure"] == "980 ms" and got[COLD]["against"] == "router 1000 ms"
     assert got[COLD]["ratio"] == 0.98
     assert got[ACTIVATION]["difference"] == 20.0
@@ -203,6 +210,8 @@ BOUNDARIES = [
     (MIXED_P99, put("mixed", "runs", "uniform", "grouped", "p99_ms", value=8000.0), True),
     (MIXED_P99, put("mixed", "runs", "uniform", "grouped", "p99_ms", value=8000.1), False),
     (MIXED_P99, put("mixed", "runs", "skewed", "fifo", "p99_ms", value=2499.9), False),
+    (BATCH_P99, put("batch", "beside", "p99_ms", value=1200.0), True),
+    (BATCH_P99, put("batch", "beside", "p99_ms", value=1201.0), False),
     (MIXED_WAIT, put("mixed", "runs", "uniform", "grouped", "longest_wait_s", value=22.0),
      True),
     (MIXED_WAIT, put("mixed", "runs", "uniform", "grouped", "longest_wait_s", value=22.01),
