@@ -265,7 +265,8 @@ KEYS: tuple[Key, ...] = (
         into="batch_disk_reserve_bytes", scale=MB),
     Key("batches", "idle_s", Kind.NUMBER, 30, "quiet this long (no interactive request), "
         "batch lines may load models and fill an engine's slots; before: one line per "
-        "ready engine, nothing loaded", NOT_NEGATIVE, into="batch_idle_s"),
+        "ready engine, in a gap of its users, nothing loaded", NOT_NEGATIVE,
+        into="batch_idle_s"),
     Key("batches", "concurrency", Kind.INTEGER, 4, "batch lines in flight per model at "
         "most, once quiet", (Bound(1, 64),), into="batch_concurrency"),
 

@@ -238,6 +238,11 @@ class Dispatcher:
                       "overdue": w.overdue(now), "max_wait_s": w.max_wait_s}
                      for w in self._loader.line()]}
 
+    def requests(self, model_id: str) -> int:
+        """How many requests model_id's engine serves or has queued for a turn."""
+        use = self._turns.peek(model_id)
+        return 0 if use is None else use.in_flight + len(use.waiters)
+
     def has_requests(self, model_id: str) -> bool:
         """Whether model_id has requests in flight or queued for a turn."""
         use = self._turns.peek(model_id)

@@ -47,6 +47,11 @@ class Journeys:
     def __init__(self) -> None:
         self.asked: list[tuple[str, bool, int, str | None]] = []
         self.raise_first: list[GatewayError] = []
+        self.users: dict[str, int] = {}   # interactive requests at each model's engine
+        self.batch_lines: dict[str, int] = {}
+
+    def requests(self, model_id: str) -> int:
+        return self.users.get(model_id, 0) + self.batch_lines.get(model_id, 0)
 
     async def journey(self, model_id: str, send: Callable[[Engine], Awaitable[T]], *,
                       autoload: bool, priority: int, client: str | None) -> T:
@@ -178,11 +183,25 @@ async def test_while_interactive_traffic_came_lately_a_line_waits_for_a_ready_en
 
 
 def test_may_send_keeps_a_batch_to_one_line_per_ready_engine_until_quiet() -> None:
-    assert not may_send(ready=False, quiet=False, in_flight=0, concurrency=4)
-    assert may_send(ready=True, quiet=False, in_flight=0, concurrency=4)
-    assert not may_send(ready=True, quiet=False, in_flight=1, concurrency=4)
-    assert may_send(ready=False, quiet=True, in_flight=3, concurrency=4)
-    assert not may_send(ready=True, quiet=True, in_flight=4, concurrency=4)
+    assert not may_send(ready=False, quiet=False, in_flight=0, concurrency=4, others=0)
+    assert may_send(ready=True, quiet=False, in_flight=0, concurrency=4, others=0)
+    assert not may_send(ready=True, quiet=False, in_flight=1, concurrency=4, others=0)
+    # a user's request at the engine: the line waits for the engine's next gap
+    assert not may_send(ready=True, quiet=False, in_flight=0, concurrency=4, others=1)
+    assert may_send(ready=False, quiet=True, in_flight=3, concurrency=4, others=0)
+    assert not may_send(ready=True, quiet=True, in_flight=4, concurrency=4, others=0)
+
+
+async def test_a_line_waits_for_a_gap_in_its_engine_s_users(s: Setup) -> None:
+    s.config = s.batches.config = GatewayConfig(state_dir=s.tmp, batch_idle_s=3600,
+                                                batch_disk_reserve_bytes=0)
+    s.activity.seen()
+    s.journeys.users["tiny"] = 1      # someone is being answered by tiny
+    batch = await s.run(lines("a"))
+    await asyncio.sleep(0.2)
+    assert s.journeys.asked == []
+    s.journeys.users["tiny"] = 0      # a gap: the line goes
+    assert (await s.ended(batch.id)).completed == 1
 
 
 async def test_cancel_stops_the_lines_in_flight_and_keeps_what_is_done(s: Setup) -> None:
@@ -196,6 +215,7 @@ async def test_cancel_stops_the_lines_in_flight_and_keeps_what_is_done(s: Setup)
     assert (await s.batches.cancel(None, second.id)).status == core.CANCELLING
     done = await s.ended(second.id, timeout=5)
     assert done.status == core.CANCELLED and done.completed == 0
+    assert done.stamps.keys() >= {"in_progress_at", "cancelling_at", "cancelled_at"}
     assert done.output_file_id is None
     assert (await s.batches.batch(None, batch.id)).status == core.COMPLETED   # the other is kept
 
