@@ -20,7 +20,7 @@ from tests.integration.test_front_door_e2e import client, records
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine]
 
-LINES = 40
+LINES = 80
 
 
 def batch_file() -> bytes:
