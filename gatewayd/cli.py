@@ -275,7 +275,8 @@ def batches(url: str, args: argparse.Namespace) -> None:
         out = call(url, "POST", "/admin/batches/cancel", {"batch": args.batch})
         show(args, out, lambda: [f"{out['id']}: {out['status']}"])
         return
-    out = call(url, "GET", "/admin/batches?" + urllib.parse.urlencode({"limit": args.limit}))
+    limit = max(1, min(args.limit, 1000))   # what /admin/batches takes
+    out = call(url, "GET", "/admin/batches?" + urllib.parse.urlencode({"limit": limit}))
     show(args, out, lambda: batch_lines(out["data"]))
 
 

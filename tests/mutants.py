@@ -1167,9 +1167,28 @@ BATCHES = (
            tests=(BATCHES_T + "test_a_line_that_gets_no_turn_is_tried_again_not_failed",)),
     Mutant("batch-never-expires", "a batch whose window ran out ends expired, its "
            "unanswered lines in its error file", "gatewayd/service/batches.py",
-           "                running.stop = running.stop or COMPLETED",
-           "                running.stop = COMPLETED",
+           "            await self._finish(batch_id, running.stop or COMPLETED, errors)",
+           "            await self._finish(batch_id, COMPLETED, errors)",
            tests=(BATCHES_T + "test_a_batch_expires_when_its_window_runs_out",)),
+    Mutant("batch-cancel-cuts-its-end", "a cancel while a batch writes its files is "
+           "refused, not cutting the writing off", "gatewayd/service/batches.py",
+           "            if batch.status == FINALIZING or (running is not None and "
+           "running.finishing):",
+           "            if batch.status == FINALIZING:",
+           tests=(BATCHES_T + "test_a_cancel_while_its_files_are_written_is_refused_and_the_"
+                  "batch_ends", BATCHES_T + "test_a_cancel_while_an_expired_batch_writes_"
+                  "its_files_is_refused")),
+    Mutant("batch-unwritable-end-stuck", "a batch whose files cannot be written ends "
+           "failed", "gatewayd/service/batches.py",
+           "        except Exception as e:    # a full disk while writing its files",
+           "        except ValueError as e:    # a full disk while writing its files",
+           tests=(BATCHES_T + "test_a_batch_whose_files_cannot_be_written_ends_failed_not_"
+                  "stuck",)),
+    Mutant("batch-ended-line-marked-sent", "a line no longer pending is not marked sent",
+           "gatewayd/adapters/batch_store.py",
+           "                              (SENT, batch_id, number, PENDING)).rowcount == 1",
+           "                              (SENT, batch_id, number, SENT)).rowcount < 2",
+           tests=(BATCHES_T + "test_a_line_that_is_no_longer_pending_is_not_marked_sent",)),
     Mutant("batch-files-shared", "a key sees only its own files",
            "gatewayd/http/batches_api.py",
            "    return None if key is None or ADMIN in key.scopes else key.name",

@@ -21,7 +21,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from gatewayd.core.batch import (
     Batch,
     Line,
     StoredFile,
+    error_line,
 )
 from gatewayd.core.safe_paths import inside
 
@@ -142,7 +143,8 @@ class BatchStore:
         if purpose is not None:
             where, args = where + " AND purpose = ?", [*args, purpose]
         order = "DESC" if newest_first else "ASC"
-        if after is not None and (cursor := self.file(after)) is not None:
+        if after is not None and (cursor := self.file(after)) is not None and (
+                owner is None or cursor.owner == owner):   # another's id: no cursor
             sign = "<" if newest_first else ">"
             where += f" AND (created_at, id) {sign} (?, ?)"
             args = [*args, cursor.created_at, cursor.id]
@@ -192,7 +194,8 @@ class BatchStore:
         """Up to limit batches (of owner; None: everyone's), newest first, after `after`."""
         where, args = self._owned(owner)
         if after is not None and (cursor := self._read(
-                "SELECT created_at FROM batches WHERE id = ?", (after,))):
+                "SELECT created_at FROM batches WHERE id = ? AND " + where,
+                (after, *args))):
             where += " AND (created_at, id) < (?, ?)"
             args = [*args, cursor[0][0], after]
         rows = self._read(f"SELECT doc FROM batches WHERE {where} "
@@ -225,18 +228,39 @@ class BatchStore:
                           (batch_id, PENDING, limit))
         return [Line(int(n), str(c), str(u), str(m), bytes(b)) for n, c, u, m, b in rows]
 
-    def mark_sent(self, batch_id: str, number: int) -> None:
+    def mark_sent(self, batch_id: str, number: int) -> bool:
+        """A pending line marked as on its way (its attempt counted); False where it is
+        pending no more (ended meanwhile: expired): it must not go."""
         with self._tx() as db:
-            db.execute("UPDATE lines SET state = ?, attempts = attempts + 1 "
-                       "WHERE batch_id = ? AND number = ?", (SENT, batch_id, number))
+            return db.execute("UPDATE lines SET state = ?, attempts = attempts + 1 "
+                              "WHERE batch_id = ? AND number = ? AND state = ?",
+                              (SENT, batch_id, number, PENDING)).rowcount == 1
 
-    def unsend(self, batch_id: str, number: int) -> None:
-        """A line that got no turn (no room, the engine not there): pending again, its
-        attempt not counted (its request reached no engine)."""
+    def unsend(self, batch_id: str, number: int | None = None) -> int:
+        """A line that got no answer it counts (no turn, or cut off by a cancel, an expiry
+        or the gateway's stop): pending again, its attempt not counted; number None: every
+        such line of the batch. How many went back."""
         with self._tx() as db:
-            db.execute("UPDATE lines SET state = ?, attempts = attempts - 1 "
-                       "WHERE batch_id = ? AND number = ? AND state = ?",
-                       (PENDING, batch_id, number, SENT))
+            return db.execute(
+                "UPDATE lines SET state = ?, attempts = MAX(attempts - 1, 0) "
+                "WHERE batch_id = ? AND state = ?" + ("" if number is None else
+                                                      " AND number = ?"),
+                (PENDING, batch_id, SENT) + (() if number is None else (number,))).rowcount
+
+    def fail_unanswered(self, batch_id: str, code: str, message: str,
+                        request_id: Callable[[], str]) -> int:
+        """Every line not answered yet (pending, or on its way) failed with code and
+        message, in one transaction (an expired batch's); how many."""
+        with self._tx() as db:
+            rows = db.execute("SELECT number, custom_id FROM lines WHERE batch_id = ? AND "
+                              "state IN (?, ?)", (batch_id, PENDING, SENT)).fetchall()
+            db.executemany(
+                "UPDATE lines SET state = ?, ok = 0, result = ? WHERE batch_id = ? AND "
+                "number = ?",
+                ((FAILED, json.dumps(error_line(request_id(), custom_id, code, message),
+                                     separators=(",", ":")), batch_id, number)
+                 for number, custom_id in rows))
+        return len(rows)
 
     def finish(self, batch_id: str, number: int, *, ok: bool | None,
                result: dict[str, Any]) -> None:

@@ -133,6 +133,8 @@ def _line(number: int, raw: bytes) -> Line:
         raise _Bad("not UTF-8") from None
     except ValueError as e:
         raise _Bad(f"not JSON ({_clip(str(e))})") from None
+    except RecursionError:
+        raise _Bad("JSON nested too deep") from None
     if not isinstance(item, dict):
         raise _Bad("not a JSON object")
     unknown = sorted(set(item) - LINE_KEYS)

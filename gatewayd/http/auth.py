@@ -285,9 +285,11 @@ def _check_content_type(request: web.Request, body: Body) -> None:
             f"{request.path} takes a JSON body: send it as 'Content-Type: application/json' "
             f"(not {kind}); with curl: -H 'Content-Type: application/json'")
     if kind != "multipart/form-data":
+        example = "-F purpose=batch -F file=@requests.jsonl" if request.path == "/v1/files" \
+            else "-F file=@audio.wav -F model=NAME"
         raise UnsupportedMediaType(
             f"{request.path} takes a multipart/form-data upload (not {kind}); with curl: "
-            "-F file=@audio.wav -F model=NAME")
+            f"{example}")
 
 
 def preflight(request: web.Request, matched: Matched) -> web.Response:

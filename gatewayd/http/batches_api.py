@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gatewayd.core.auth import ADMIN, ApiKey
 from gatewayd.core.errors import BodyTooLarge, InvalidRequest
@@ -70,7 +71,8 @@ async def _read_form(request: web.Request, limit: int) -> tuple[str | None, str,
             else:
                 raise InvalidRequest(f"the form has a field {str(part.name)[:40]!r}: it takes "
                                      "`purpose` and one `file`", param=str(part.name)[:40])
-    except (ValueError, AssertionError, KeyError) as e:
+    except (ValueError, AssertionError, KeyError, HttpProcessingError) as e:
+        # (aiohttp's: a part's header that is no header)
         raise InvalidRequest(f"not a multipart/form-data upload: {str(e)[:120]}") from None
     return purpose, filename, data
 
@@ -179,8 +181,8 @@ async def _json_object(request: web.Request, limit: int) -> dict[str, Any]:
     body = await read_body(request, limit)
     try:
         payload = json.loads(body) if body else {}
-    except ValueError:
-        raise InvalidRequest("the body is not JSON") from None
+    except (ValueError, RecursionError):
+        raise InvalidRequest("the body is not JSON (or nested too deep)") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("the body must be a JSON object")
     return payload

@@ -65,11 +65,14 @@ from gatewayd.core.errors import (
     ConcurrencyLimit,
     EngineBusy,
     EngineLimitReached,
+    EngineUnavailable,
     FileInUse,
     FileNotFound,
     GatewayError,
+    GpuUnavailable,
     InsufficientGpu,
     InsufficientMemory,
+    ModelDownloading,
     ModelNotFound,
     ModelNotLoaded,
     NoEngineReady,
@@ -84,11 +87,13 @@ log = logging.getLogger("gatewayd.batches")
 
 POLL_S = 0.5            # how often a waiting line looks again (a batch is not in a hurry)
 PROGRESS_S = 1.0        # a batch's progress event at most this often
+CLOSE_WAIT_S = 10.0     # the gateway's stop waits this long for a batch writing its files
 RETRY_S = 2.0           # after a line got no turn
 CHUNK = 64              # pending lines read at a time
 # what means "not now" for a line, not "this line failed": it is tried again
 NOT_NOW = (ModelNotLoaded, QueueFull, EngineBusy, ConcurrencyLimit, EngineLimitReached,
-           InsufficientGpu, InsufficientMemory, NoEngineReady, ShuttingDown)
+           InsufficientGpu, InsufficientMemory, NoEngineReady, ShuttingDown, GpuUnavailable,
+           ModelDownloading, EngineUnavailable)   # (unavailable: where it reached no process)
 
 
 T = TypeVar("T")
@@ -140,6 +145,8 @@ def may_send(*, ready: bool, quiet: bool, in_flight: int, concurrency: int,
 class _Running:
     task: asyncio.Task[None]
     stop: str | None = None     # CANCELLED or EXPIRED once asked to end early
+    finishing: bool = False     # past its last line: its files are being written, and
+                                # nothing may cut it off (a cancel is too late then)
 
 
 class Batches:
@@ -158,6 +165,7 @@ class Batches:
         self._record = record
         self._publish = publish
         self._published: dict[str, float] = {}   # when each batch's progress was last told
+        self._ending = asyncio.Lock()   # a cancel and a batch's end: one at a time
         self._wall = wall
         self._running: dict[str, _Running] = {}
         self._in_flight: Counter[str] = Counter()   # lines on their way, per model
@@ -168,7 +176,8 @@ class Batches:
     async def upload(self, owner: str, filename: str, data: bytes) -> StoredFile:
         """A batch input file: every line checked (BatchFileInvalid naming the bad ones),
         the bounds on what is kept checked, then kept whole."""
-        read_lines(data, max_lines=self.config.batch_max_lines)
+        # (a 100 MB file is a second of CPU: off the event loop)
+        await asyncio.to_thread(read_lines, data, max_lines=self.config.batch_max_lines)
         await self._check_room(len(data))
         stored = StoredFile(id=f"file-{secrets.token_hex(12)}", owner=owner, purpose="batch",
                             filename=_clean_filename(filename), bytes=len(data),
@@ -234,9 +243,13 @@ class Batches:
         if stored.purpose != "batch":
             raise BatchInvalid(f"{input_file_id} is not a batch input file (its purpose is "
                                f"{stored.purpose})", param="input_file_id")
-        data = await asyncio.to_thread(self._store.path_of(stored.id).read_bytes)
-        lines = [self._resolved(line, may_use)
-                 for line in read_lines(data, max_lines=self.config.batch_max_lines)]
+        try:
+            data = await asyncio.to_thread(self._store.path_of(stored.id).read_bytes)
+        except OSError:   # deleted meanwhile
+            raise FileNotFound(f"no file {input_file_id!r}", param="input_file_id") from None
+        read = await asyncio.to_thread(read_lines, data,
+                                       max_lines=self.config.batch_max_lines)
+        lines = [self._resolved(line, may_use) for line in read]
         wrong = [line.number for line in lines if line.url != endpoint]
         if wrong:
             raise BatchInvalid(f"line(s) {_numbers(wrong)} ask another url than the "
@@ -286,22 +299,26 @@ class Batches:
         return await asyncio.to_thread(self._store.unended)
 
     async def cancel(self, owner: str | None, batch_id: str) -> Batch:
-        """The batch cancelling: its lines in flight stopped, what is answered kept."""
-        batch = await self.batch(owner, batch_id)
-        if batch.status in ENDED:
-            raise BatchEnded(f"{batch_id} has already ended ({batch.status})")
-        if batch.status == FINALIZING:   # every line is answered: its files are being written
-            raise BatchEnded(f"{batch_id} is finalizing: every line is answered, and its "
-                             "files are being written")
-        if batch.status != CANCELLING:
-            batch.move(CANCELLING, int(self._wall()))
-            await asyncio.to_thread(self._store.save, batch)
-            self._tell(batch)
-        if (running := self._running.get(batch_id)) is not None:
-            running.stop = CANCELLED
-            running.task.cancel()
-        else:
-            self._start(batch_id)
+        """The batch cancelling: its lines in flight stopped, what is answered kept; a
+        batch already ending (its files being written) is past cancelling (BatchEnded)."""
+        await self.batch(owner, batch_id)   # the caller's, or a 404
+        async with self._ending:   # one status change at a time: this, or its end
+            batch = await self.batch(owner, batch_id)
+            running = self._running.get(batch_id)
+            if batch.status in ENDED:
+                raise BatchEnded(f"{batch_id} has already ended ({batch.status})")
+            if batch.status == FINALIZING or (running is not None and running.finishing):
+                raise BatchEnded(f"{batch_id} is finalizing: every line is answered, and "
+                                 "its files are being written")
+            if batch.status != CANCELLING:
+                batch.move(CANCELLING, int(self._wall()))
+                await asyncio.to_thread(self._store.save, batch)
+                self._tell(batch)
+            if running is not None:
+                running.stop = CANCELLED
+                running.task.cancel()
+            else:
+                self._start(batch_id)
         return batch
 
     # -- running ------------------------------------------------------------------------
@@ -319,13 +336,18 @@ class Batches:
             log.info("batch %s goes on (%s)", batch.id, batch.status)
 
     async def close(self) -> None:
+        """The gateway stops: each batch stops where it is (its lines in flight pending
+        again, uncounted: the next run sends them), one writing its files finishes first
+        (a few seconds at most)."""
         self._closed = True
         running = list(self._running.values())
         for run in running:
-            run.task.cancel()
+            if not run.finishing:
+                run.task.cancel()
         for run in running:
-            with contextlib.suppress(asyncio.CancelledError):
-                await run.task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(run.task), CLOSE_WAIT_S)
+            run.task.cancel()
         await asyncio.to_thread(self._store.close)
 
     def _start(self, batch_id: str) -> None:
@@ -334,27 +356,46 @@ class Batches:
         task = asyncio.get_running_loop().create_task(self._run(batch_id),
                                                       name=f"batch {batch_id}")
         self._running[batch_id] = _Running(task)
-        task.add_done_callback(lambda _: self._running.pop(batch_id, None))
+        task.add_done_callback(lambda t: self._ran(batch_id, t))
+
+    def _ran(self, batch_id: str, task: asyncio.Task[None]) -> None:
+        self._running.pop(batch_id, None)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("batch %s: its run ended with %r", batch_id, error)
 
     async def _run(self, batch_id: str) -> None:
         running = self._running[batch_id]
-        batch = await asyncio.to_thread(self._store.batch, batch_id)
-        if batch is None:
-            return
         errors: list[dict[str, Any]] | None = None
         try:
-            if batch.status == IN_PROGRESS:
+            batch = await asyncio.to_thread(self._store.batch, batch_id)
+            if batch is not None and batch.status == IN_PROGRESS:
                 await self._send_all(batch)   # (sets EXPIRED where its window ran out)
-                running.stop = running.stop or COMPLETED
         except asyncio.CancelledError:
             if running.stop is None:   # the gateway stops: the batch goes on next time
+                await asyncio.to_thread(self._store.unsend, batch_id)
                 raise
         except Exception as e:   # never lost: the batch ends failed, with why
             log.exception("batch %s failed", batch_id)
             errors = [{"code": "batch_failed", "message": str(e)[:500], "line": None,
                        "param": None}]
             running.stop = FAILED_BATCH
-        await self._finish(batch_id, running.stop or COMPLETED, errors)
+        async with self._ending:   # from here on no cancel cuts it off
+            running.finishing = True
+        try:
+            await self._finish(batch_id, running.stop or COMPLETED, errors)
+        except Exception as e:    # a full disk while writing its files: it ends failed
+            log.exception("batch %s: its files could not be written", batch_id)
+            await self._fail(batch_id, f"its output could not be written: {e}")
+
+    async def _fail(self, batch_id: str, why: str) -> None:
+        with contextlib.suppress(Exception):
+            batch = await asyncio.to_thread(self._store.batch, batch_id)
+            if batch is not None and batch.status not in ENDED:
+                batch.errors = [{"code": "batch_failed", "message": why[:500],
+                                 "line": None, "param": None}]
+                batch.move(FAILED_BATCH, int(self._wall()))
+                await asyncio.to_thread(self._store.save, batch)
+                self._tell(batch)
 
     async def _send_all(self, batch: Batch) -> None:
         """Every pending line sent, up to batches.concurrency at once, until none is left
@@ -378,35 +419,44 @@ class Batches:
                 await asyncio.sleep(RETRY_S)
 
     async def _send(self, batch: Batch, line: Line) -> bool:
-        """The line sent and its answer kept; False where it got no turn (try again)."""
+        """The line sent and its answer kept; False where it got no turn (try again). A
+        line cut off (a cancel, an expiry, the gateway's stop) is left `sent`: the batch's
+        run puts its lines back (or fails them) in one transaction."""
         async with self._turn(line.model) as quiet:
-            await asyncio.to_thread(self._store.mark_sent, batch.id, line.number)
             t0 = time.monotonic()
             try:
+                if not await asyncio.to_thread(self._store.mark_sent, batch.id, line.number):
+                    return True   # ended meanwhile (expired): not to be sent
                 status, body = await self._dispatcher.journey(
                     line.model, lambda engine: self._ask(engine, line), autoload=quiet,
                     priority=LOW, client=f"batch:{batch.id}")
             except NOT_NOW as e:
+                if isinstance(e, EngineUnavailable) and not e.reached_no_process:
+                    return await self._failed(batch, line, t0, e)   # it may have been read
                 log.debug("batch %s line %d: not now (%s)", batch.id, line.number, e.code)
-                self._store.unsend(batch.id, line.number)
+                await asyncio.to_thread(self._store.unsend, batch.id, line.number)
                 return False
             except GatewayError as e:
-                self._note(batch, line, e.status, t0, e.code, None)
-                await asyncio.to_thread(self._store.finish, batch.id, line.number, ok=None,
-                                        result=error_line(_request_id(), line.custom_id,
-                                                          e.code, e.message))
-                return True
-            except BaseException:
-                # cancelled (cancel, expiry, the gateway stopping): not answered, pending
-                # again; its attempt is not counted (a crash, which cannot get here, is)
-                self._store.unsend(batch.id, line.number)
-                raise
+                return await self._failed(batch, line, t0, e)
+            except Exception as e:   # one line's surprise fails that line, not the batch
+                log.exception("batch %s line %d", batch.id, line.number)
+                return await self._failed(batch, line, t0, GatewayError(
+                    f"the gateway failed to send this line: {type(e).__name__}"))
         answer = _json_or_text(body)
         self._note(batch, line, status, t0, None, answer)
         await asyncio.to_thread(self._store.finish, batch.id, line.number,
                                 ok=200 <= status < 300,
                                 result=answer_line(_request_id(), line.custom_id, status,
                                                    answer))
+        await self._progress(batch.id)
+        return True
+
+    async def _failed(self, batch: Batch, line: Line, t0: float, e: GatewayError) -> bool:
+        """The line ended in the gateway's own error: kept in the error file."""
+        self._note(batch, line, e.status, t0, e.code, None)
+        await asyncio.to_thread(self._store.finish, batch.id, line.number, ok=None,
+                                result=error_line(_request_id(), line.custom_id, e.code,
+                                                  e.message))
         await self._progress(batch.id)
         return True
 
@@ -468,8 +518,12 @@ class Batches:
         if status == COMPLETED:
             batch.move(FINALIZING, int(self._wall()))
             await asyncio.to_thread(self._store.save, batch)
-        if status == EXPIRED:
-            await self._expire_pending(batch)
+        if status == EXPIRED:   # what it did not answer is said, in its error file
+            await asyncio.to_thread(
+                self._store.fail_unanswered, batch.id, "batch_expired",
+                "the batch expired before this line was answered", _request_id)
+        else:   # lines cut off by a cancel: not answered, in neither file
+            await asyncio.to_thread(self._store.unsend, batch.id)
         # whatever the end, what was answered is kept (a failed batch's too)
         batch.output_file_id = await self._write(batch, ok=True)
         batch.error_file_id = await self._write(batch, ok=False)
@@ -480,14 +534,6 @@ class Batches:
         if (ended := await asyncio.to_thread(self._store.batch, batch.id)) is not None:
             self._tell(ended)
         log.info("batch %s %s", batch.id, status)
-
-    async def _expire_pending(self, batch: Batch) -> None:
-        while lines := await asyncio.to_thread(self._store.pending, batch.id, CHUNK):
-            for line in lines:
-                self._store.mark_sent(batch.id, line.number)
-                self._store.finish(batch.id, line.number, ok=None, result=error_line(
-                    _request_id(), line.custom_id, "batch_expired",
-                    "the batch expired before this line was answered"))
 
     async def _write(self, batch: Batch, *, ok: bool) -> str | None:
         """The output (ok) or error file of the batch, if it has any line (its id)."""

@@ -237,3 +237,21 @@ async def test_the_cli_lists_every_key_s_batches_and_cancels_one(
     assert "has already ended" in capsys.readouterr().err
     assert await asyncio.to_thread(cli.main, ["--url", url, "--json", "batches"]) == 0
     assert json.loads(capsys.readouterr().out)["data"][0]["status"] == "cancelled"
+
+
+async def test_json_nested_past_the_parser_and_a_broken_form_are_400s(gw: Gateway) -> None:
+    deep = b"[" * 100_000
+    resp = await gw.client.post("/v1/batches", data=deep,
+                                headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_request"
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", deep + b"\n", filename="in.jsonl")
+    resp = await gw.client.post("/v1/files", data=form)
+    body = await resp.json()
+    assert resp.status == 400 and body["error"]["code"] == "invalid_batch_file"
+    assert "nested too deep" in body["error"]["errors"][0]["message"]
+    broken = b"--b\r\nno header here\r\n\r\nx\r\n--b--\r\n"
+    resp = await gw.client.post("/v1/files", data=broken,
+                                headers={"Content-Type": "multipart/form-data; boundary=b"})
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_request"

@@ -17,6 +17,7 @@ from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
+    BatchEnded,
     BatchInvalid,
     EngineFailed,
     FileInUse,
@@ -322,3 +323,90 @@ async def test_files_are_their_owner_s(s: Setup) -> None:
     await s.batches.delete_file("alice", input_id)
     with pytest.raises(FileNotFound):
         await s.batches.file(None, input_id)
+
+
+async def test_a_cancel_while_its_files_are_written_is_refused_and_the_batch_ends(
+        s: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every line answered, the files being written: a cancel then (a double click, the
+    admin and the user both) must not cut the writing off (it left the batch `finalizing`
+    or `cancelling` for good, with no run to end it)."""
+    writing, go_on = asyncio.Event(), asyncio.Event()
+    write = Batches._write
+
+    async def slow_write(self: Batches, batch: core.Batch, *, ok: bool) -> str | None:
+        writing.set()
+        await go_on.wait()
+        return await write(self, batch, ok=ok)
+    monkeypatch.setattr(Batches, "_write", slow_write)
+    batch = await s.run(lines("a"))
+    async with asyncio.timeout(5):
+        await writing.wait()
+    with pytest.raises(BatchEnded, match="finalizing"):
+        await s.batches.cancel(None, batch.id)
+    go_on.set()
+    done = await s.ended(batch.id)
+    assert done.status == core.COMPLETED and done.output_file_id
+
+
+async def test_a_batch_whose_files_cannot_be_written_ends_failed_not_stuck(
+        s: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def full_disk(self: Batches, batch: core.Batch, *, ok: bool) -> str | None:
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Batches, "_write", full_disk)
+    done = await s.ended((await s.run(lines("a"))).id)
+    assert done.status == core.FAILED_BATCH and done.errors
+    assert "No space left" in done.errors[0]["message"]
+
+
+async def test_the_gateway_s_stop_puts_lines_in_flight_back_uncounted(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    s.answers.gate = asyncio.Event()
+    batch = await s.run(lines("a"))
+    async with asyncio.timeout(5):
+        while not s.answers.sent:
+            await asyncio.sleep(0.01)
+    store: BatchStore = s.batches._store   # type: ignore[assignment]
+    await s.batches.close()
+    reopened = BatchStore(tmp_path)
+    assert [x.number for x in reopened.pending(batch.id, 10)] == [1]
+    assert reopened.resume(batch.id) == []   # nothing `sent`: no attempt spent
+    assert store is not reopened
+    reopened.close()
+
+
+def test_a_line_that_is_no_longer_pending_is_not_marked_sent(tmp_path: Path) -> None:
+    """The expiry's one transaction may fail a line while its worker is about to mark it
+    sent: the mark must not bring it back (it was in neither file, `sent` for good)."""
+    store = BatchStore(tmp_path)
+    batch = core.Batch(id="batch_x", owner="", input_file_id="file-x", endpoint="/v1/embeddings",
+                       completion_window="24h", created_at=0, expires_at=1)
+    store.add_batch(batch, core.read_lines(lines("a", "b"), max_lines=10))
+    assert store.mark_sent("batch_x", 1)
+    assert store.fail_unanswered("batch_x", "batch_expired", "expired", lambda: "r") == 2
+    assert not store.mark_sent("batch_x", 2)
+    errors = [json.loads(x) for x in store.results("batch_x", ok=False)]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("c0", "batch_expired"), ("c1", "batch_expired")]
+    store.close()
+
+
+async def test_a_cancel_while_an_expired_batch_writes_its_files_is_refused(
+        s: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expired batch is never `finalizing`: only the run knows it is past its lines."""
+    monkeypatch.setitem(core.WINDOWS, "24h", 1)
+    writing, go_on = asyncio.Event(), asyncio.Event()
+    write = Batches._write
+
+    async def slow_write(self: Batches, batch: core.Batch, *, ok: bool) -> str | None:
+        writing.set()
+        await go_on.wait()
+        return await write(self, batch, ok=ok)
+    monkeypatch.setattr(Batches, "_write", slow_write)
+    s.answers.gate = asyncio.Event()     # its line hangs until the window ends
+    batch = await s.run(lines("a"))
+    async with asyncio.timeout(5):
+        await writing.wait()
+    with pytest.raises(BatchEnded, match="finalizing"):
+        await s.batches.cancel(None, batch.id)
+    go_on.set()
+    assert (await s.ended(batch.id)).status == core.EXPIRED
