@@ -138,6 +138,10 @@ def rules(req: Request) -> Rules:
         r.may_refuse.append("a method the parser does not know")
     if not re.fullmatch(rb"[!-~]+", req.target):
         r.may_refuse.append("the target holds bytes a target may not")
+    elif b"#" in req.target:
+        # found by the exploring run (seed 424242): "/v1/chat/completions#" is no target
+        # (RFC 9112 3.2: a fragment is no part of one; the gateway's 404 is a refusal)
+        r.may_refuse.append("a fragment in the target (RFC 9112 3.2: not a target's)")
     elif req.target == b"*":
         r.may_refuse.append("an asterisk-form target (RFC 9112 3.2.4: OPTIONS only)")
     if len(req.fields) > MAX_HEADERS:
