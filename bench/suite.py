@@ -300,8 +300,8 @@ PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, 
                        starts=1, cycles=1, open_streams=100, activations=2,
                        real_starts=1, real_cycles=1, agent_turns=2, agent_prefixes=(512,),
                        slot_rounds=1, crowd_active=32, crowd_idle=100, refusal_rounds=1,
-                       refusal_seconds=1.0, mixed_seconds=2.0, mixed_clients=4,
-                       mixed_max_wait_s=2.0, mixed_grace_s=1.0, mixed_preset="small",
+                       refusal_seconds=1.0, mixed_seconds=6.0, mixed_clients=4,
+                       mixed_max_wait_s=2.0, mixed_grace_s=6.0, mixed_preset="small",
                        batch_seconds=2.0, batch_clients=1, batch_preset="small")}
 
 
