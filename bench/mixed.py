@@ -405,7 +405,13 @@ async def run_one(plan: Plan, root: Path, llama: str, system: str, config: str |
           f"{figures['loads_per_min']} loads/min, p99 {figures['p99_ms']} ms, "
           f"{figures['errors']} errors", flush=True)
     if not load.answers:
-        raise RuntimeError(f"mixed, {system}, {mix}: no answer at all "
-                           f"(errors: {dict(load.errors)})")
+        # seen in smoke runs on a busy 2-core box, on this session's code and on the
+        # build before it alike (issue 51's note): a system answering nothing for the
+        # smoke's few seconds; a full run's windows are minutes, where it fails the run
+        why = f"mixed, {system}, {mix}: no answer at all (errors: {dict(load.errors)})"
+        if plan.mixed_strict:
+            raise RuntimeError(why)
+        print(f"bench mixed: {why}; the smoke goes on", flush=True)
+        figures["no_answer"] = True
     return figures
 
