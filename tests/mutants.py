@@ -1133,18 +1133,24 @@ BATCHES = (
                   "priority",)),
     Mutant("batch-busy-engine-filled", "until the gateway is quiet a batch has one line per "
            "ready engine, and loads nothing", "gatewayd/service/batches.py",
-           "    return ready and in_flight < 1 and others == 0",
+           "    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S",
            "    return in_flight < concurrency",
            tests=(BATCHES_T + "test_may_send_keeps_a_batch_to_one_line_per_ready_engine_"
                   "until_quiet", BATCHES_T + "test_while_interactive_traffic_came_lately_a_"
                   "line_waits_for_a_ready_engine")),
     Mutant("batch-line-beside-users", "until the gateway is quiet a batch line goes only in "
            "a gap of its engine's users", "gatewayd/service/batches.py",
-           "    return ready and in_flight < 1 and others == 0",
-           "    return ready and in_flight < 1",
+           "    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S",
+           "    return ready and in_flight < 1 and model_quiet_s >= USER_GAP_S",
            tests=(BATCHES_T + "test_may_send_keeps_a_batch_to_one_line_per_ready_engine_"
                   "until_quiet", BATCHES_T + "test_a_line_waits_for_a_gap_in_its_engine_s_"
                   "users")),
+    Mutant("batch-line-in-a-moment-s-gap", "a gap of a moment in a model's users (one "
+           "between two requests) lets no batch line in", "gatewayd/service/batches.py",
+           "    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S",
+           "    return ready and in_flight < 1 and others == 0",
+           tests=(BATCHES_T + "test_may_send_keeps_a_batch_to_one_line_per_ready_engine_"
+                  "until_quiet",)),
     Mutant("batch-sent-lines-lost-at-a-crash", "a line on its way at a crash is sent again "
            "by the next run", "gatewayd/adapters/batch_store.py",
            "            db.execute(\"UPDATE lines SET state = ? WHERE batch_id = ? AND state = ? "

@@ -353,7 +353,7 @@ async def deliver(front: FrontDoor, call: Call) -> web.StreamResponse:
     if local is None:
         return await relay_remote(front, call)
     if call.inference:
-        front.activity.seen()
+        front.activity.seen(local.id)
     told = call.told
     if not local.config.downloaded and call.autoload and front.puller is not None:
         # its file pulled from its source first, within the wait for a load; the

@@ -4,8 +4,9 @@ the API's objects and states; adapters/batch_store keeps them).
 
 How a batch shares the machine with its interactive users (`may_send`):
 - while interactive requests came within `batches.idle_s`, a batch line goes only to a
-  model whose engine is already ready and serves none of its users at that moment (a gap
-  in their traffic), and at most one line per model is in flight: a user's request that
+  model whose engine is already ready and has had none of its users for USER_GAP_S (a
+  gap in their traffic, not a user between two requests), and at most one line per model
+  is in flight: a user's request that
   comes meanwhile shares the engine with at most one batch request, and nothing is
   loaded or evicted for a batch (bench/batch.py: one line in flight whatever the users
   did cost their p99 1.34x on the realistic model, 2 CPU cores);
@@ -87,6 +88,7 @@ log = logging.getLogger("gatewayd.batches")
 
 POLL_S = 0.5            # how often a waiting line looks again (a batch is not in a hurry)
 PROGRESS_S = 1.0        # a batch's progress event at most this often
+USER_GAP_S = 1.0        # a gap in a model's users this long lets a batch line in
 CLOSE_WAIT_S = 10.0     # the gateway's stop waits this long for a batch writing its files
 RETRY_S = 2.0           # after a line got no turn
 CHUNK = 64              # pending lines read at a time
@@ -118,27 +120,35 @@ class BatchDispatcher(Protocol):
 
 
 class Activity:
-    """When the gateway last had an interactive request (the front door tells it)."""
+    """When the gateway last had an interactive request, and each model (the front door
+    tells it)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._last = -math.inf
+        self._models: dict[str, float] = {}
 
-    def seen(self) -> None:
-        self._last = self._clock()
+    def seen(self, model_id: str | None = None) -> None:
+        self._last = now = self._clock()
+        if model_id is not None:
+            self._models[model_id] = now
 
-    def quiet_for(self) -> float:
-        return self._clock() - self._last
+    def quiet_for(self, model_id: str | None = None) -> float:
+        """Seconds since the last interactive request (model_id's, where given)."""
+        last = self._last if model_id is None else self._models.get(model_id, -math.inf)
+        return self._clock() - last
 
 
 def may_send(*, ready: bool, quiet: bool, in_flight: int, concurrency: int,
-             others: int) -> bool:
+             others: int, model_quiet_s: float = math.inf) -> bool:
     """Whether a batch line may go to its model now (the module's docstring says why):
     in_flight, the batches' own lines on their way to it; others, the requests of its users
-    its engine serves or has queued."""
+    its engine serves or has queued; model_quiet_s, since its users' last request (a gap
+    shorter than USER_GAP_S is a user between two requests: a script's loop, a chat's
+    next turn, whose next request would meet the line)."""
     if quiet:
         return in_flight < concurrency
-    return ready and in_flight < 1 and others == 0
+    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S
 
 
 @dataclass
@@ -489,7 +499,8 @@ class Batches:
             mine = self._in_flight[model_id]
             if may_send(ready=ready, quiet=quiet, in_flight=mine,
                         concurrency=self.config.batch_concurrency,
-                        others=max(0, self._dispatcher.requests(model_id) - mine)):
+                        others=max(0, self._dispatcher.requests(model_id) - mine),
+                        model_quiet_s=self._activity.quiet_for(model_id)):
                 break
             await asyncio.sleep(POLL_S)
         self._in_flight[model_id] += 1

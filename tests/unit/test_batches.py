@@ -189,14 +189,21 @@ def test_may_send_keeps_a_batch_to_one_line_per_ready_engine_until_quiet() -> No
     assert not may_send(ready=True, quiet=False, in_flight=1, concurrency=4, others=0)
     # a user's request at the engine: the line waits for the engine's next gap
     assert not may_send(ready=True, quiet=False, in_flight=0, concurrency=4, others=1)
+    # ... and a gap of a moment is a user between two requests
+    assert not may_send(ready=True, quiet=False, in_flight=0, concurrency=4, others=0,
+                        model_quiet_s=0.2)
+    assert may_send(ready=True, quiet=False, in_flight=0, concurrency=4, others=0,
+                    model_quiet_s=1.5)
     assert may_send(ready=False, quiet=True, in_flight=3, concurrency=4, others=0)
     assert not may_send(ready=True, quiet=True, in_flight=4, concurrency=4, others=0)
 
 
-async def test_a_line_waits_for_a_gap_in_its_engine_s_users(s: Setup) -> None:
+async def test_a_line_waits_for_a_gap_in_its_engine_s_users(
+        s: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
     s.config = s.batches.config = GatewayConfig(state_dir=s.tmp, batch_idle_s=3600,
                                                 batch_disk_reserve_bytes=0)
-    s.activity.seen()
+    monkeypatch.setattr(service, "USER_GAP_S", 0.3)
+    s.activity.seen("tiny")
     s.journeys.users["tiny"] = 1      # someone is being answered by tiny
     batch = await s.run(lines("a"))
     await asyncio.sleep(0.2)
