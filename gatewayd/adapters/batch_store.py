@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -152,6 +153,10 @@ class BatchStore:
                           f"id {order} LIMIT ?", [*args, limit])
         return [StoredFile(*row) for row in rows]
 
+    def free_bytes(self) -> int:
+        """What the disk of the files has free."""
+        return shutil.disk_usage(self.files_dir).free
+
     def count_files(self) -> int:
         return int(self._read("SELECT COUNT(*) FROM files")[0][0])
 
@@ -281,10 +286,6 @@ class BatchStore:
             db.execute("UPDATE lines SET state = ? WHERE batch_id = ? AND state = ? AND "
                        "attempts < ?", (PENDING, batch_id, SENT, ATTEMPTS))
         return [(int(n), str(c)) for n, c in spent]
-
-    def in_flight(self, batch_id: str) -> int:
-        return int(self._read("SELECT COUNT(*) FROM lines WHERE batch_id = ? AND state = ?",
-                              (batch_id, SENT))[0][0])
 
     def results(self, batch_id: str, *, ok: bool) -> Iterator[bytes]:
         """The output (ok) or error file's lines, in the input file's order."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gatewayd.core.errors import BatchFileInvalid, BatchInvalid
 
@@ -48,8 +48,10 @@ STAMPS = {IN_PROGRESS: "in_progress_at", FINALIZING: "finalizing_at",
           CANCELLING: "cancelling_at", CANCELLED: "cancelled_at"}
 
 
-@dataclass(frozen=True)
-class Line:
+# Line, Problem and StoredFile are named tuples, not dataclasses: their classes are made
+# at the socket-activated start (the route table's handlers import this module), where a
+# dataclass costs several times as much to make (as core/config_schema's Key and Bound)
+class Line(NamedTuple):
     """One request of an input file, as checked."""
 
     number: int          # 1-based, as an editor shows it
@@ -59,8 +61,7 @@ class Line:
     body: bytes          # the request's body, as it will be sent (JSON)
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     line: int
     message: str
     param: str | None = None
@@ -221,8 +222,7 @@ class Batch:
         self.stamps.setdefault(STAMPS[status], now)
 
 
-@dataclass(frozen=True)
-class StoredFile:
+class StoredFile(NamedTuple):
     """An uploaded or written file, as OpenAI's File object describes it."""
 
     id: str
@@ -265,8 +265,3 @@ def _message_of(body: Mapping[str, Any] | str, status: int) -> str:
     error = body.get("error") if isinstance(body, Mapping) else None
     message = error.get("message") if isinstance(error, Mapping) else None
     return message if isinstance(message, str) else f"the engine answered {status}"
-
-
-def page(items: list[Any], limit: int) -> tuple[list[Any], bool]:
-    """The first `limit` of items (asked for limit + 1), and whether there are more."""
-    return items[:limit], len(items) > limit

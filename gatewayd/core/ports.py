@@ -9,15 +9,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
-from gatewayd.core.batch import Batch, Line, StoredFile
 from gatewayd.core.budget import MIB
 from gatewayd.core.catalog import Model
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.placement import DeviceMemory
 from gatewayd.core.pull import RemoteFile, RepoListing
 from gatewayd.core.ram_budget import HostMemory
+
+if TYPE_CHECKING:   # (the batches' types: the engine layer's ports need none of them)
+    from gatewayd.core.batch import Batch, Line, StoredFile
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,8 @@ class BatchBook(Protocol):
               limit: int, newest_first: bool) -> list[StoredFile]: ...
 
     def count_files(self) -> int: ...
+
+    def free_bytes(self) -> int: ...
 
     def delete_file(self, file_id: str) -> None: ...
 

@@ -35,6 +35,10 @@ def seen_by(key: ApiKey | None) -> str | None:
     return None if key is None or ADMIN in key.scopes else key.name
 
 
+def _viewer(request: web.Request) -> str | None:
+    return seen_by(request_key(request))
+
+
 async def upload_file(request: web.Request) -> web.Response:
     """POST /v1/files: multipart, `purpose=batch` and `file` (JSONL), checked line by line."""
     batches = request.app[BATCHES]
@@ -94,26 +98,23 @@ async def list_files(request: web.Request) -> web.Response:
     query = query_of(request)
     limit = query.get("limit", 10_000)
     found, more = await request.app[BATCHES].files(
-        seen_by(request_key(request)), purpose=query.get("purpose"),
+        _viewer(request), purpose=query.get("purpose"),
         after=query.get("after"), limit=limit, newest_first=query.get("order") != "asc")
     return web.json_response(_listing([f.describe() for f in found], more))
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
-    stored = await request.app[BATCHES].file(seen_by(request_key(request)),
-                                       request.match_info["key"])
+    stored = await request.app[BATCHES].file(_viewer(request), request.match_info["key"])
     return web.json_response(stored.describe())
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    stored = await request.app[BATCHES].delete_file(seen_by(request_key(request)),
-                                              request.match_info["key"])
+    stored = await request.app[BATCHES].delete_file(_viewer(request), request.match_info["key"])
     return web.json_response({"id": stored.id, "object": "file", "deleted": True})
 
 
 async def file_content(request: web.Request) -> web.FileResponse:
-    path = await request.app[BATCHES].content_path(seen_by(request_key(request)),
-                                             request.match_info["key"])
+    path = await request.app[BATCHES].content_path(_viewer(request), request.match_info["key"])
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
 
@@ -139,19 +140,17 @@ async def create_batch(request: web.Request) -> web.Response:
 async def list_batches(request: web.Request) -> web.Response:
     query = query_of(request)
     found, more = await request.app[BATCHES].batches(
-        seen_by(request_key(request)), after=query.get("after"), limit=query.get("limit", 20))
+        _viewer(request), after=query.get("after"), limit=query.get("limit", 20))
     return web.json_response(_listing([b.describe() for b in found], more))
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:
-    batch = await request.app[BATCHES].batch(seen_by(request_key(request)),
-                                       request.match_info["key"])
+    batch = await request.app[BATCHES].batch(_viewer(request), request.match_info["key"])
     return web.json_response(batch.describe())
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    batch = await request.app[BATCHES].cancel(seen_by(request_key(request)),
-                                        request.match_info["key"])
+    batch = await request.app[BATCHES].cancel(_viewer(request), request.match_info["key"])
     return web.json_response(batch.describe())
 
 

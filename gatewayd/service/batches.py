@@ -30,11 +30,9 @@ import json
 import logging
 import math
 import secrets
-import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from gatewayd.core.batch import (
@@ -151,12 +149,15 @@ def may_send(*, ready: bool, quiet: bool, in_flight: int, concurrency: int,
     return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S
 
 
-@dataclass
 class _Running:
-    task: asyncio.Task[None]
-    stop: str | None = None     # CANCELLED or EXPIRED once asked to end early
-    finishing: bool = False     # past its last line: its files are being written, and
-                                # nothing may cut it off (a cancel is too late then)
+    """A batch's run: its task, and how it is to end."""
+
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self.task = task
+        self.stop: str | None = None   # CANCELLED or EXPIRED once asked to end early
+        # past its last line: its files are being written, and nothing may cut it off (a
+        # cancel is too late then)
+        self.finishing = False
 
 
 class Batches:
@@ -201,7 +202,7 @@ class Batches:
         if count >= config.batch_max_files:
             raise StorageFull(f"{count} files are kept here, the most allowed "
                               "(batches.max_files): delete some first", retry_after=60)
-        free = await asyncio.to_thread(_free_bytes, self._store.path_of("x").parent)
+        free = await asyncio.to_thread(self._store.free_bytes)
         if free - size < config.batch_disk_reserve_bytes:
             raise StorageFull(f"the state directory's disk would have less than "
                               f"{config.batch_disk_reserve_bytes // 2**20} MiB free "
@@ -580,6 +581,3 @@ def _clean_filename(name: str) -> str:
     clean = "".join(c if c.isprintable() and c not in "/\\" else "_" for c in name)[:255]
     return clean or "batch.jsonl"
 
-
-def _free_bytes(path: Any) -> int:
-    return shutil.disk_usage(path).free

@@ -189,18 +189,22 @@ async def test_a_key_sees_only_its_own_files_and_batches(tmp_path: Path) -> None
         assert no_key.status == 401
 
 
-async def test_the_admin_status_lists_the_batches_not_yet_ended(gw: Gateway) -> None:
-    # interactive traffic just now, and b not loaded: its line waits (nothing is loaded
-    # for a batch until the gateway is quiet)
+async def waiting_batch(gw: Gateway, client: openai.AsyncOpenAI) -> Any:
+    """A batch whose one line waits: interactive traffic just now, and its model b not
+    loaded (nothing is loaded for a batch until the gateway is quiet)."""
     batches = gw.client.app[BATCHES]
     batches.config = dataclasses.replace(batches.config, batch_idle_s=3600)
     gw.client.app[FRONT].activity.seen()
-    client = sdk(gw)
     uploaded = await client.files.create(file=("in.jsonl", jsonl(chat_line("q", "b"))),
                                          purpose="batch")
-    batch = await client.batches.create(input_file_id=uploaded.id,
-                                        endpoint="/v1/chat/completions",
-                                        completion_window="24h")
+    return await client.batches.create(input_file_id=uploaded.id,
+                                       endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+
+
+async def test_the_admin_status_lists_the_batches_not_yet_ended(gw: Gateway) -> None:
+    client = sdk(gw)
+    batch = await waiting_batch(gw, client)
     status = await (await gw.client.get("/admin/status")).json()
     (listed,) = status["batches"]
     assert listed["id"] == batch.id and listed["status"] == "in_progress"
@@ -213,15 +217,8 @@ async def test_the_admin_status_lists_the_batches_not_yet_ended(gw: Gateway) -> 
 
 async def test_the_cli_lists_every_key_s_batches_and_cancels_one(
         gw: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
-    batches = gw.client.app[BATCHES]
-    batches.config = dataclasses.replace(batches.config, batch_idle_s=3600)
-    gw.client.app[FRONT].activity.seen()     # b's line waits: b is not loaded
     client = sdk(gw)
-    uploaded = await client.files.create(file=("in.jsonl", jsonl(chat_line("q", "b"))),
-                                         purpose="batch")
-    batch = await client.batches.create(input_file_id=uploaded.id,
-                                        endpoint="/v1/chat/completions",
-                                        completion_window="24h")
+    batch = await waiting_batch(gw, client)
     url = str(gw.client.make_url(""))
     assert await asyncio.to_thread(cli.main, ["--url", url, "batches"]) == 0
     listed = capsys.readouterr().out.splitlines()

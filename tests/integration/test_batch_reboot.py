@@ -6,7 +6,6 @@ output exactly once (a line on its way at the reboot is sent again, once)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -18,7 +17,8 @@ import make_tiny_model
 import pytest
 
 from tests.harness.container import SystemdContainer, engine_workdir, why_unavailable
-from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
+from tests.harness.plugin import engine_binary, unavailable
+from tests.integration.test_reboot_restore import enabled_gateway
 
 pytestmark = [pytest.mark.container, pytest.mark.engine]
 
@@ -94,17 +94,7 @@ def test_a_batch_goes_on_after_a_reboot_and_answers_each_line_once(workdir: Path
         "body": {"model": "tiny-alpha", "max_tokens": 128,
                  "messages": [{"role": "user", "content": f"count to {i}"}]}}) + "\n"
         for i in range(LINES)))
-    unit_file = (f"[Unit]\nDescription=llm-gateway under test\n[Service]\n"
-                 f"WorkingDirectory={REPO}\n"
-                 f"ExecStart={sys.executable} -m gatewayd --config {config} serve\n"
-                 "[Install]\nWantedBy=multi-user.target\n")
-    ro = [ENGINE_CACHE] if ENGINE_CACHE.is_dir() else []
-    box = SystemdContainer(f"batchboot-{os.getpid() % 100000}", binds=[REPO, workdir],
-                           binds_ro=ro)
-    box.start()
-    try:
-        box.exec("tee", f"/etc/systemd/system/{UNIT}", input=unit_file)
-        box.shell(f"systemctl daemon-reload && systemctl enable --now {UNIT}")
+    with enabled_gateway("batchboot", workdir, config, UNIT) as box:
         deadline = time.monotonic() + 30
         while (uploaded := call(box, script, "POST", "/v1/files", "--upload", str(lines))
                ) is None and time.monotonic() < deadline:
@@ -130,5 +120,3 @@ def test_a_batch_goes_on_after_a_reboot_and_answers_each_line_once(workdir: Path
         assert all(a["response"]["status_code"] == 200 for a in answers)
         log = box.shell(f"journalctl -b -u {UNIT} -o cat --no-pager")
         assert f"batch {batch['id']} goes on" in log, log
-    finally:
-        box.stop()

@@ -7,6 +7,7 @@ engine units gone), and the gateway restores the desired list on its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,27 @@ def workdir() -> Iterator[Path]:
     path = engine_workdir("llmgw-reboot-")
     yield path
     shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def enabled_gateway(name: str, workdir: Path, config: Path, unit: str
+                    ) -> Iterator[SystemdContainer]:
+    """A container whose systemd has the gateway (config) as an enabled service, unit:
+    started now, and again by each boot; stopped (the container) at the end."""
+    unit_file = (f"[Unit]\nDescription=llm-gateway under test\n[Service]\n"
+                 f"WorkingDirectory={REPO}\n"
+                 f"ExecStart={sys.executable} -m gatewayd --config {config} serve\n"
+                 "[Install]\nWantedBy=multi-user.target\n")
+    ro = [ENGINE_CACHE] if ENGINE_CACHE.is_dir() else []
+    box = SystemdContainer(f"{name}-{os.getpid() % 100000}", binds=[REPO, workdir],
+                           binds_ro=ro)
+    box.start()
+    try:
+        box.exec("tee", f"/etc/systemd/system/{unit}", input=unit_file)
+        box.shell(f"systemctl daemon-reload && systemctl enable --now {unit}")
+        yield box
+    finally:
+        box.stop()
 
 
 def gateway_cli(box: SystemdContainer, config: Path, *args: str) -> str:
@@ -64,17 +86,7 @@ def test_reboot_restores_engines_one_at_a_time_in_order(workdir: Path) -> None:
     config = workdir / "gateway.toml"
     config.write_text(f'models_dir = "{workdir}"\nllama_server = "{llama}"\n'
                       'state_dir = "/var/lib/llm-gateway-test"\n[listen]\nport = 18480\n')
-    unit_file = (f"[Unit]\nDescription=llm-gateway under test\n[Service]\n"
-                 f"WorkingDirectory={REPO}\n"
-                 f"ExecStart={sys.executable} -m gatewayd --config {config} serve\n"
-                 "[Install]\nWantedBy=multi-user.target\n")
-    ro = [ENGINE_CACHE] if ENGINE_CACHE.is_dir() else []
-    box = SystemdContainer(f"reboot-{os.getpid() % 100000}", binds=[REPO, workdir],
-                           binds_ro=ro)
-    box.start()
-    try:
-        box.exec("tee", f"/etc/systemd/system/{UNIT}", input=unit_file)
-        box.shell(f"systemctl daemon-reload && systemctl enable --now {UNIT}")
+    with enabled_gateway("reboot", workdir, config, UNIT) as box:
         # the user starts two engines, beta first
         for model in ("tiny-beta", "tiny-alpha"):
             deadline = time.monotonic() + 20
@@ -97,5 +109,3 @@ def test_reboot_restores_engines_one_at_a_time_in_order(workdir: Path) -> None:
         positions = [log.index(mark) for mark in marks]
         assert positions == sorted(positions), log
         assert "tiny-gamma" not in log   # only what the user had running
-    finally:
-        box.stop()

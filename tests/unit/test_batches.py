@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -237,7 +238,8 @@ async def test_a_line_on_its_way_at_a_crash_is_sent_again_once(tmp_path: Path) -
             await asyncio.sleep(0.01)
     # a crash: the first run is abandoned as it is (both lines `sent`, attempt 1): no
     # handler of it runs until the second run is done
-    assert s.batches._store.in_flight(batch.id) == 2   # type: ignore[attr-defined]
+    with sqlite3.connect(tmp_path / "batches.db") as db:
+        assert db.execute("SELECT state, attempts FROM lines").fetchall() == [("sent", 1)] * 2
     # a second run of the gateway on the same state dir
     again = Setup(tmp_path)
     await again.batches.start()
@@ -332,19 +334,26 @@ async def test_files_are_their_owner_s(s: Setup) -> None:
         await s.batches.file(None, input_id)
 
 
+def held_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """A batch's files written only once the second event is set; the first, set when the
+    writing began."""
+    writing, go_on = asyncio.Event(), asyncio.Event()
+    write = Batches._write
+
+    async def held(self: Batches, batch: core.Batch, *, ok: bool) -> str | None:
+        writing.set()
+        await go_on.wait()
+        return await write(self, batch, ok=ok)
+    monkeypatch.setattr(Batches, "_write", held)
+    return writing, go_on
+
+
 async def test_a_cancel_while_its_files_are_written_is_refused_and_the_batch_ends(
         s: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every line answered, the files being written: a cancel then (a double click, the
     admin and the user both) must not cut the writing off (it left the batch `finalizing`
     or `cancelling` for good, with no run to end it)."""
-    writing, go_on = asyncio.Event(), asyncio.Event()
-    write = Batches._write
-
-    async def slow_write(self: Batches, batch: core.Batch, *, ok: bool) -> str | None:
-        writing.set()
-        await go_on.wait()
-        return await write(self, batch, ok=ok)
-    monkeypatch.setattr(Batches, "_write", slow_write)
+    writing, go_on = held_writes(monkeypatch)
     batch = await s.run(lines("a"))
     async with asyncio.timeout(5):
         await writing.wait()
@@ -401,14 +410,7 @@ async def test_a_cancel_while_an_expired_batch_writes_its_files_is_refused(
         s: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
     """An expired batch is never `finalizing`: only the run knows it is past its lines."""
     monkeypatch.setitem(core.WINDOWS, "24h", 1)
-    writing, go_on = asyncio.Event(), asyncio.Event()
-    write = Batches._write
-
-    async def slow_write(self: Batches, batch: core.Batch, *, ok: bool) -> str | None:
-        writing.set()
-        await go_on.wait()
-        return await write(self, batch, ok=ok)
-    monkeypatch.setattr(Batches, "_write", slow_write)
+    writing, go_on = held_writes(monkeypatch)
     s.answers.gate = asyncio.Event()     # its line hangs until the window ends
     batch = await s.run(lines("a"))
     async with asyncio.timeout(5):
