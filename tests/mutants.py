@@ -1124,29 +1124,29 @@ BATCHES_T = "tests/unit/test_batches.py::"
 BATCH_API_T = "tests/http/test_batches_api.py::"
 BATCHES = (
     Mutant("batch-lines-at-the-users-class", "a batch line is served at the lowest class, "
-           "below every interactive request", "gatewayd/service/batches.py",
+           "below every interactive request", "gatewayd/service/batch_lines.py",
            "                    priority=LOW, client=f\"batch:{batch.id}\")",
            "                    priority=NORMAL, client=f\"batch:{batch.id}\")",
-           also=(("gatewayd/service/batches.py", "from gatewayd.core.priority import LOW\n",
+           also=(("gatewayd/service/batch_lines.py", "from gatewayd.core.priority import LOW\n",
                   "from gatewayd.core.priority import LOW, NORMAL\n"),),
            tests=(BATCHES_T + "test_every_line_is_answered_once_in_order_at_the_lowest_"
                   "priority",)),
     Mutant("batch-busy-engine-filled", "until the gateway is quiet a batch has one line per "
-           "ready engine, and loads nothing", "gatewayd/service/batches.py",
+           "ready engine, and loads nothing", "gatewayd/service/batch_lines.py",
            "    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S",
            "    return in_flight < concurrency",
            tests=(BATCHES_T + "test_may_send_keeps_a_batch_to_one_line_per_ready_engine_"
                   "until_quiet", BATCHES_T + "test_while_interactive_traffic_came_lately_a_"
                   "line_waits_for_a_ready_engine")),
     Mutant("batch-line-beside-users", "until the gateway is quiet a batch line goes only in "
-           "a gap of its engine's users", "gatewayd/service/batches.py",
+           "a gap of its engine's users", "gatewayd/service/batch_lines.py",
            "    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S",
            "    return ready and in_flight < 1 and model_quiet_s >= USER_GAP_S",
            tests=(BATCHES_T + "test_may_send_keeps_a_batch_to_one_line_per_ready_engine_"
                   "until_quiet", BATCHES_T + "test_a_line_waits_for_a_gap_in_its_engine_s_"
                   "users")),
     Mutant("batch-line-in-a-moment-s-gap", "a gap of a moment in a model's users (one "
-           "between two requests) lets no batch line in", "gatewayd/service/batches.py",
+           "between two requests) lets no batch line in", "gatewayd/service/batch_lines.py",
            "    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S",
            "    return ready and in_flight < 1 and others == 0",
            tests=(BATCHES_T + "test_may_send_keeps_a_batch_to_one_line_per_ready_engine_"
@@ -1168,7 +1168,7 @@ BATCHES = (
            tests=(BATCHES_T + "test_a_line_sent_twice_when_the_gateway_stopped_is_failed_"
                   "not_sent_again",)),
     Mutant("batch-no-turn-is-a-failure", "a line that got no turn is tried again, not "
-           "failed", "gatewayd/service/batches.py",
+           "failed", "gatewayd/service/batch_lines.py",
            "            except NOT_NOW as e:", "            except ValueError as e:",
            tests=(BATCHES_T + "test_a_line_that_gets_no_turn_is_tried_again_not_failed",)),
     Mutant("batch-never-expires", "a batch whose window ran out ends expired, its "

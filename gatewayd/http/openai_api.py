@@ -65,7 +65,7 @@ from gatewayd.http.proxy import (
     to_engine,
 )
 from gatewayd.http.waiting import ClientLeft, Progress
-from gatewayd.service.batches import Activity
+from gatewayd.service.batch_lines import Activity
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from gatewayd.service.pulls import Puller

@@ -2,20 +2,10 @@
 lowest priority, in the machine's idle time, resumed across restarts (core/batch says
 the API's objects and states; adapters/batch_store keeps them).
 
-How a batch shares the machine with its interactive users (`may_send`):
-- while interactive requests came within `batches.idle_s`, a batch line goes only to a
-  model whose engine is already ready and has had none of its users for USER_GAP_S (a
-  gap in their traffic, not a user between two requests), and at most one line per model
-  is in flight: a user's request that
-  comes meanwhile shares the engine with at most one batch request, and nothing is
-  loaded or evicted for a batch (bench/batch.py: one line in flight whatever the users
-  did cost their p99 1.34x on the realistic model, 2 CPU cores);
-- once the gateway has been quiet for `batches.idle_s`, lines may load their model (the
-  scheduler's order applies: `low`, the lowest class) and up to `batches.concurrency`
-  go to one model at once (llama-server's parallel slots).
-A line the gateway cannot give a turn (no room, its engine not ready) goes back to
-pending and is tried again; an answer of the engine, whatever its status, is the line's
-answer; the gateway's own error ends the line in the error file.
+How its lines share the machine with the gateway's interactive users, and how each is
+sent: service/batch_lines. One task per unended batch sends its pending lines; its end
+(completed, expired, cancelled, failed) writes the output and error files from the lines'
+answers, and one status change happens at a time (a cancel, or a batch's end).
 
 Cancel and expiry stop the lines in flight (their requests are dropped, the engine stops
 generating) and keep every line already answered; an expired batch's unanswered lines
@@ -26,14 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import secrets
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from gatewayd.core.batch import (
     CANCELLED,
@@ -49,104 +37,35 @@ from gatewayd.core.batch import (
     Batch,
     Line,
     StoredFile,
-    answer_line,
     check_metadata,
     error_line,
     read_lines,
 )
 from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
     BatchEnded,
     BatchInvalid,
     BatchNotFound,
-    ConcurrencyLimit,
-    EngineBusy,
-    EngineLimitReached,
-    EngineUnavailable,
     FileInUse,
     FileNotFound,
-    GatewayError,
-    GpuUnavailable,
-    InsufficientGpu,
-    InsufficientMemory,
-    ModelDownloading,
     ModelNotFound,
-    ModelNotLoaded,
-    NoEngineReady,
-    QueueFull,
-    ShuttingDown,
     StorageFull,
 )
 from gatewayd.core.ports import BatchBook, WholeAnswers
-from gatewayd.core.priority import LOW
+from gatewayd.service.batch_lines import (
+    Activity,
+    BatchDispatcher,
+    BatchEngines,
+    LineRecorder,
+    LineSender,
+    request_id,
+)
 
 log = logging.getLogger("gatewayd.batches")
 
-POLL_S = 0.5            # how often a waiting line looks again (a batch is not in a hurry)
 PROGRESS_S = 1.0        # a batch's progress event at most this often
-USER_GAP_S = 1.0        # a gap in a model's users this long lets a batch line in
 CLOSE_WAIT_S = 10.0     # the gateway's stop waits this long for a batch writing its files
-RETRY_S = 2.0           # after a line got no turn
-CHUNK = 64              # pending lines read at a time
-# what means "not now" for a line, not "this line failed": it is tried again
-NOT_NOW = (ModelNotLoaded, QueueFull, EngineBusy, ConcurrencyLimit, EngineLimitReached,
-           InsufficientGpu, InsufficientMemory, NoEngineReady, ShuttingDown, GpuUnavailable,
-           ModelDownloading, EngineUnavailable)   # (unavailable: where it reached no process)
-
-
-T = TypeVar("T")
-# a line's call, once it ended: its batch, the line, the status, the milliseconds it took,
-# the gateway's error code (None: the engine answered) and the engine's answer (its JSON)
-LineRecorder = Callable[[Batch, Line, int, float, str | None, Any], None]
-
-
-class BatchEngines(Protocol):
-    """What the batches read of the engines (service/engine_manager has it)."""
-
-    def get(self, model_id: str) -> Engine | None: ...
-
-
-class BatchDispatcher(Protocol):
-    """The request path's own way to an engine (service/dispatcher has it)."""
-
-    async def journey(self, model_id: str, send: Callable[[Engine], Awaitable[T]], *,
-                      autoload: bool, priority: int, client: str | None) -> T: ...
-
-    def requests(self, model_id: str) -> int: ...
-
-
-class Activity:
-    """When the gateway last had an interactive request, and each model (the front door
-    tells it)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._last = -math.inf
-        self._models: dict[str, float] = {}
-
-    def seen(self, model_id: str | None = None) -> None:
-        self._last = now = self._clock()
-        if model_id is not None:
-            self._models[model_id] = now
-
-    def quiet_for(self, model_id: str | None = None) -> float:
-        """Seconds since the last interactive request (model_id's, where given)."""
-        last = self._last if model_id is None else self._models.get(model_id, -math.inf)
-        return self._clock() - last
-
-
-def may_send(*, ready: bool, quiet: bool, in_flight: int, concurrency: int,
-             others: int, model_quiet_s: float = math.inf) -> bool:
-    """Whether a batch line may go to its model now (the module's docstring says why):
-    in_flight, the batches' own lines on their way to it; others, the requests of its users
-    its engine serves or has queued; model_quiet_s, since its users' last request (a gap
-    shorter than USER_GAP_S is a user between two requests: a script's loop, a chat's
-    next turn, whose next request would meet the line)."""
-    if quiet:
-        return in_flight < concurrency
-    return ready and in_flight < 1 and others == 0 and model_quiet_s >= USER_GAP_S
 
 
 class _Running:
@@ -167,19 +86,17 @@ class Batches:
                  publish: Callable[[dict[str, Any]], None] | None = None,
                  wall: Callable[[], float] = time.time) -> None:
         self._store = store
-        self._engines = engines
-        self._dispatcher = dispatcher
-        self._answers = answers
         self.config = config
         self._catalog = catalog
-        self._activity = activity
-        self._record = record
         self._publish = publish
         self._published: dict[str, float] = {}   # when each batch's progress was last told
+        self._lines = LineSender(store, engines=engines, dispatcher=dispatcher,
+                                 answers=answers, config=lambda: self.config,
+                                 activity=activity, record=record, progress=self._progress,
+                                 wall=lambda: self._wall())
         self._ending = asyncio.Lock()   # a cancel and a batch's end: one at a time
         self._wall = wall
         self._running: dict[str, _Running] = {}
-        self._in_flight: Counter[str] = Counter()   # lines on their way, per model
         self._closed = False
 
     # -- files --------------------------------------------------------------------------
@@ -341,7 +258,7 @@ class Batches:
             for number, custom_id in spent:   # still `sent`: their failure is kept
                 await asyncio.to_thread(self._store.finish, batch.id, number, ok=None,
                                         result=error_line(
-                    _request_id(), custom_id, "interrupted", "the gateway stopped while "
+                    request_id(), custom_id, "interrupted", "the gateway stopped while "
                     "this line was on its way, twice: it is not sent a third time"))
             self._start(batch.id)
             log.info("batch %s goes on (%s)", batch.id, batch.status)
@@ -379,8 +296,9 @@ class Batches:
         errors: list[dict[str, Any]] | None = None
         try:
             batch = await asyncio.to_thread(self._store.batch, batch_id)
-            if batch is not None and batch.status == IN_PROGRESS:
-                await self._send_all(batch)   # (sets EXPIRED where its window ran out)
+            if batch is not None and batch.status == IN_PROGRESS \
+                    and await self._lines.send_all(batch):   # its window ran out
+                running.stop = EXPIRED
         except asyncio.CancelledError:
             if running.stop is None:   # the gateway stops: the batch goes on next time
                 await asyncio.to_thread(self._store.unsend, batch_id)
@@ -408,69 +326,6 @@ class Batches:
                 await asyncio.to_thread(self._store.save, batch)
                 self._tell(batch)
 
-    async def _send_all(self, batch: Batch) -> None:
-        """Every pending line sent, up to batches.concurrency at once, until none is left
-        or the batch expires."""
-        expires_in = batch.expires_at - self._wall()
-        try:
-            async with asyncio.timeout(max(0.0, expires_in)):
-                while lines := await asyncio.to_thread(self._store.pending, batch.id, CHUNK):
-                    async with asyncio.TaskGroup() as group:
-                        queue = iter(lines)
-                        for _ in range(min(self.config.batch_concurrency, len(lines))):
-                            group.create_task(self._worker(batch, queue))
-        except TimeoutError:
-            running = self._running.get(batch.id)
-            if running is not None:
-                running.stop = EXPIRED
-
-    async def _worker(self, batch: Batch, lines: Iterable[Line]) -> None:
-        for line in lines:
-            while not await self._send(batch, line):
-                await asyncio.sleep(RETRY_S)
-
-    async def _send(self, batch: Batch, line: Line) -> bool:
-        """The line sent and its answer kept; False where it got no turn (try again). A
-        line cut off (a cancel, an expiry, the gateway's stop) is left `sent`: the batch's
-        run puts its lines back (or fails them) in one transaction."""
-        async with self._turn(line.model) as quiet:
-            t0 = time.monotonic()
-            try:
-                if not await asyncio.to_thread(self._store.mark_sent, batch.id, line.number):
-                    return True   # ended meanwhile (expired): not to be sent
-                status, body = await self._dispatcher.journey(
-                    line.model, lambda engine: self._ask(engine, line), autoload=quiet,
-                    priority=LOW, client=f"batch:{batch.id}")
-            except NOT_NOW as e:
-                if isinstance(e, EngineUnavailable) and not e.reached_no_process:
-                    return await self._failed(batch, line, t0, e)   # it may have been read
-                log.debug("batch %s line %d: not now (%s)", batch.id, line.number, e.code)
-                await asyncio.to_thread(self._store.unsend, batch.id, line.number)
-                return False
-            except GatewayError as e:
-                return await self._failed(batch, line, t0, e)
-            except Exception as e:   # one line's surprise fails that line, not the batch
-                log.exception("batch %s line %d", batch.id, line.number)
-                return await self._failed(batch, line, t0, GatewayError(
-                    f"the gateway failed to send this line: {type(e).__name__}"))
-        answer = _json_or_text(body)
-        self._note(batch, line, status, t0, None, answer)
-        await asyncio.to_thread(self._store.finish, batch.id, line.number,
-                                ok=200 <= status < 300,
-                                result=answer_line(_request_id(), line.custom_id, status,
-                                                   answer))
-        await self._progress(batch.id)
-        return True
-
-    async def _failed(self, batch: Batch, line: Line, t0: float, e: GatewayError) -> bool:
-        """The line ended in the gateway's own error: kept in the error file."""
-        self._note(batch, line, e.status, t0, e.code, None)
-        await asyncio.to_thread(self._store.finish, batch.id, line.number, ok=None,
-                                result=error_line(_request_id(), line.custom_id, e.code,
-                                                  e.message))
-        await self._progress(batch.id)
-        return True
-
     async def _progress(self, batch_id: str) -> None:
         """The batch's counts told (an event), at most every PROGRESS_S."""
         now = time.monotonic()
@@ -484,37 +339,6 @@ class Batches:
     def _tell(self, batch: Batch) -> None:
         if self._publish is not None:
             self._publish({"type": "batch", **batch.describe(), "owner": batch.owner})
-
-    async def _ask(self, engine: Engine, line: Line) -> tuple[int, bytes]:
-        return await self._answers.ask(engine.socket, line.url, line.body,
-                                       limit=self.config.max_answer_bytes)
-
-    @contextlib.asynccontextmanager
-    async def _turn(self, model_id: str) -> AsyncIterator[bool]:
-        """Until may_send says the line may go: its place among the model's batch lines in
-        flight, and whether the gateway is quiet (then it may load the model)."""
-        while True:
-            quiet = self._activity.quiet_for() >= self.config.batch_idle_s
-            engine = self._engines.get(model_id)
-            ready = engine is not None and engine.state is EngineState.READY
-            mine = self._in_flight[model_id]
-            if may_send(ready=ready, quiet=quiet, in_flight=mine,
-                        concurrency=self.config.batch_concurrency,
-                        others=max(0, self._dispatcher.requests(model_id) - mine),
-                        model_quiet_s=self._activity.quiet_for(model_id)):
-                break
-            await asyncio.sleep(POLL_S)
-        self._in_flight[model_id] += 1
-        try:
-            yield quiet
-        finally:
-            self._in_flight[model_id] -= 1
-
-    def _note(self, batch: Batch, line: Line, status: int, t0: float,
-              error_code: str | None, answer: Any) -> None:
-        if self._record is not None:
-            self._record(batch, line, status, (time.monotonic() - t0) * 1000, error_code,
-                         answer)
 
     async def _finish(self, batch_id: str, status: str,
                       errors: list[dict[str, Any]] | None = None) -> None:
@@ -533,7 +357,7 @@ class Batches:
         if status == EXPIRED:   # what it did not answer is said, in its error file
             await asyncio.to_thread(
                 self._store.fail_unanswered, batch.id, "batch_expired",
-                "the batch expired before this line was answered", _request_id)
+                "the batch expired before this line was answered", request_id)
         else:   # lines cut off by a cancel: not answered, in neither file
             await asyncio.to_thread(self._store.unsend, batch.id)
         # whatever the end, what was answered is kept (a failed batch's too)
@@ -558,17 +382,6 @@ class Batches:
                             bytes=sum(map(len, lines)), created_at=int(self._wall()))
         await asyncio.to_thread(self._store.add_file, stored, lines)
         return stored.id
-
-
-def _request_id() -> str:
-    return f"batch_req_{secrets.token_hex(12)}"
-
-
-def _json_or_text(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace")
 
 
 def _numbers(numbers: list[int]) -> str:

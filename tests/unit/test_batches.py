@@ -27,8 +27,9 @@ from gatewayd.core.errors import (
     ModelNotLoaded,
 )
 from gatewayd.core.priority import LOW
-from gatewayd.service import batches as service
-from gatewayd.service.batches import Activity, Batches, may_send
+from gatewayd.service import batch_lines as service
+from gatewayd.service.batch_lines import Activity, may_send
+from gatewayd.service.batches import Batches
 
 T = TypeVar("T")
 
