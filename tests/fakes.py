@@ -17,10 +17,11 @@ from aiohttp import web
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.gpu import NoGpu
 from gatewayd.adapters.systemd import NO_SUCH_UNIT
-from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.catalog import Catalog, Model, ModelFile, build_catalog
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.errors import GatewayError, UnitAlreadyActive, UnitOperationFailed
+from gatewayd.core.variants import parse_variant
 from gatewayd.core.ports import (
     DesiredList,
     EngineUnitInfo,
@@ -302,10 +303,13 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
          kv_cache: KvCacheStore | None = None, learned: MemoryBook | None = None,
          host: HostMemoryProbe | None = None, meter: MemoryMeter | None = None,
          learned_ram: MemoryBook | None = None, estimate: Any = None,
+         variants: dict[str, dict[str, Any]] | None = None,
          **config: Any) -> tuple[EngineManager, FakeUnits, FakeHealth]:
     """On virtual time (on_virtual_time) its clock is the loop's and its desired list is
     kept in memory (the real list's writer thread is an event virtual time cannot see).
-    A test that looks at a collaborator (the desired list, the journal...) passes its own."""
+    A test that looks at a collaborator (the desired list, the journal...) passes its own.
+    variants: [models.NAME] tables with variant_of (core/variants), checked and named as
+    the configuration's are."""
     models = []
     for name in MODELS:
         path = tmp_path / f"{name}.gguf"
@@ -321,7 +325,14 @@ def engine_manager_on_fakes(tmp_path: Path, *, gpu: GpuProbe | None = None,
     virtual = isinstance(loop, VirtualTimeLoop)
     if desired is None:
         desired = MemoryDesired() if virtual else DesiredEngines(settings.state_dir)
-    mgr = EngineManager(catalog=Catalog(models, {}), config=settings, units=units,
+    catalog = Catalog(models, {})
+    if variants:
+        settings = replace(settings, variants=tuple(
+            parse_variant(name, table, "test") for name, table in variants.items()))
+        catalog = build_catalog(replace(settings, models=tuple(m.config for m in models)), (),
+                                {m.config.path: ModelFile(m.size_bytes) for m in models
+                                 if m.config.path is not None})
+    mgr = EngineManager(catalog=catalog, config=settings, units=units,
                         health=health, gpu=gpu or NoGpu("test"),
                         journal=journal or FakeJournal(), desired=desired, kv_cache=kv_cache,
                         learned=learned, host=host, meter=meter, learned_ram=learned_ram,

@@ -96,11 +96,13 @@ def with_pulled_files(config: GatewayConfig) -> GatewayConfig:
 def inspect(model: ModelConfig, read_facts: FactsReader = read_header) -> ModelFile:
     """Sizes of everything the engine loads, and a llama model's GGUF header facts (its
     projector's too)."""
-    size = sum(_size(p) for p in (model.path, model.mmproj) if p)
+    adapters = sum(_size(a.path) for a in model.adapters)
+    size = sum(_size(p) for p in (model.path, model.mmproj) if p) + adapters
     if model.backend is not Backend.LLAMA or model.path is None:
         return ModelFile(size_bytes=size)
     return ModelFile(size_bytes=size, facts=_facts(model.path, read_facts),
-                     mmproj_facts=_facts(model.mmproj, read_facts) if model.mmproj else None)
+                     mmproj_facts=_facts(model.mmproj, read_facts) if model.mmproj else None,
+                     adapter_bytes=adapters)
 
 
 def _facts(path: Path, read_facts: FactsReader) -> GgufFacts | None:

@@ -11,18 +11,31 @@ case-insensitively:
 - a weak name: `general.name` from the GGUF header. Two quantisations of one
   model commonly share it, so a clash makes that name ambiguous (resolving it
   says which models it could mean) instead of refusing to start.
+
+Besides the models (each with an engine of its own), a name may mean a variant:
+another name for a model's engine with its own request defaults and limits, or one of
+its LoRA adapters (`BASE:ADAPTER`), core/variants. `served` resolves both kinds of
+name; `resolve` and `find` only the models (what has an engine to start or stop).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
 from gatewayd.core.errors import ConfigError, ModelNotFound
 from gatewayd.core.model_facts import GgufFacts
+from gatewayd.core.variants import (
+    NO_CHANGE,
+    SEPARATOR,
+    Shape,
+    VariantConfig,
+    check_defaults,
+    lora_scales,
+)
 
 RANK_POOLING = 4   # LLAMA_POOLING_TYPE_RANK
 CAPABILITIES: Mapping[ModelKind, tuple[str, ...]] = {
@@ -39,8 +52,10 @@ class Model:
     config: ModelConfig
     names: frozenset[str]           # casefolded names that resolve to this model
     facts: GgufFacts | None = None
-    size_bytes: int = 0             # bytes on disk of everything it loads (model + mmproj)
+    size_bytes: int = 0             # bytes on disk of everything it loads (model, mmproj,
+                                    # adapters)
     mmproj_facts: GgufFacts | None = None   # the projector's header: which media it encodes
+    adapter_bytes: int = 0          # of size_bytes: its LoRA adapters' files
 
     @property
     def path(self) -> Path | None:
@@ -90,6 +105,12 @@ class Model:
         return (*own, *(["vision"] if projector.has_vision_encoder else []),
                 *(["transcription"] if projector.has_audio_encoder else []))
 
+    @cached_property
+    def shape(self) -> Shape:
+        """What its requests' bodies get: with adapters, the lora list that applies none."""
+        adapters = self.config.adapters
+        return Shape(lora=lora_scales(adapters, None)) if adapters else NO_CHANGE
+
     def describe(self) -> dict[str, object]:
         facts = self.facts
         return {
@@ -109,7 +130,43 @@ class Model:
             "aliases": sorted(self.names),
             "source": self.config.source,
             "downloaded": self.config.downloaded,
+            "adapters": [a.name for a in self.config.adapters],
         }
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Another name for a model's engine (core/variants): a configured variant (config),
+    or one of the model's LoRA adapters by its own name, BASE:ADAPTER (config None)."""
+    id: str
+    base: Model
+    names: frozenset[str]
+    shape: Shape
+    adapter: str | None = None
+    config: VariantConfig | None = None
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a request's name means: its name as recorded (id), the names a key is checked
+    against, the model whose engine answers, what its body gets, and its class."""
+    id: str
+    names: frozenset[str]
+    model: Model
+    shape: Shape
+    priority: int
+    variant: Variant | None = None
+
+    @classmethod
+    def of_model(cls, model: Model) -> Served:
+        return cls(model.id, model.names, model, model.shape, model.config.priority)
+
+    @classmethod
+    def of_variant(cls, variant: Variant) -> Served:
+        config = variant.config
+        priority = config.priority if config is not None and config.priority is not None \
+            else variant.base.config.priority
+        return cls(variant.id, variant.names, variant.base, variant.shape, priority, variant)
 
 
 def health_of(catalog: Catalog, model_id: str) -> tuple[str, int]:
@@ -120,16 +177,45 @@ def health_of(catalog: Catalog, model_id: str) -> tuple[str, int]:
 
 
 class Catalog:
-    def __init__(self, models: Iterable[Model], ambiguous: dict[str, tuple[str, ...]]) -> None:
+    def __init__(self, models: Iterable[Model], ambiguous: dict[str, tuple[str, ...]],
+                 variants: Iterable[Variant] = ()) -> None:
         self._models = {m.id: m for m in models}
         self._index = {name: m.id for m in self._models.values() for name in m.names}
         self._ambiguous = ambiguous
+        self._variants = {v.id: v for v in variants}
+        self._variant_index = {name: v.id for v in self._variants.values() for name in v.names}
 
     def replace(self, other: Catalog) -> None:
         """Become other, in place: everyone holding this catalog sees the new models
         (a configuration reload)."""
         self._models, self._index, self._ambiguous = (
             other._models, other._index, other._ambiguous)
+        self._variants, self._variant_index = other._variants, other._variant_index
+
+    @property
+    def variants(self) -> list[Variant]:
+        return list(self._variants.values())
+
+    def served_ids(self) -> list[str]:
+        """Every name a client may send as it is recorded: models, then variants."""
+        return [*self._models, *self._variants]
+
+    def find_served(self, name: str) -> Served | None:
+        """What a name means, a model or a variant, or None."""
+        key = name.strip().casefold()
+        if (model_id := self._index.get(key)) is not None:
+            return Served.of_model(self._models[model_id])
+        if (variant_id := self._variant_index.get(key)) is not None:
+            return Served.of_variant(self._variants[variant_id])
+        return None
+
+    def served(self, name: str) -> Served:
+        """What a client's name means; ModelNotFound (as resolve's) otherwise."""
+        found = self.find_served(name)
+        if found is not None:
+            return found
+        self.resolve(name)   # raises: ambiguous, or does not exist
+        raise AssertionError("unreachable")
 
     def __iter__(self) -> Iterator[Model]:
         return iter(self._models.values())
@@ -163,8 +249,13 @@ class Catalog:
                 f"model {name!r} is ambiguous: it is the GGUF name of "
                 f"{', '.join(self._ambiguous[key])}; use one of their ids",
                 param="model", available_models=self.ids)
+        if (variant_id := self._variant_index.get(key)) is not None:
+            base = self._variants[variant_id].base.id
+            raise ModelNotFound(f"model {name!r} is a variant of {base!r}: it has no engine "
+                                f"of its own (it runs on {base!r}'s); name {base!r}",
+                                param="model", available_models=self.ids)
         raise ModelNotFound(f"model {name!r} does not exist", param="model",
-                            available_models=self.ids)
+                            available_models=self.served_ids())
 
 
 @dataclass(frozen=True)
@@ -174,6 +265,7 @@ class ModelFile:
     size_bytes: int
     facts: GgufFacts | None = None
     mmproj_facts: GgufFacts | None = None
+    adapter_bytes: int = 0
 
 
 def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
@@ -224,8 +316,76 @@ def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
         found = files.get(m.path) if m.path is not None else None
         models.append(Model(id=model_id, config=m, names=frozenset(names),
                             facts=facts[model_id], size_bytes=found.size_bytes if found else 0,
-                            mmproj_facts=found.mmproj_facts if found else None))
-    return Catalog(models, ambiguous)
+                            mmproj_facts=found.mmproj_facts if found else None,
+                            adapter_bytes=found.adapter_bytes if found else 0))
+    variants = _variants(config, models, strong_owner)
+    taken = {name for v in variants for name in v.names}
+    for name in taken & set(ambiguous):   # a variant's name is strong: it wins
+        del ambiguous[name]
+    models = [replace(m, names=m.names - taken) if m.names & taken else m for m in models]
+    variants = [replace(v, base=next(m for m in models if m.id == v.base.id))
+                for v in variants]
+    return Catalog(models, ambiguous, variants)
+
+
+def _variants(config: GatewayConfig, models: Sequence[Model],
+              strong_owner: dict[str, str]) -> list[Variant]:
+    """Each model's adapters by their own names, and the configured variants, checked:
+    a variant of a model that exists (not of a variant: no chains), an adapter its base
+    has, defaults its base's requests take, names no model or variant claims."""
+    where = str(config.source) if config.source else "config"
+    by_id = {m.id: m for m in models}
+    owner = dict(strong_owner)   # name -> who claims it (model ids, then variants)
+    out: list[Variant] = []
+
+    def claim(variant_id: str, names: Iterable[str]) -> frozenset[str]:
+        folded = {n.casefold() for n in names if n.strip()}
+        for name in folded:
+            other = owner.setdefault(name, variant_id)
+            if other != variant_id:
+                raise ConfigError(f"{where}: {variant_id!r} and {other!r} both claim the "
+                                  f"name {name!r}; change an alias or a name")
+        return frozenset(folded)
+
+    for model in models:
+        for adapter in model.config.adapters:
+            variant_id = f"{model.id}{SEPARATOR}{adapter.name}"
+            out.append(Variant(
+                id=variant_id, base=model, adapter=adapter.name,
+                names=claim(variant_id, (variant_id, *adapter.aliases)),
+                shape=Shape(lora=lora_scales(model.config.adapters, adapter.name))))
+    adapter_ids = {v.id.casefold(): v for v in out}
+    for vc in config.variants:
+        key = f"models.{vc.name}.variant_of"
+        named = vc.variant_of.casefold()
+        if named in adapter_ids or any(named == other.name.casefold()
+                                       for other in config.variants):
+            base_of = adapter_ids[named].base.id if named in adapter_ids else next(
+                o.variant_of for o in config.variants if o.name.casefold() == named)
+            raise ConfigError(
+                f"{where}: {key} = {vc.variant_of!r} is itself a variant (of {base_of!r}): "
+                f"a variant names a model with an engine of its own; say variant_of = "
+                f"{base_of!r}" + (f" and adapter = {adapter_ids[named].adapter!r}"
+                                  if named in adapter_ids else " with the defaults it needs"))
+        base_id = strong_owner.get(named)
+        if base_id is None:
+            raise ConfigError(f"{where}: {key} = {vc.variant_of!r}: no model is called "
+                              f"that; the models: {', '.join(sorted(by_id)) or 'none'}")
+        base = by_id[base_id]
+        adapters = base.config.adapters
+        if vc.adapter is not None and vc.adapter not in {a.name for a in adapters}:
+            has = f"the adapters {', '.join(a.name for a in adapters)}" if adapters \
+                else "no adapters"
+            raise ConfigError(f"{where}: models.{vc.name}.adapter = {vc.adapter!r}: "
+                              f"{base_id!r} has {has}")
+        check_defaults(vc, base.kinds, where)
+        lora = lora_scales(adapters, vc.adapter) if adapters else ()
+        out.append(Variant(
+            id=vc.name, base=base, adapter=vc.adapter, config=vc,
+            names=claim(vc.name, (vc.name, *vc.aliases)),
+            shape=Shape(defaults=vc.defaults, system_prompt=vc.system_prompt,
+                        max_tokens=vc.max_tokens, lora=lora)))
+    return out
 
 
 def _strip_ext(name: str) -> str:

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from gatewayd.core.auth import KeyRing
-from gatewayd.core.config_schema import TABLES, expect, no_unknown, program, read_table
+from gatewayd.core.config_schema import (
+    TABLES,
+    expect,
+    known,
+    no_unknown,
+    program,
+    read_table,
+)
 from gatewayd.core.config_schema import Backend as Backend
 from gatewayd.core.config_schema import ModelKind as ModelKind
 from gatewayd.core.config_schema import UnitMode as UnitMode
@@ -26,11 +33,12 @@ from gatewayd.core.errors import ConfigError, ModelSourceInvalid
 from gatewayd.core.priority import NORMAL
 from gatewayd.core.pull import PullSpec, valid_name
 from gatewayd.core.upstreams import UpstreamConfig, parse_upstreams
+from gatewayd.core.variants import Adapter, VariantConfig, parse_adapters, parse_variant
 
 DEFAULT_CONFIG_PATH = Path("/etc/llm-gateway/gateway.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/llm-gateway")
 # the tables of one kind each ([listen], [records]...), as opposed to [models.NAME]
-_SECTIONS = tuple(table for table in TABLES if table and not table.endswith(".NAME"))
+_SECTIONS = tuple(table for table in TABLES if table and "." not in table)
 # the keys of a server the gateway does not know (backend = "openai"), refused for the others
 _OPENAI_ONLY = ("command", "ready_path", "ready_status")
 
@@ -101,6 +109,9 @@ class ModelConfig:
     # where the file comes from when it is not here yet (`llm-gateway pull`'s source:
     # ORG/REPO[:QUANT|:FILE] or hf://ORG/REPO/FILE): pulled into models_dir/NAME/ at first use
     source: str | None = None
+    # llama: LoRA adapters loaded (unapplied) at its engine's start; each is a model name
+    # BASE:ADAPTER, applied per request (core/variants)
+    adapters: tuple[Adapter, ...] = ()
 
     @property
     def downloaded(self) -> bool:
@@ -121,6 +132,9 @@ class GatewayConfig:
     """The gateway's whole configuration, as read from its TOML file and checked."""
     models_dir: Path | None = None
     models: tuple[ModelConfig, ...] = ()
+    # [models.NAME] tables with variant_of: more names for a model's engine, with request
+    # defaults and limits (core/variants); resolved against the models in core/catalog
+    variants: tuple[VariantConfig, ...] = ()
     max_engines: int = 4
     # stopped llama engines whose unit is kept parked (a shell waiting to exec the
     # engine), so that their next start skips creating a unit; 0: none
@@ -233,8 +247,11 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
     for table, section in sections.items():
         values |= read_table(section, table, where, f"{table}." if table else "", base)
     values["state_dir"] = values["state_dir"] or state_dir   # the caller's: systemd's, or ours
-    models = tuple(_parse_model(name, table, base, where) for name, table
-                   in expect(data.get("models", {}), dict, where, "models").items())
+    tables = expect(data.get("models", {}), dict, where, "models")
+    variants = tuple(parse_variant(name, table, where) for name, table in tables.items()
+                     if isinstance(table, dict) and "variant_of" in table)
+    models = tuple(_parse_model(name, table, base, where) for name, table in tables.items()
+                   if not (isinstance(table, dict) and "variant_of" in table))
     upstreams = parse_upstreams(data.get("upstreams", {}), base, where)
     spilling = [m.name for m in models if m.spill_over]
     if spilling and not upstreams:
@@ -246,7 +263,7 @@ def parse_config(data: Mapping[str, Any], source: Path | None = None, *,
                           "there is no models_dir to pull into")
     listen = sections["listen"]
     return GatewayConfig(
-        **values, models=models, upstreams=upstreams, source=source,
+        **values, models=models, variants=variants, upstreams=upstreams, source=source,
         allowed_hosts=_hosts(listen.get("allowed_hosts", []), where),
         allowed_origins=_origins(listen.get("allowed_origins", []), where))
 
@@ -389,6 +406,10 @@ def fill(text: str, values: Mapping[str, str]) -> str:
 def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     key = f"models.{name}"
     expect(table, dict, where, key)
+    if variant_only := sorted(set(table) & (known("models.VARIANT") - known("models.NAME"))):
+        raise ConfigError(f"{where}: [{key}]: {', '.join(variant_only)} belong to a variant "
+                          "(a table with variant_of = \"BASE\": another name for BASE's "
+                          "engine); a model of its own takes none of them")
     no_unknown(table, "models.NAME", f"{where} [{key}]")
     if not name.strip():
         raise ConfigError(f"{where}: a model name cannot be empty")
@@ -414,9 +435,13 @@ def _parse_model(name: str, table: Any, base: Path, where: str) -> ModelConfig:
     if not ready_path.startswith("/") or any(c in ready_path for c in " \r\n#"):
         raise ConfigError(f"{where}: {key}.ready_path = {ready_path!r} is not a path (it "
                           "starts with /, e.g. \"/health\" or \"/v1/models\")")
+    adapters = parse_adapters(table.get("adapters", {}), where, f"{key}.adapters", base)
+    if adapters and backend is not Backend.LLAMA:
+        raise ConfigError(f"{where}: {key}.adapters: LoRA adapters are loaded by "
+                          f"llama-server; a {backend.value} model has none")
     return ModelConfig(name=name, backend=backend, kind=kinds[0] if kinds else None,
                        also=kinds[1:], command=_command(table, backend, base, where, key),
-                       source=source, **values)
+                       source=source, adapters=adapters, **values)
 
 
 def _source(value: Any, path: Path | None, backend: Backend, where: str,

@@ -76,6 +76,7 @@ class Kind(StrEnum):
     CPU_QUOTA = "CPU quota"         # "150%": of one CPU
     STRINGS = "list of strings"
     STRING_TABLE = "table of strings"
+    TABLE = "table"                 # read by core code (a custom key)
 
 
 class Bound(NamedTuple):
@@ -154,6 +155,10 @@ TABLES: Mapping[str, str] = {
     "auth": "API keys (see [security.md](security.md))",
     "admin": "the admin API (see [security.md](security.md))",
     "models.NAME": "one model; explicit entries win over files found in `models_dir`",
+    "models.VARIANT": "a variant: a `[models.NAME]` table with `variant_of`, another name "
+                      "for that model's engine with request defaults and limits (see "
+                      "[models.md](models.md#variants-and-lora-adapters)); it takes only "
+                      "these keys",
     "upstreams.NAME": "an OpenAI-compatible server elsewhere that answers some models",
     "keys.NAME": "one API key, in the keys file (`[auth] keys_file`), not in gateway.toml",
 }
@@ -334,9 +339,28 @@ KEYS: tuple[Key, ...] = (
         "openai: the VRAM it declares it takes (until learned)", MIB),
     Key("models.NAME", "ram_mib", Kind.INTEGER, None,
         "openai: the RAM it declares it takes (until learned)", MIB),
+    Key("models.NAME", "adapters", Kind.TABLE, {}, "llama: LoRA adapters loaded at its "
+        "start, each a model name `NAME:ADAPTER` (`{ sql = \"sql.gguf\" }`, or "
+        "`{ sql = { path = ..., scale = 0.8, aliases = [...] } }`)", custom=True),
     Key("models.NAME", "source", Kind.STRING, None, "where its file is pulled from at first "
         "use (`ORG/REPO[:QUANT|:FILE]` or `hf://ORG/REPO/FILE`), into `models_dir/NAME/`",
         custom=True),
+
+    Key("models.VARIANT", "variant_of", Kind.STRING, None, "the model whose engine serves "
+        "it (one with an engine of its own, not a variant); required"),
+    Key("models.VARIANT", "aliases", Kind.STRINGS, [], "more names for it"),
+    Key("models.VARIANT", "adapter", Kind.STRING, None, "one of its base's `adapters`, "
+        "applied to its requests"),
+    Key("models.VARIANT", "defaults", Kind.TABLE, {}, "request fields set where the "
+        "client sends none (`{ temperature = 0.2 }`; a table merged key by key)",
+        custom=True),
+    Key("models.VARIANT", "system_prompt", Kind.STRING, None,
+        "a system message put first where the client sends none"),
+    Key("models.VARIANT", "limits", Kind.TABLE, {}, "what the client cannot exceed: "
+        "`{ max_tokens = 512 }` (a larger or missing length is lowered to it)",
+        custom=True),
+    Key("models.VARIANT", "priority", Kind.WORD, None,
+        "its requests' class (unset: its base's; a key's wins)", words=CLASSES),
 
     Key("upstreams.NAME", "url", Kind.STRING, None, "its OpenAI base URL "
         "(`http://gpu-box:8080/v1`); required"),

@@ -23,6 +23,7 @@ from pathlib import PurePosixPath
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelKind, fill
 from gatewayd.core.unit_spec import UnitSpec, exec_args
+from gatewayd.core.variants import adapter_args
 
 UNIT_PREFIX = "llm-engine"
 ENGINES_SLICE = "llm-engines.slice"
@@ -175,6 +176,7 @@ def server_argv(model: Model, layout: EngineLayout, binary: str, *,
                 *([] if "--metrics" in mc.args else ["--metrics"])]   # /admin/metrics?engines=1
         if mc.mmproj:
             argv += ["--mmproj", str(mc.mmproj)]
+        argv += adapter_args(mc.adapters)
         if mc.ctx_size:
             argv += ["-c", str(mc.ctx_size)]
         if model.kind is ModelKind.EMBEDDING:   # then it serves embeddings only

@@ -288,9 +288,10 @@ def estimate_for(model: Model, *, gpu: bool,
         return None
     mmproj = model.mmproj_facts.file_size if model.mmproj_facts else 0
     if not mmproj and model.config.mmproj is not None:
-        mmproj = max(0, model.size_bytes - facts.file_size)
+        mmproj = max(0, model.size_bytes - facts.file_size - model.adapter_bytes)
     settings = EngineSettings.parse(model.config.args, ctx_size=model.config.ctx_size)
-    return estimate(facts, settings, gpu=gpu, mmproj_bytes=mmproj)
+    return estimate(facts, settings, gpu=gpu, mmproj_bytes=mmproj,
+                    adapter_bytes=model.adapter_bytes)
 
 
 @dataclass(frozen=True)
@@ -371,9 +372,11 @@ def _row_bytes(cache_type: str, n: int) -> int:
 
 
 def estimate(facts: GgufFacts, settings: EngineSettings, *, gpu: bool,
-             mmproj_bytes: int) -> MemoryEstimate:
+             mmproj_bytes: int, adapter_bytes: int = 0) -> MemoryEstimate:
     """facts must carry the tensor table (facts.tensors) and the architecture's keys;
-    ValueError otherwise. gpu: whether the engine sees a GPU (no GPU: all in RAM)."""
+    ValueError otherwise. gpu: whether the engine sees a GPU (no GPU: all in RAM).
+    adapter_bytes: its LoRA adapters' files, loaded whole beside the weights (on the
+    GPU where the output layer is: a rough placement, as adapters are small)."""
     layout = _layout(facts)
     sizes = facts.tensors
     if layout is None or sizes is None:
@@ -414,9 +417,9 @@ def estimate(facts: GgufFacts, settings: EngineSettings, *, gpu: bool,
             weights_ram += nbytes
     output = sizes.output + (0 if sizes.has_output else sizes.token_embd)
     if output_on_gpu:
-        weights_vram += output
+        weights_vram += output + adapter_bytes
     else:
-        weights_ram += sizes.output     # a tied output shares token_embd's mapping
+        weights_ram += sizes.output + adapter_bytes  # a tied output shares token_embd's
 
     kv_ram = kv_vram = 0
     for i in range(n_layer):

@@ -1,9 +1,10 @@
 """Which model answers a request. Pure: names and engine states in, a model id out.
 
 - `model` given (JSON body, multipart field or ?model=): resolved through the
-  catalog's names (or an adopted engine's id); unknown → 404 model_not_found
-  with the available models. Whether its engine runs is the dispatcher's
-  business (autoload, queue, or 503 model_not_loaded).
+  catalog's names, a variant's among them (its base's engine answers), or an adopted
+  engine's id; unknown → 404 model_not_found with the available models. Whether
+  its engine runs is the dispatcher's business (autoload, queue, or 503
+  model_not_loaded).
 - no `model` on a /v1 path: the one ready engine, else 400 model_required.
 - no `model` elsewhere (/props, /metrics, /slots, …): the default engine — the
   configured default_model if it is ready, else the first ready engine.
@@ -97,15 +98,19 @@ def _a(word: str) -> str:
 
 def choose_model(path: str, model: str | None, *, catalog: Catalog,
                  engines: Sequence[Engine], default_model: str | None) -> str:
+    """The id of what answers: a model's or a variant's (catalog.served says which), or
+    an adopted engine's; the client's error otherwise."""
     if model is not None:
         try:
-            found = catalog.resolve(model)
+            found = catalog.served(model)
         except ModelNotFound:
             if any(e.model_id == model for e in engines):  # adopted, no longer configured
                 return model
             raise
-        if (why := why_cannot_serve(found, path)) is not None:
-            raise InvalidRequest(why, param="model")
+        if (why := why_cannot_serve(found.model, path)) is not None:
+            raise InvalidRequest(why if found.variant is None else
+                                 f"{found.id!r} is a variant of {found.model.id!r}: {why}",
+                                 param="model")
         return found.id
 
     def can_answer(engine: Engine) -> bool:

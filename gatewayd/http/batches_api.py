@@ -127,8 +127,8 @@ async def create_batch(request: web.Request) -> web.Response:
     catalog = front.manager.catalog
 
     def may_use(model_id: str) -> bool:
-        model = catalog.get(model_id)
-        return key is None or (model is not None and key.may_use(model_id, model.names))
+        served = catalog.find_served(model_id)
+        return key is None or (served is not None and key.may_use(model_id, served.names))
     batch = await request.app[BATCHES].create(
         owner_of(key), input_file_id=_text(payload, "input_file_id"),
         endpoint=_text(payload, "endpoint"),

@@ -29,7 +29,7 @@ from gatewayd.adapters.remote_client import never_connected, to_remote
 from gatewayd.adapters.remote_upstreams import Remote, Remotes
 from gatewayd.core import progress
 from gatewayd.core.auth import ApiKey, check_model
-from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.catalog import Catalog, Model, Served, Variant
 from gatewayd.core.config import Backend, GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
@@ -54,6 +54,7 @@ from gatewayd.core.priority import HEADER as PRIORITY_HEADER
 from gatewayd.core.priority import NORMAL, of_request
 from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
+from gatewayd.core.variants import shape_body
 from gatewayd.http.auth import request_key, request_route
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
@@ -119,10 +120,13 @@ async def list_models(request: web.Request) -> web.Response:
     rows = [_model_object(front, model, engines.get(model.id))
             for model in catalog
             if key is None or key.may_use(model.id, model.names)]
+    rows += [_variant_object(front, variant, engines.get(variant.base.id))
+             for variant in catalog.variants
+             if key is None or key.may_use(variant.id, variant.names)]
     rows.sort(key=lambda r: not r["loaded"])
     seen = {row["id"].casefold() for row in rows}
     for remote, model_id in front.remotes.serving():
-        if model_id.casefold() in seen or catalog.find(model_id) is not None:
+        if model_id.casefold() in seen or catalog.find_served(model_id) is not None:
             continue   # a local model's name: it answers (and may spill over)
         if key is None or key.may_use(model_id):
             seen.add(model_id.casefold())
@@ -138,7 +142,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     key = request_key(request)
     check_asked(key, front.manager.catalog, asked)
     try:
-        model = front.manager.catalog.resolve(asked)
+        served = front.manager.catalog.served(asked)
     except ModelNotFound as e:
         remote = front.remotes.candidates((asked,))
         if not remote:
@@ -147,15 +151,31 @@ async def retrieve_model(request: web.Request) -> web.Response:
         check_model(request_key(request), remote[0].id, frozenset())
         upstream = next(r for r in front.remotes.remotes() if r.name == remote[0].upstream)
         return web.json_response(_remote_object(upstream, remote[0].id))
-    check_model(request_key(request), model.id, model.names)
+    check_model(request_key(request), served.id, served.names)
     front.manager.read_ram()
-    return web.json_response(_model_object(front, model, front.manager.get(model.id)))
+    engine = front.manager.get(served.model.id)
+    if served.variant is not None:
+        return web.json_response(_variant_object(front, served.variant, engine))
+    return web.json_response(_model_object(front, served.model, engine))
 
 
 def _remote_object(remote: Remote, model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": remote.name,
             "state": "remote" if remote.up else "unreachable", "loaded": remote.up,
             "upstream": remote.name}
+
+
+def _variant_object(front: FrontDoor, variant: Variant, engine: Engine | None
+                    ) -> dict[str, Any]:
+    """A variant as a model of its own: its base's engine and memory, its own names, what
+    it is a variant of and the adapter it applies."""
+    config = variant.config
+    return {**_model_object(front, variant.base, engine), "id": variant.id,
+            "aliases": sorted(variant.names), "variant_of": variant.base.id,
+            "adapter": variant.adapter,
+            "defaults": dict(config.defaults) if config is not None else {},
+            "limits": {"max_tokens": config.max_tokens}
+            if config is not None and config.max_tokens is not None else {}}
 
 
 def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict[str, Any]:
@@ -180,7 +200,7 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
         "ram_peak_mib": ram.peak_mib if ram else None,
         "context_length": info["context_length"], "quantization": info["quantization"],
         "parameter_count": info["parameter_count"], "architecture": info["architecture"],
-        "aliases": info["aliases"],
+        "aliases": info["aliases"], "adapters": info["adapters"],
         "spill_over": [r.upstream for r in front.remotes.candidates(model.names)]
         if model.config.spill_over else None,
     }
@@ -263,8 +283,9 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
             e.extra["available_models"] = available_models(front, key)
             raise
         model_id = asked    # a remote model: served by an upstream only
-    local = catalog.get(model_id)
-    names = local.names if local is not None else frozenset({model_id.casefold()})
+    served = catalog.find_served(model_id)   # a variant's: its base's engine answers
+    local = served.model if served is not None else None
+    names = served.names if served is not None else frozenset({model_id.casefold()})
     record.model = model_id
     headers = request_headers(request.headers)   # never the client's key: ours to check
     if key is not None:
@@ -277,10 +298,12 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
     stream = payload is not None and payload.get("stream") is True
     try:   # its class for the order of waiting models (core/priority)
         priority = of_request(key.priority if key is not None else None,
-                              local.config.priority if local is not None else NORMAL,
+                              served.priority if served is not None else NORMAL,
                               request.headers.get(PRIORITY_HEADER))
     except ValueError as e:
         raise InvalidRequest(str(e), param=PRIORITY_HEADER) from None
+    changed = served is not None and inference and shaped(served, request.path, payload,
+                                                          multipart)
     drop_usage = False
     if stream and request.path in USAGE_PATHS and payload is not None:
         options = payload.get("stream_options")
@@ -288,14 +311,15 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
             # ask for usage on the client's behalf (for the record), hide it again
             payload["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                          "include_usage": True}
-            body = json.dumps(payload).encode()
-            drop_usage = True
+            changed = drop_usage = True
+    if changed:
+        body = json.dumps(payload).encode()
     if request.path in TRANSLATION_PATHS and not multipart:
         raise InvalidRequest("a translation is a multipart/form-data upload with a "
                              "`file` and a `model` field")
     if front.config.records_store_text and not multipart:
         record.request_text = _capped(body, front.config.records_text_max_bytes)
-    told = waits_told(front, request, record, t0, model_id) \
+    told = waits_told(front, request, record, t0, local.id) \
         if stream and local is not None else None
     return Call(request, record, t0, payload, body, headers, stream, drop_usage,
                 matched.target, model_id=model_id, local=local, names=names,
@@ -330,6 +354,24 @@ class Call:
     priority: int = NORMAL  # its class (core/priority): its turn is taken in it
     client: str | None = None   # who asks, as the order's grace tells clients apart
     told: Progress | None = None   # its wait told to its client: the stream begun there
+
+
+def shaped(served: Served, path: str, payload: dict[str, Any] | None,
+           multipart: bool) -> bool:
+    """The body changed as its name says (core/variants: a variant's defaults and limits,
+    the adapters' lora list); whether it changed. A body that cannot carry the changes
+    (an upload, no JSON object) is refused where they matter: an engine with adapters
+    applies them all to a request without the list."""
+    if not served.shape.changes_anything:
+        return False
+    if payload is None:
+        if not served.shape.lora and not served.shape.max_tokens:
+            return False   # defaults are for JSON requests; an upload keeps its own
+        what = "is an upload" if multipart else "has no JSON body"
+        raise InvalidRequest(
+            f"{served.id!r} runs on an engine with LoRA adapters or has a length limit, "
+            f"which the gateway sets in a JSON body: this request {what}", param="model")
+    return shape_body(served.shape, path, payload)
 
 
 def client_of(request: web.Request, key: ApiKey | None) -> str | None:
@@ -432,7 +474,7 @@ def check_asked(key: ApiKey | None, catalog: Catalog, asked: str) -> None:
     """The key's model check, before anything that depends on the model (its kind,
     whether it exists): a key learns nothing of models it may not use."""
     if key is not None:
-        found = catalog.find(asked)
+        found = catalog.find_served(asked)
         check_model(key, found.id if found else asked,
                     found.names if found else frozenset({asked.casefold()}))
 
@@ -472,9 +514,10 @@ def waits_told(front: FrontDoor, request: web.Request, record: CallRecord, t0: f
 def available_models(front: FrontDoor, key: ApiKey | None) -> list[str]:
     """The models the caller may use (all of them with keys off)."""
     catalog = front.manager.catalog
-    ids = [m.id for m in catalog if key is None or key.may_use(m.id, m.names)]
+    ids = [m.id for m in (*catalog, *catalog.variants)
+           if key is None or key.may_use(m.id, m.names)]
     return [*ids, *(m for _, m in front.remotes.serving()
-                    if m not in ids and catalog.find(m) is None
+                    if m not in ids and catalog.find_served(m) is None
                     and (key is None or key.may_use(m)))]
 
 

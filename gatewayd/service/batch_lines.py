@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from gatewayd.core.batch import Batch, Line, answer_line, error_line
+from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
@@ -52,6 +53,7 @@ from gatewayd.core.errors import (
 )
 from gatewayd.core.ports import BatchBook, WholeAnswers
 from gatewayd.core.priority import LOW
+from gatewayd.core.variants import shape_body
 
 log = logging.getLogger("gatewayd.batches")
 
@@ -122,13 +124,14 @@ class LineSender:
     """Sends batches' lines; one for all the batches of a gateway (the lines in flight
     per model are counted across them)."""
 
-    def __init__(self, store: BatchBook, *, engines: BatchEngines,
+    def __init__(self, store: BatchBook, *, catalog: Catalog, engines: BatchEngines,
                  dispatcher: BatchDispatcher, answers: WholeAnswers,
                  config: Callable[[], GatewayConfig], activity: Activity,
                  record: LineRecorder | None,
                  progress: Callable[[str], Awaitable[None]],
                  wall: Callable[[], float] = time.time) -> None:
         self._store = store
+        self._catalog = catalog          # a line's model: which engine, what its body gets
         self._engines = engines
         self._dispatcher = dispatcher
         self._answers = answers
@@ -163,14 +166,26 @@ class LineSender:
         """The line sent and its answer kept; False where it got no turn (try again). A
         line cut off (a cancel, an expiry, the gateway's stop) is left `sent`: the batch's
         run puts its lines back (or fails them) in one transaction."""
-        async with self._turn(line.model) as quiet:
+        t0 = time.monotonic()
+        try:   # as the request path does (http/openai_api.parse_call): a variant's line
+            # goes to its base's engine, its body changed as the variant says
+            served = self._catalog.served(line.model)
+            body = line.body
+            payload = json.loads(body)
+            if shape_body(served.shape, line.url, payload):
+                body = json.dumps(payload).encode()
+        except GatewayError as e:   # gone from the configuration since, or a bad length
+            if not await asyncio.to_thread(self._store.mark_sent, batch.id, line.number):
+                return True   # ended meanwhile
+            return await self._failed(batch, line, t0, e)
+        async with self._turn(served.model.id) as quiet:
             t0 = time.monotonic()
             try:
                 if not await asyncio.to_thread(self._store.mark_sent, batch.id, line.number):
                     return True   # ended meanwhile (expired): not to be sent
-                status, body = await self._dispatcher.journey(
-                    line.model, lambda engine: self._ask(engine, line), autoload=quiet,
-                    priority=LOW, client=f"batch:{batch.id}")
+                status, answer_body = await self._dispatcher.journey(
+                    served.model.id, lambda engine: self._ask(engine, line.url, body),
+                    autoload=quiet, priority=LOW, client=f"batch:{batch.id}")
             except NOT_NOW as e:
                 if isinstance(e, EngineUnavailable) and not e.reached_no_process:
                     return await self._failed(batch, line, t0, e)   # it may have been read
@@ -183,7 +198,7 @@ class LineSender:
                 log.exception("batch %s line %d", batch.id, line.number)
                 return await self._failed(batch, line, t0, GatewayError(
                     f"the gateway failed to send this line: {type(e).__name__}"))
-        answer = _json_or_text(body)
+        answer = _json_or_text(answer_body)
         self._note(batch, line, status, t0, None, answer)
         await asyncio.to_thread(self._store.finish, batch.id, line.number,
                                 ok=200 <= status < 300,
@@ -201,8 +216,8 @@ class LineSender:
         await self._progress(batch.id)
         return True
 
-    async def _ask(self, engine: Engine, line: Line) -> tuple[int, bytes]:
-        return await self._answers.ask(engine.socket, line.url, line.body,
+    async def _ask(self, engine: Engine, url: str, body: bytes) -> tuple[int, bytes]:
+        return await self._answers.ask(engine.socket, url, body,
                                        limit=self._config().max_answer_bytes)
 
     @contextlib.asynccontextmanager

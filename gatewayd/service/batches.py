@@ -90,7 +90,7 @@ class Batches:
         self._catalog = catalog
         self._publish = publish
         self._published: dict[str, float] = {}   # when each batch's progress was last told
-        self._lines = LineSender(store, engines=engines, dispatcher=dispatcher,
+        self._lines = LineSender(store, catalog=catalog, engines=engines, dispatcher=dispatcher,
                                  answers=answers, config=lambda: self.config,
                                  activity=activity, record=record, progress=self._progress,
                                  wall=lambda: self._wall())
@@ -200,15 +200,15 @@ class Batches:
         """The line with its model as the catalog names it; refused for a model not served
         here or not the caller's."""
         try:
-            model = self._catalog.resolve(line.model)
+            served = self._catalog.served(line.model)
         except ModelNotFound:
             raise BatchInvalid(f"line {line.number}: model {line.model!r} is not served "
                                "here (a batch runs on this gateway's own engines)",
                                param="input_file_id", line=line.number) from None
-        if not may_use(model.id):
+        if not may_use(served.id):
             raise BatchInvalid(f"line {line.number}: the key may not use model "
                                f"{line.model!r}", param="input_file_id", line=line.number)
-        return Line(line.number, line.custom_id, line.url, model.id, line.body)
+        return Line(line.number, line.custom_id, line.url, served.id, line.body)
 
     async def batch(self, owner: str | None, batch_id: str) -> Batch:
         found = await asyncio.to_thread(self._store.batch, batch_id)

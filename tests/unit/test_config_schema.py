@@ -16,6 +16,7 @@ from gatewayd.core.auth import parse_keys
 from gatewayd.core.config import _OPENAI_ONLY, GatewayConfig, ModelConfig, parse_config
 from gatewayd.core.config_schema import KEYS, TABLES, Key, Kind, keys_of, known, markdown
 from gatewayd.core.errors import ConfigError
+from gatewayd.core.variants import VariantConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "configuration.md"
@@ -71,9 +72,11 @@ def test_the_defaults_are_the_dataclasses_defaults() -> None:
 def test_every_key_fills_a_field() -> None:
     gateway = {f.name for f in dataclasses.fields(GatewayConfig)}
     model = {f.name for f in dataclasses.fields(ModelConfig)}
+    variant = {f.name for f in dataclasses.fields(VariantConfig)}
     for key in READ_HERE:
         if not key.custom:
-            assert key.fills in (model if key.table == "models.NAME" else gateway), key
+            fields = {"models.NAME": model, "models.VARIANT": variant}.get(key.table, gateway)
+            assert key.fills in fields, key
 
 
 def test_the_other_readers_know_the_keys_the_schema_declares() -> None:
@@ -95,13 +98,16 @@ def _file(key: Key, value: Any) -> tuple[dict[str, Any], str]:
     if key.table == "models.NAME":
         model = {"path": "/m.gguf"} if key.name != "path" else {}
         return {"models": {"m": {**model, key.name: value}}}, f"models.m.{key.name}"
+    if key.table == "models.VARIANT":   # a variant of m
+        return ({"models": {"m": {"path": "/m.gguf"},
+                            "v": {"variant_of": "m", key.name: value}}}, f"models.v.{key.name}")
     return {key.table: {key.name: value}}, f"{key.table}.{key.name}"
 
 
 WRONG: dict[Kind, Any] = {
     Kind.INTEGER: "4", Kind.NUMBER: "4", Kind.BOOLEAN: "yes", Kind.STRING: 4,
     Kind.WORD: "nonesuch", Kind.PATH: 4, Kind.PROGRAM: 4, Kind.SIZE: "lots",
-    Kind.CPU_QUOTA: "2", Kind.STRINGS: "x", Kind.STRING_TABLE: "x"}
+    Kind.CPU_QUOTA: "2", Kind.STRINGS: "x", Kind.STRING_TABLE: "x", Kind.TABLE: "x"}
 
 
 @pytest.mark.parametrize("key", READ_HERE, ids=lambda k: f"{k.table}.{k.name}".strip("."))
