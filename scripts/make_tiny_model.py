@@ -2,7 +2,7 @@
 """Write a tiny deterministic llama-arch GGUF (~0.65 MB) that llama-server loads
 and chats with (garbage text). Needs the gguf package (and numpy, which it pulls in).
   make_tiny_model.py OUT.gguf [--name N] [--seed S] [--f16] [--mmproj MMPROJ.gguf]
-                    [--reranker]
+                    [--reranker] [--lora LORA.gguf ...]
 Self-made SPM vocab (specials, 256 byte-fallback tokens, ASCII, word pieces),
 ChatML template. Embedding dim 0 is a constant 1 and output rows of
 control/byte tokens get -20 there, so EOS/bytes are never sampled: every
@@ -155,6 +155,48 @@ def write_model(
     finish(w)
 
 
+def write_lora(
+    path: str,
+    name: str,
+    seed: int = 0,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_ff: int = 128,
+    rank: int = 4,
+    alpha: float = 4.0,
+) -> None:
+    """A LoRA adapter for write_model's model (its default sizes): llama-server --lora
+    loads it, and applied it changes the greedy answer. Tensors `<base>.lora_a` (rank, in)
+    and `.lora_b` (out, rank) on attn_q, attn_v and ffn_up of each block and on the
+    output (never token_embd, whose A and B llama.cpp swaps); the output's B is zero on
+    the rows of control and byte tokens, so they stay unsampled and an answer still runs
+    to max_tokens."""
+    rng = np.random.default_rng(seed + 2000)
+    toks, _, types = vocab()
+    hd = n_embd // n_head
+
+    def pair(base: str, n_out: int, n_in: int) -> None:
+        w.add_tensor(base + ".lora_a", rng.standard_normal((rank, n_in), dtype=np.float32))
+        b = rng.standard_normal((n_out, rank), dtype=np.float32)
+        if base == "output.weight":
+            b[[ty != T.NORMAL for ty in types]] = 0.0
+        w.add_tensor(base + ".lora_b", b)
+
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_name(name)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        pair(b + "attn_q.weight", n_head * hd, n_embd)
+        pair(b + "attn_v.weight", (n_head // 2) * hd, n_embd)
+        pair(b + "ffn_up.weight", n_ff, n_embd)
+    pair("output.weight", len(toks), n_embd)
+    finish(w)
+
+
 def write_mmproj(
     path: str,
     name: str,
@@ -225,8 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mmproj", metavar="PATH")
     ap.add_argument("--reranker", action="store_true",
                     help="a qwen3 reranker (rank pooling, classifier head)")
+    ap.add_argument("--lora", metavar="PATH", action="append", default=[],
+                    help="also a LoRA adapter for it (repeat for more: each its own seed)")
     a = ap.parse_args(argv)
     write_model(a.out, a.name, a.seed, a.f16, reranker=a.reranker)
+    for i, lora in enumerate(a.lora):
+        write_lora(lora, f"{a.name}-lora{i}", seed=a.seed + i)
     if a.mmproj:
         write_mmproj(a.mmproj, a.name, a.seed)
 

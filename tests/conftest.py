@@ -89,6 +89,18 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_loras(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two real LoRA adapters for the tiny models ("sql", "fr": names only): llama-server
+    --lora loads them, and each changes the greedy answer its own way."""
+    root = tmp_path_factory.mktemp("loras")
+    loras = {}
+    for seed, name in enumerate(("sql", "fr")):
+        loras[name] = root / f"lora-{name}.gguf"
+        make_tiny_model.write_lora(str(loras[name]), f"tiny-lora-{name}", seed=seed)
+    return loras
+
+
+@pytest.fixture(scope="session")
 def tiny_reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real qwen3-architecture reranker (rank pooling in its header, a classifier
     head): llama-server --rerank scores documents with it."""

@@ -21,7 +21,6 @@ from gatewayd.core.catalog import Catalog, Model, ModelFile, build_catalog
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engine_units import EngineLayout
 from gatewayd.core.errors import GatewayError, UnitAlreadyActive, UnitOperationFailed
-from gatewayd.core.variants import parse_variant
 from gatewayd.core.ports import (
     DesiredList,
     EngineUnitInfo,
@@ -33,6 +32,7 @@ from gatewayd.core.ports import (
     MemoryMeter,
     UnitWatcher,
 )
+from gatewayd.core.variants import parse_variant
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
 from tests.virtual_time import VirtualTimeLoop

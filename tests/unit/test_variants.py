@@ -140,7 +140,7 @@ def test_a_variant_is_its_bases_engine_with_its_own_name_class_and_shape() -> No
     assert coder.names == frozenset({"coder", "code"})
     assert catalog.served("quick").priority == HIGH   # the base's, unless it says
     assert catalog.find("coder") is None              # no engine of its own to start
-    with pytest.raises(ModelNotFound, match="variant of 'qwen'.*name 'qwen'"):
+    with pytest.raises(ModelNotFound, match=r"variant of 'qwen'.*name 'qwen'"):
         catalog.resolve("coder")
 
 
@@ -161,7 +161,7 @@ def test_a_variant_takes_a_weak_gguf_name_but_never_a_models_strong_one() -> Non
                           "v": {"variant_of": "a", "aliases": ["qwen3"]}},
                          **{"/m/a.gguf": ModelFile(size_bytes=1, facts=facts)})
     assert catalog.served("qwen3").id == "v"
-    with pytest.raises(ConfigError, match="'v' and 'a' both claim the name 'a.gguf'"):
+    with pytest.raises(ConfigError, match=r"'v' and 'a' both claim the name 'a\.gguf'"):
         catalog_of({"a": {"path": "/m/a.gguf"}, "v": {"variant_of": "a",
                                                       "aliases": ["a.gguf"]}})
 
