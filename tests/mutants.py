@@ -1125,8 +1125,8 @@ BATCH_API_T = "tests/http/test_batches_api.py::"
 BATCHES = (
     Mutant("batch-lines-at-the-users-class", "a batch line is served at the lowest class, "
            "below every interactive request", "gatewayd/service/batch_lines.py",
-           "                    priority=LOW, client=f\"batch:{batch.id}\")",
-           "                    priority=NORMAL, client=f\"batch:{batch.id}\")",
+           "                    autoload=quiet, priority=LOW, client=f\"batch:{batch.id}\")",
+           "                    autoload=quiet, priority=NORMAL, client=f\"batch:{batch.id}\")",
            also=(("gatewayd/service/batch_lines.py", "from gatewayd.core.priority import LOW\n",
                   "from gatewayd.core.priority import LOW, NORMAL\n"),),
            tests=(BATCHES_T + "test_every_line_is_answered_once_in_order_at_the_lowest_"
@@ -1211,8 +1211,70 @@ BATCHES = (
                   "refused_line_by_line_and_nothing_is_kept")),
 )
 
+VARIANTS_T = "tests/unit/test_variants.py::"
+VARIANTS_HTTP_T = "tests/http/test_variants_http.py::"
+VARIANTS = (
+    Mutant("variant-default-overrides-client", "a variant's default fills only what the "
+           "client left out", "gatewayd/core/variants.py",
+           "        payload[name] = _merged(value, payload[name]) if name in payload \\\n"
+           "            else copy.deepcopy(value)",
+           "        payload[name] = copy.deepcopy(value)",
+           tests=(VARIANTS_T + "test_a_default_fills_only_what_the_client_left_out",
+                  VARIANTS_HTTP_T + "test_the_clients_values_win_over_defaults_never_over_"
+                  "the_limit")),
+    Mutant("variant-default-table-replaced", "a default table is merged key by key with "
+           "the client's", "gatewayd/core/variants.py",
+           "    if isinstance(default, dict) and isinstance(given, dict):",
+           "    if False:",
+           tests=(VARIANTS_T + "test_a_default_table_is_merged_key_by_key_with_the_clients",)),
+    Mutant("variant-limit-not-held", "a variant's limit lowers any larger length",
+           "gatewayd/core/variants.py", "        if value < 0 or value > limit:",
+           "        if value < 0:",
+           tests=(VARIANTS_T + "test_a_limit_holds_whatever_the_client_asks",
+                  VARIANTS_HTTP_T + "test_the_clients_values_win_over_defaults_never_over_"
+                  "the_limit")),
+    Mutant("variant-limit-misses-n-predict", "the limit lowers every length field "
+           "llama-server reads, n_predict first",
+           "gatewayd/core/variants.py",
+           'LENGTH_FIELDS = ("n_predict", "max_tokens",',
+           'LENGTH_FIELDS = ("max_tokens",',
+           tests=(VARIANTS_T + "test_a_limit_holds_whatever_the_client_asks",)),
+    Mutant("adapter-sent-without-lora", "a request to an engine with adapters carries "
+           "the whole lora list", "gatewayd/core/variants.py",
+           "    if shape.lora:\n        payload[\"lora\"]",
+           "    if shape.lora and shape.defaults:\n        payload[\"lora\"]",
+           tests=(VARIANTS_HTTP_T + "test_an_adapter_and_the_base_share_one_engine_each_"
+                  "with_its_lora_list",)),
+    Mutant("adapter-base-sent-without-lora", "the base of an engine with adapters is "
+           "sent the list that applies none", "gatewayd/core/catalog.py",
+           "        return Shape(lora=lora_scales(adapters, None)) if adapters else NO_CHANGE",
+           "        return NO_CHANGE",
+           tests=(VARIANTS_T + "test_adapters_are_models_named_base_colon_adapter_and_the_"
+                  "base_applies_none",)),
+    Mutant("adapter-client-lora-kept", "the lora list is the gateway's, not the client's",
+           "gatewayd/core/variants.py",
+           '        payload["lora"] = [{"id": i, "scale": s} for i, s in enumerate(shape.lora)]',
+           '        payload.setdefault("lora", [{"id": i, "scale": s} '
+           "for i, s in enumerate(shape.lora)])",
+           tests=(VARIANTS_T + "test_the_lora_list_is_the_gateways_whatever_the_client_sent",
+                  VARIANTS_HTTP_T + "test_an_adapter_and_the_base_share_one_engine_each_"
+                  "with_its_lora_list")),
+    Mutant("variant-chain-allowed", "a variant names a model with an engine of its own",
+           "gatewayd/core/catalog.py",
+           "        if named in adapter_ids or any(named == other.name.casefold()",
+           "        if False and any(named == other.name.casefold()",
+           tests=(VARIANTS_T + "test_a_variant_that_cannot_work_is_refused_naming_its_key",)),
+    Mutant("batch-line-variant-unshaped", "a batch line for a variant is changed as the "
+           "variant says", "gatewayd/service/batch_lines.py",
+           "            if shape_body(served.shape, line.url, payload):",
+           "            if False:",
+           tests=(BATCHES_T + "test_a_variants_line_goes_to_its_bases_engine_changed_as_the_"
+                  "variant_says",)),
+)
+
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP
-           + ANY_ENGINE + PULLS + CONSOLE + HARDENING + GROUPED + ERROR_SOURCES + BATCHES)
+           + ANY_ENGINE + PULLS + CONSOLE + HARDENING + GROUPED + ERROR_SOURCES + BATCHES
+           + VARIANTS)
 
 
 def copy_tree(dest: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from gatewayd.adapters.batch_store import BatchStore
 from gatewayd.core import batch as core
-from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.catalog import Catalog, Model, Variant
 from gatewayd.core.config import GatewayConfig, ModelConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
@@ -27,6 +27,7 @@ from gatewayd.core.errors import (
     ModelNotLoaded,
 )
 from gatewayd.core.priority import LOW
+from gatewayd.core.variants import Shape, VariantConfig
 from gatewayd.service import batch_lines as service
 from gatewayd.service.batch_lines import Activity, may_send
 from gatewayd.service.batches import Batches
@@ -161,6 +162,22 @@ async def test_every_line_is_answered_once_in_order_at_the_lowest_priority(s: Se
         ("tiny", LOW, f"batch:{batch.id}")}
     assert len(s.noted) == 5 and ("c3", 502, "engine_failed") in s.noted
     assert done.stamps.keys() >= {"in_progress_at", "finalizing_at", "completed_at"}
+
+
+async def test_a_variants_line_goes_to_its_bases_engine_changed_as_the_variant_says(
+        s: Setup) -> None:
+    """As the request path: a variant's defaults fill what the line left out, its base's
+    engine answers, and the line keeps the variant's name."""
+    tiny = s.catalog.get("tiny")
+    assert tiny is not None
+    s.catalog.replace(Catalog(list(s.catalog), {}, [Variant(
+        id="short", base=tiny, names=frozenset({"short"}),
+        shape=Shape(defaults={"encoding_format": "base64", "input": "never"}),
+        config=VariantConfig(name="short", variant_of="tiny"))]))
+    done = await s.ended((await s.run(lines("a", model="short"))).id)
+    assert (done.completed, done.failed) == (1, 0)
+    assert s.answers.sent == [{"model": "short", "input": "a", "encoding_format": "base64"}]
+    assert [m for m, *_ in s.journeys.asked] == ["tiny"]
 
 
 async def test_a_line_that_gets_no_turn_is_tried_again_not_failed(s: Setup) -> None:
