@@ -157,7 +157,7 @@ TABLES: Mapping[str, str] = {
     "models.NAME": "one model; explicit entries win over files found in `models_dir`",
     "models.VARIANT": "a variant: a `[models.NAME]` table with `variant_of`, another name "
                       "for that model's engine with request defaults and limits (see "
-                      "[models.md](models.md#variants-and-lora-adapters)); it takes only "
+                      "[variants.md](variants.md)); it takes only "
                       "these keys",
     "upstreams.NAME": "an OpenAI-compatible server elsewhere that answers some models",
     "keys.NAME": "one API key, in the keys file (`[auth] keys_file`), not in gateway.toml",

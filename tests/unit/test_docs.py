@@ -7,6 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
+from gatewayd.core.catalog import build_catalog
 from gatewayd.core.config import parse_config
 from tests.harness.plugin import REPO
 
@@ -21,6 +22,7 @@ def test_every_config_example_in_the_docs_parses() -> None:
         for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S):
             config = parse_config(tomllib.loads(block))
             assert config.models, f"{doc.name}: the example should show model entries"
+            build_catalog(config, (), {})   # its names and variants hold together
             ids += [m.name for m in config.models]
     assert re.findall(r"```toml\n", README.read_text()), "README.md has no toml example"
     assert "qwen2.5-7b" in ids and "qwen-vllm" in ids   # the configuration; the recipes
