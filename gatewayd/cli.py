@@ -207,7 +207,7 @@ def run_command(args: argparse.Namespace, url: str) -> int:
         show(args, out, lambda: status_lines(out))
     elif args.command == "models":
         out = call(url, "GET", "/admin/models")
-        show(args, out, lambda: model_lines(out["models"]))
+        show(args, out, lambda: model_lines(out["models"], out.get("variants", [])))
     elif args.command == "engines":
         out = call(url, "GET", "/admin/engines")
         show(args, out, lambda: [*engine_lines(out["engines"]), "",
@@ -364,11 +364,16 @@ def check(args: argparse.Namespace, config: Any) -> int:
             "container sharing the host's network?). A root gateway's engines listen on a "
             "loopback port of this host (39000-39999), where any local user can reach "
             "them; llm-engine@ units (the package) refuse to start instead")
+    warnings += [f"{m.id}: adapter {a.name!r}: no file {a.path} (its engine would not "
+                 "start)" for m in catalog for a in m.config.adapters if not a.path.is_file()]
+    variants = [v.id for v in catalog.variants]
     out = {"ok": True, "config": str(config.source) if config.source else None,
-           "models": catalog.ids, "warnings": warnings}
+           "models": catalog.ids, "variants": variants, "warnings": warnings}
     show(args, out, lambda: [
         f"{out['config'] or 'defaults'}: ok, {len(catalog)} model(s): "
-        f"{', '.join(catalog.ids) or 'none'}", *(f"warning: {w}" for w in warnings)])
+        f"{', '.join(catalog.ids) or 'none'}"
+        + (f"; {len(variants)} variant(s): {', '.join(variants)}" if variants else ""),
+        *(f"warning: {w}" for w in warnings)])
     return 0
 
 
@@ -562,13 +567,20 @@ def line_lines(schedule: dict[str, Any] | None) -> list[str]:
             *table(rows, ["model", "waiting", "waited", "priority", "overdue"])]
 
 
-def model_lines(models: list[dict[str, Any]]) -> list[str]:
-    """The models table, then a line for each model whose GGUF header could not be read."""
+def model_lines(models: list[dict[str, Any]],
+                variants: list[dict[str, Any]] | None = None) -> list[str]:
+    """The models table, a line for each model whose GGUF header could not be read, then
+    the variants (names for a model's engine: core/variants)."""
     rows = [{**m, "size": size(m["size_bytes"])} for m in models]
+    shown = [{**v, "adapter": v["adapter"] or "",
+              "changes": ", ".join([*v["defaults"], *(f"max {n}" for n in v["limits"])])
+              + (", system prompt" if v["system_prompt"] else "")}
+             for v in variants or ()]
     return [*table(rows, ["id", "kind", "backend", "quantization", "context_length", "size",
                           "path"]),
             *(f"{m['id']}: cannot read the GGUF header: {m['header_error']}"
-              for m in models if m.get("header_error"))]
+              for m in models if m.get("header_error")),
+            *(["", *table(shown, ["id", "variant_of", "adapter", "changes"])] if shown else [])]
 
 
 def follow_events(url: str, *, as_json: bool, since: float | None = None,

@@ -145,6 +145,15 @@ class Variant:
     adapter: str | None = None
     config: VariantConfig | None = None
 
+    def describe(self) -> dict[str, object]:
+        config = self.config
+        return {"id": self.id, "variant_of": self.base.id, "adapter": self.adapter,
+                "aliases": sorted(self.names),
+                "defaults": dict(config.defaults) if config is not None else {},
+                "system_prompt": config.system_prompt if config is not None else None,
+                "limits": {"max_tokens": config.max_tokens}
+                if config is not None and config.max_tokens is not None else {}}
+
 
 @dataclass(frozen=True)
 class Served:

@@ -126,7 +126,8 @@ async def reload_config(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     mgr = request.app[ENGINES]
-    return web.json_response({"models": [m.describe() for m in mgr.catalog]})
+    return web.json_response({"models": [m.describe() for m in mgr.catalog],
+                              "variants": [v.describe() for v in mgr.catalog.variants]})
 
 
 async def list_engines(request: web.Request) -> web.Response:

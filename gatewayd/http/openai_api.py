@@ -169,13 +169,9 @@ def _variant_object(front: FrontDoor, variant: Variant, engine: Engine | None
                     ) -> dict[str, Any]:
     """A variant as a model of its own: its base's engine and memory, its own names, what
     it is a variant of and the adapter it applies."""
-    config = variant.config
-    return {**_model_object(front, variant.base, engine), "id": variant.id,
-            "aliases": sorted(variant.names), "variant_of": variant.base.id,
-            "adapter": variant.adapter,
-            "defaults": dict(config.defaults) if config is not None else {},
-            "limits": {"max_tokens": config.max_tokens}
-            if config is not None and config.max_tokens is not None else {}}
+    own = variant.describe()
+    del own["system_prompt"]   # the operator's words: not for every key's client
+    return {**_model_object(front, variant.base, engine), **own, "adapters": []}
 
 
 def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict[str, Any]:

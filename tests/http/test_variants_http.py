@@ -25,13 +25,14 @@ VARIANTS = {
 }
 ADAPTERS = {"a": {"adapters": (Adapter("sql", Path("/m/sql.gguf")),
                                Adapter("fr", Path("/m/fr.gguf"), 0.5))}}
-USER, CODER_ONLY = "sk-llmgw-user", "sk-llmgw-coder-only"
+USER, CODER_ONLY, OPS = "sk-llmgw-user", "sk-llmgw-coder-only", "sk-llmgw-ops"
 
 
 @pytest.fixture
 async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
     keys = parse_keys({"keys": {"user": {"sha256": digest(USER)},
-                                "coder": {"sha256": digest(CODER_ONLY), "models": ["coder"]}}},
+                                "coder": {"sha256": digest(CODER_ONLY), "models": ["coder"]},
+                                "ops": {"sha256": digest(OPS), "scopes": ["admin"]}}},
                       "test")
     async for g in _gateway(tmp_path, ("a",), variants=VARIANTS, models_config=ADAPTERS,
                             api_keys=keys):
@@ -134,3 +135,20 @@ async def test_variants_are_models_of_their_own_to_the_list_and_to_keys(gw: Gate
     assert refused.status == 403
     assert (await gw.client.post("/v1/chat/completions", headers=only,
                                  json=chat("a:sql"))).status == 403
+
+
+async def test_the_admin_api_and_the_cli_list_the_variants(gw: Gateway) -> None:
+    from gatewayd.cli import model_lines
+
+    listed = await (await gw.client.get("/admin/models", headers=bearer(OPS))).json()
+    variants = {v["id"]: v for v in listed["variants"]}
+    assert variants["coder"]["system_prompt"] == "You write code."
+    assert variants["a:fr"] == {"id": "a:fr", "variant_of": "a", "adapter": "fr",
+                                "aliases": ["a:fr"], "defaults": {}, "system_prompt": None,
+                                "limits": {}}
+    lines = model_lines(listed["models"], listed["variants"])
+    (coder,) = [line for line in lines if line.startswith("coder ")]
+    assert coder.split()[:2] == ["coder", "a"]
+    assert "temperature, chat_template_kwargs, max max_tokens, system prompt" in coder
+    (low,) = [line for line in lines if line.startswith("sql-low ")]
+    assert low.split() == ["sql-low", "a", "sql"]

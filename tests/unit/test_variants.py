@@ -254,3 +254,23 @@ def test_a_variant_priority_of_none_is_its_bases_class() -> None:
     catalog = catalog_of({"qwen": {"path": "/m/q.gguf"}, "v": {"variant_of": "qwen"}})
     assert catalog.served("v").priority == NORMAL
     assert ModelKind.CHAT in catalog.served("v").model.kinds
+
+
+def test_check_lists_the_variants_refuses_a_broken_one_and_warns_of_a_missing_adapter(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gatewayd import cli
+
+    (tmp_path / "q.gguf").write_bytes(b"GGUF")
+    (tmp_path / "sql.gguf").write_bytes(b"GGUF")
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text('llama_server = "/bin/true"\n[models.q]\npath = "q.gguf"\n'
+                   '[models.q.adapters]\nsql = "sql.gguf"\nfr = "fr.gguf"\n'
+                   '[models.fast]\nvariant_of = "q"\ndefaults = { temperature = 0.1 }\n')
+    assert cli.main(["--config", str(cfg), "check"]) == 0
+    out = capsys.readouterr().out
+    assert "3 variant(s): q:sql, q:fr, fast" in out
+    assert f"q: adapter 'fr': no file {tmp_path / 'fr.gguf'}" in out
+    assert "'sql'" not in out
+    cfg.write_text(cfg.read_text() + '[models.slow]\nvariant_of = "fast"\n')
+    assert cli.main(["--config", str(cfg), "check"]) == 1
+    assert "models.slow.variant_of = 'fast' is itself a variant" in capsys.readouterr().err
