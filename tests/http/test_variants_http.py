@@ -45,7 +45,14 @@ def bearer(key: str = USER) -> dict[str, str]:
 
 def sent(gw: Gateway) -> dict[str, Any]:
     """The body engine a saw last."""
-    return json.loads(gw.fakes["a"].requests[-1].body)
+    body: dict[str, Any] = json.loads(gw.fakes["a"].requests[-1].body)
+    return body
+
+
+def unit_of(gw: Gateway, model: str) -> str:
+    engine = gw.engines.get(model)
+    assert engine is not None
+    return engine.unit
 
 
 async def test_a_variant_reaches_its_bases_engine_with_its_defaults_and_limit(
@@ -61,7 +68,7 @@ async def test_a_variant_reaches_its_bases_engine_with_its_defaults_and_limit(
     assert body["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
     assert [e.model_id for e in gw.engines.engines()] == ["a"]   # no engine of its own
     row = (await gw.records(1))[0]
-    assert row["model"] == "coder" and row["engine"] == gw.engines.get("a").unit
+    assert row["model"] == "coder" and row["engine"] == unit_of(gw, "a")
 
 
 async def test_the_clients_values_win_over_defaults_never_over_the_limit(gw: Gateway) -> None:
@@ -85,7 +92,7 @@ async def test_the_clients_values_win_over_defaults_never_over_the_limit(gw: Gat
 async def test_an_adapter_and_the_base_share_one_engine_each_with_its_lora_list(
         gw: Gateway) -> None:
     asked = {"a": [0.0, 0.0], "a:sql": [1.0, 0.0], "A:FR": [0.0, 0.5], "sql-low": [1.0, 0.0]}
-    unit = gw.engines.get("a").unit
+    unit = unit_of(gw, "a")
     for name, scales in asked.items():
         resp = await gw.client.post("/v1/chat/completions", headers=bearer(),
                                     json={**chat(name), "lora": [{"id": 1, "scale": 9}]})

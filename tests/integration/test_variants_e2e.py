@@ -47,6 +47,7 @@ def answer(gw: GatewayService, model: str, **extra: Any) -> tuple[str, int]:
 def completion(gw: GatewayService, **body: Any) -> dict[str, Any]:
     status, answered = gw.api("POST", "/completion", {"prompt": "hello", **body})
     assert status == 200, answered
+    assert isinstance(answered, dict)
     return answered
 
 
