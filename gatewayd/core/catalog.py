@@ -285,7 +285,18 @@ def build_catalog(config: GatewayConfig, discovered: Sequence[ModelConfig],
     already without those an explicit [models.NAME] entry names; files: the
     facts of every model's path (missing entries: size 0, no facts).
     """
-    configured = [*config.models, *discovered]
+    def adapter_file(m: ModelConfig) -> bool:
+        found = files.get(m.path) if m.path is not None else None
+        return m.backend is Backend.LLAMA and found is not None and found.facts is not None \
+            and found.facts.is_adapter
+    where = str(config.source) if config.source else "config"
+    for m in config.models:
+        if adapter_file(m):
+            raise ConfigError(f"{where}: [models.{m.name}] path {m.path} is a LoRA adapter, "
+                              "not a model: name it in its base model's adapters "
+                              "(docs/variants.md)")
+    # a LoRA adapter in models_dir (pulled there, or put beside its base) is no model
+    configured = [*config.models, *(m for m in discovered if not adapter_file(m))]
 
     ids: dict[str, ModelConfig] = {}
     for m in configured:

@@ -79,6 +79,11 @@ class GgufFacts:
         return arch if isinstance(arch, str) else None
 
     @property
+    def is_adapter(self) -> bool:
+        """A LoRA adapter (general.type = "adapter"), loaded into a model, not one itself."""
+        return self.metadata.get("general.type") == "adapter"
+
+    @property
     def name(self) -> str | None:
         name = self.metadata.get("general.name")
         return name if isinstance(name, str) and name.strip() else None

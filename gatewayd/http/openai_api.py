@@ -300,6 +300,12 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
         raise InvalidRequest(str(e), param=PRIORITY_HEADER) from None
     changed = served is not None and inference and shaped(served, request.path, payload,
                                                           multipart)
+    if local is not None and local.backend is Backend.OPENAI and payload is not None \
+            and isinstance(payload.get("model"), str) and payload["model"] != local.id:
+        # an alias's or a variant's request: its server knows the model by its id (the
+        # {model} of its command), and a strict one (vLLM) refuses any other name
+        payload["model"] = local.id
+        changed = True
     drop_usage = False
     if stream and request.path in USAGE_PATHS and payload is not None:
         options = payload.get("stream_options")

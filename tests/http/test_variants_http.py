@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gatewayd.core.auth import digest, parse_keys
+from gatewayd.core.config import Backend
 from gatewayd.core.variants import Adapter
 from tests.http.test_front_door import Gateway, _gateway, chat
 
@@ -159,3 +160,19 @@ async def test_the_admin_api_and_the_cli_list_the_variants(gw: Gateway) -> None:
     assert "temperature, chat_template_kwargs, max max_tokens, system prompt" in coder
     (low,) = [line for line in lines if line.startswith("sql-low ")]
     assert low.split() == ["sql-low", "a", "sql"]
+
+
+async def test_an_openai_servers_request_names_the_model_by_its_id(tmp_path: Path) -> None:
+    """A strict OpenAI server (vLLM) answers only the name it was started with ({model}:
+    the model's id): an alias's or a variant's request is sent with the id."""
+    openai_b = {"b": {"backend": Backend.OPENAI, "aliases": ("bee",),
+                      "command": ("srv", "--uds", "{socket}")}}
+    async for gw in _gateway(tmp_path, ("b",), models_config=openai_b,
+                             variants={"b-cold": {"variant_of": "b",
+                                                  "defaults": {"temperature": 0.0}}}):
+        for name in ("bee", "b-cold", "b"):
+            resp = await gw.client.post("/v1/chat/completions", json=chat(name))
+            assert resp.status == 200, await resp.text()
+            assert json.loads(gw.fakes["b"].requests[-1].body)["model"] == "b"
+        rows = await gw.records(3)
+        assert sorted(r["model"] for r in rows) == ["b", "b", "b-cold"]

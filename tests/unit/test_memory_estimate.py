@@ -244,3 +244,16 @@ def test_estimate_for_gives_none_without_a_usable_header() -> None:
               GgufFacts(path="/m.gguf", file_size=4, error="bad magic")):
         model = Model(id="m", config=config, names=frozenset({"m"}), facts=f)
         assert estimate_for(model, gpu=False) is None
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_lora_adapters_are_counted_beside_the_weights(gpu: bool) -> None:
+    settings = EngineSettings.parse([], ctx_size=4096)
+    plain = estimate(facts(), settings, gpu=gpu, mmproj_bytes=0)
+    with_adapters = estimate(facts(), settings, gpu=gpu, mmproj_bytes=0,
+                             adapter_bytes=300 * MIB)
+    grown = (with_adapters.vram_bytes - plain.vram_bytes if gpu
+             else with_adapters.ram_bytes - plain.ram_bytes)
+    assert grown == 300 * MIB
+    assert (with_adapters.ram_bytes if gpu else with_adapters.vram_bytes) == \
+        (plain.ram_bytes if gpu else plain.vram_bytes)

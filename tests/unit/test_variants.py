@@ -274,3 +274,29 @@ def test_check_lists_the_variants_refuses_a_broken_one_and_warns_of_a_missing_ad
     cfg.write_text(cfg.read_text() + '[models.slow]\nvariant_of = "fast"\n')
     assert cli.main(["--config", str(cfg), "check"]) == 1
     assert "models.slow.variant_of = 'fast' is itself a variant" in capsys.readouterr().err
+
+
+def test_an_adapter_file_in_models_dir_is_no_model_and_serves_its_base(tmp_path: Path) -> None:
+    """What `llm-gateway pull ORG/REPO:FILE --name sql-lora` leaves (models_dir/sql-lora/)
+    or a user puts beside the base: the header says adapter, so the catalog lists no model
+    for it, and a model's adapters may name it."""
+    import make_tiny_model
+
+    from gatewayd.adapters.model_files import load_catalog
+
+    models = tmp_path / "models"
+    (models / "sql-lora").mkdir(parents=True)
+    make_tiny_model.write_model(str(models / "tiny.gguf"), "tiny")
+    make_tiny_model.write_lora(str(models / "sql-lora" / "sql.gguf"), "tiny-sql")
+    make_tiny_model.write_lora(str(models / "loose-lora.gguf"), "tiny-loose", seed=1)
+    config = parse_config({"models_dir": str(models)})
+    assert load_catalog(config).served_ids() == ["tiny"]
+    config = parse_config({"models_dir": str(models), "models": {"tiny": {
+        "path": str(models / "tiny.gguf"), "adapters": {"sql": "models/sql-lora/sql.gguf"}}}},
+        base=tmp_path)
+    catalog = load_catalog(config)
+    assert catalog.served_ids() == ["tiny", "tiny:sql"]
+    tiny = catalog.get("tiny")
+    assert tiny is not None and tiny.adapter_bytes == (models / "sql-lora/sql.gguf").stat().st_size
+    with pytest.raises(ConfigError, match=r"\[models\.oops\] path .* is a LoRA adapter"):
+        load_catalog(parse_config({"models": {"oops": {"path": str(models / "loose-lora.gguf")}}}))
