@@ -1264,6 +1264,20 @@ VARIANTS = (
            "        if named in adapter_ids or any(named == other.name.casefold()",
            "        if False and any(named == other.name.casefold()",
            tests=(VARIANTS_T + "test_a_variant_that_cannot_work_is_refused_naming_its_key",)),
+    Mutant("adapter-file-listed-as-model", "a GGUF whose header says adapter is no model",
+           "gatewayd/core/catalog.py",
+           "    configured = [*config.models, *(m for m in discovered if not adapter_file(m))]",
+           "    configured = [*config.models, *discovered]",
+           tests=(VARIANTS_T + "test_an_adapter_file_in_models_dir_is_no_model_and_serves_its_"
+                  "base", "tests/unit/test_pulls.py::test_a_lora_adapter_is_pulled_like_a_"
+                  "model_and_listed_as_none")),
+    Mutant("openai-alias-sent-as-is", "an openai server is asked for the model by its id",
+           "gatewayd/http/openai_api.py",
+           "            and isinstance(payload.get(\"model\"), str) and payload[\"model\"] != "
+           "local.id:",
+           "            and isinstance(payload.get(\"model\"), str) and payload[\"model\"] == "
+           "local.id:",
+           tests=(VARIANTS_HTTP_T + "test_an_openai_servers_request_names_the_model_by_its_id",)),
     Mutant("batch-line-variant-unshaped", "a batch line for a variant is changed as the "
            "variant says", "gatewayd/service/batch_lines.py",
            "            if shape_body(served.shape, line.url, payload):",

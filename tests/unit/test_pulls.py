@@ -314,6 +314,30 @@ async def test_split_parts_and_the_projector_come_together(rig: Rig) -> None:
                       "Big-Q8_0-00003-of-00003.gguf", "mmproj-Big-f16.gguf"]
 
 
+async def test_a_lora_adapter_is_pulled_like_a_model_and_listed_as_none(
+        rig: Rig, tmp_path: Path) -> None:
+    """docs/variants.md: `pull ORG/REPO:FILE --name NAME` fetches an adapter; the catalog
+    lists no model for it, and a model's adapters may name it."""
+    import make_tiny_model
+
+    from gatewayd.adapters.model_files import load_catalog
+    from gatewayd.core.config import parse_config
+
+    make_tiny_model.write_lora(str(tmp_path / "sql.gguf"), "tiny-sql")
+    make_tiny_model.write_model(str(rig.models / "tiny.gguf"), "tiny")
+    rig.hub.publish("org/Tiny-LoRA", {"tiny-sql-lora.gguf": (tmp_path / "sql.gguf").read_bytes()})
+    puller = rig.puller()
+    state = await finished(puller, await puller.pull("org/Tiny-LoRA:tiny-sql-lora.gguf",
+                                                     name="sql-lora"))
+    assert state.state == "done", state.error
+    landed = rig.models / "sql-lora" / "tiny-sql-lora.gguf"
+    assert landed.read_bytes() == (tmp_path / "sql.gguf").read_bytes()
+    assert load_catalog(parse_config({"models_dir": str(rig.models)})).served_ids() == ["tiny"]
+    config = parse_config({"models_dir": str(rig.models), "models": {"tiny": {
+        "path": str(rig.models / "tiny.gguf"), "adapters": {"sql": str(landed)}}}})
+    assert load_catalog(config).served_ids() == ["tiny", "tiny:sql"]
+
+
 def sourced(name: str, source: str, models: Path) -> Model:
     """A configured model whose file is not here yet, as the catalog holds it."""
     return Model(id=name, config=ModelConfig(name=name, path=None, source=source),
