@@ -27,8 +27,9 @@ RESTART_ONLY = ("listen_host", "listen_port", "bus", "unit_mode", "state_dir",
 @dataclass(frozen=True)
 class ReloadPlan:
     """What a configuration reload changes, model by model."""
-    added: tuple[str, ...]          # models the new configuration adds
-    removed: tuple[str, ...]        # models it drops (a running engine stops once idle)
+    added: tuple[str, ...]          # models (and variants) the new configuration adds
+    removed: tuple[str, ...]        # models (and variants) it drops (a running engine
+                                    # stops once idle)
     restart: tuple[str, ...]        # running engines whose unit settings changed
     kept: tuple[str, ...]           # running engines left as they are
     needs_restart: tuple[str, ...]  # settings that take effect at the gateway's next start
@@ -59,9 +60,10 @@ def plan_reload(old_config: GatewayConfig, new_config: GatewayConfig, old: Catal
             restart.append(model_id)
         else:
             kept.append(model_id)
+    before_ids, after_ids = old.served_ids(), new.served_ids()   # variants' names too
     return ReloadPlan(
-        added=tuple(m for m in new.ids if m not in old),
-        removed=tuple(m for m in old.ids if m not in new),
+        added=tuple(m for m in after_ids if m not in before_ids),
+        removed=tuple(m for m in before_ids if m not in after_ids),
         restart=tuple(restart), kept=tuple(kept),
         needs_restart=tuple(key for key in RESTART_ONLY
                             if getattr(old_config, key) != getattr(new_config, key)))

@@ -9,7 +9,7 @@ import pytest
 from gatewayd import cli
 from gatewayd.adapters.model_files import load_catalog
 from gatewayd.core.catalog import Catalog
-from gatewayd.core.config import GatewayConfig, ModelConfig
+from gatewayd.core.config import GatewayConfig, ModelConfig, parse_config
 from gatewayd.core.errors import ConfigError, ConfigInvalid, ModelNotLoaded
 from gatewayd.core.model_facts import GgufFacts
 from gatewayd.core.reload import plan_reload
@@ -54,6 +54,21 @@ def test_a_replaced_file_or_server_restarts_the_engine(tmp_path: Path) -> None:
     other_server = GatewayConfig(models=config.models, llama_server="/opt/llama-server")
     assert plan_reload(config, other_server, old, old, running=["a"]).restart == ("a",)
     assert plan_reload(config, config, old, old, running=[]).restart == ()
+
+
+def test_adapters_restart_their_engine_and_variants_are_added_and_removed_in_place(
+        tmp_path: Path) -> None:
+    a, sql = _file(tmp_path / "a.gguf"), _file(tmp_path / "sql.gguf")
+    old_config = parse_config({"models": {"a": {"path": str(a)},
+                                          "fast": {"variant_of": "a"}}})
+    new_config = parse_config({"models": {"a": {"path": str(a), "adapters": {"sql": str(sql)}},
+                                          "cold": {"variant_of": "a"}}})
+    old, new = load_catalog(old_config, _facts), load_catalog(new_config, _facts)
+    plan = plan_reload(old_config, new_config, old, new, running=["a"])
+    assert plan.restart == ("a",)       # its engine loads the adapter at its start
+    assert plan.added == ("a:sql", "cold") and plan.removed == ("fast",)
+    same = plan_reload(new_config, new_config, new, new, running=["a"])
+    assert same.kept == ("a",) and same.added == same.removed == ()
 
 
 def test_check_validates_without_a_gateway(tmp_path: Path,
