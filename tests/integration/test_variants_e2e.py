@@ -2,13 +2,14 @@
 llama-server with two generated adapters answers the base and each adapter differently
 at temperature 0, without a restart; a variant's defaults and limit reach llama-server
 (its /completion answer says the settings it used); the official openai SDK sees them
-all as ordinary models."""
+all as ordinary models, and so does the anthropic SDK."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import pytest
 
 from tests.integration.conftest import GatewayFactory
@@ -77,11 +78,15 @@ def test_adapters_and_variants_share_one_engine_and_answer_each_their_own_way(
     assert (settings["top_k"], settings["n_predict"]) == (3, 6)   # the client's default wins
     _, tokens = answer(gw, "coder", max_tokens=100)
     assert tokens == 6
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0)
+    message = claude.messages.create(model="coder", max_tokens=500,
+                                     messages=[{"role": "user", "content": "hello there"}])
+    assert message.model and message.usage.output_tokens == 6   # the limit, in its dialect
     assert completion(gw, model="tiny-alpha")["generation_settings"]["lora"] == [
         {"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
     assert unit_property(unit, "MainPID") == pid
 
-    rows = records(gw, 9)
+    rows = records(gw, 10)
     assert {r["model"] for r in rows} >= {"tiny-alpha", "tiny-alpha:sql", "tiny-alpha:fr",
                                           "coder"}
     assert {r["engine"] for r in rows if r["status"] == 200} == {unit}
