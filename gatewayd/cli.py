@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=["cancel"])
     p.add_argument("batch", nargs="?", help="the batch to cancel")
     p.add_argument("-n", "--limit", type=int, default=50)
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="redrawn every 2 s until every batch listed has ended")
     p = sub.add_parser("logs", help="an engine's journal, or the gateway's own (--gateway)")
     p.add_argument("model", nargs="?")
     p.add_argument("--gateway", action="store_true", help="the gateway's own journal")
@@ -276,21 +278,48 @@ def batches(url: str, args: argparse.Namespace) -> None:
         show(args, out, lambda: [f"{out['id']}: {out['status']}"])
         return
     limit = max(1, min(args.limit, 1000))   # what /admin/batches takes
-    out = call(url, "GET", "/admin/batches?" + urllib.parse.urlencode({"limit": limit}))
-    show(args, out, lambda: batch_lines(out["data"]))
+    bars = args.follow or (sys.stdout.isatty() and not args.json)
+    try:
+        while True:
+            out = call(url, "GET", "/admin/batches?" + urllib.parse.urlencode({"limit": limit}))
+            if args.follow and not args.json and sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")    # home, clear: a refreshed screen
+            rows = out["data"]
+            show(args, out, lambda rows=rows: batch_lines(rows, bars=bars))
+            if not args.follow or all(b["status"] in BATCH_ENDED for b in rows):
+                return
+            sys.stdout.flush()
+            time.sleep(2)
+    except KeyboardInterrupt:
+        pass
 
 
-def batch_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per batch: its id, key, status, lines done of all, failed, created."""
+BATCH_ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+def batch_lines(rows: list[dict[str, Any]], *, bars: bool = False) -> list[str]:
+    """One line per batch: its id, key, status, lines done of all (bars: as a progress
+    bar too), failed, created."""
     if not rows:
         return ["no batches"]
-    shown = [{"id": b["id"], "key": b.get("owner") or "-", "status": b["status"],
-              "done": f"{b['request_counts']['completed'] + b['request_counts']['failed']}"
-                      f"/{b['request_counts']['total']}",
-              "failed": b["request_counts"]["failed"], "endpoint": b["endpoint"],
-              "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(b["created_at"]))}
-             for b in rows]
-    return table(shown, ["id", "key", "status", "done", "failed", "endpoint", "created"])
+    shown = []
+    for b in rows:
+        counts = b["request_counts"]
+        done, total = counts["completed"] + counts["failed"], counts["total"]
+        shown.append({
+            "id": b["id"], "key": b.get("owner") or "-", "status": b["status"],
+            "done": f"{done}/{total}", "progress": progress_bar(done, total),
+            "failed": counts["failed"], "endpoint": b["endpoint"],
+            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(b["created_at"]))})
+    return table(shown, ["id", "key", "status", "done", *(["progress"] if bars else []),
+                         "failed", "endpoint", "created"])
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """[#########-----------]  45%"""
+    share = done / total if total else 1.0
+    filled = min(width, int(share * width))
+    return f"[{'#' * filled}{'-' * (width - filled)}] {int(share * 100):3d}%"
 
 
 def logs(url: str, args: argparse.Namespace) -> None:

@@ -225,6 +225,16 @@ class BatchStore:
     def _owned(self, owner: str | None) -> tuple[str, list[Any]]:
         return ("1", []) if owner is None else ("owner = ?", [owner])
 
+    def lines_waiting(self) -> dict[tuple[str, str], int]:
+        """Lines of unended batches not answered yet, by model: "queued" (pending) and
+        "sending" (sent, no answer yet)."""
+        rows = self._read(
+            "SELECT l.model, l.state, COUNT(*) FROM lines l JOIN batches b ON b.id = "
+            f"l.batch_id WHERE b.status NOT IN ({', '.join('?' * len(ENDED))}) AND "
+            "l.state IN (?, ?) GROUP BY l.model, l.state", (*ENDED, PENDING, SENT))
+        words = {PENDING: "queued", SENT: "sending"}
+        return {(str(model), words[str(state)]): int(n) for model, state, n in rows}
+
     # -- lines --------------------------------------------------------------------------
 
     def pending(self, batch_id: str, limit: int) -> list[Line]:

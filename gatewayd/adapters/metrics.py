@@ -163,6 +163,14 @@ class GatewayMetrics:
                                    "max_wait_s: near (past 90% of it), reached (it or "
                                    "longer: the bound made room), handed an engine or not",
                                    ["model", "priority", "kind"])
+        # batch jobs' lines (their calls are also in the figures above, as any call)
+        self.batch_lines = _Counts("llm_gateway_batch_lines",
+                                   "Batch lines ended, by result: ok (the engine answered "
+                                   "2xx), failed (any other answer, or the gateway's error)",
+                                   ["model", "result"])
+        self.batch_tokens = _Counts("llm_gateway_batch_tokens",
+                                    "Tokens of batch lines, as the engines counted them",
+                                    ["model", "kind"])
         self._clock = clock
         self._started: dict[str, float] = {}
 
@@ -186,6 +194,12 @@ class GatewayMetrics:
             self.rejected.inc((model, record.error_code))
         if (bound := BOUND_OF_CODE.get(record.error_code or "")) is not None:
             self.bounded.inc((bound,))
+        if record.batch is not None:
+            self.batch_lines.inc((model, "ok" if 200 <= status < 300 else "failed"))
+            if record.prompt_tokens:
+                self.batch_tokens.inc((model, "prompt"), record.prompt_tokens)
+            if record.completion_tokens:
+                self.batch_tokens.inc((model, "completion"), record.completion_tokens)
 
     def observe_wait(self, waited: Waited) -> None:
         """A request's wait for an engine, over (the dispatcher's, core/waits)."""
@@ -230,7 +244,7 @@ class GatewayMetrics:
                                      self.rejected, self.starts, self.restarts,
                                      self.failures, self.load,
                                      self.evictions, self.upstream_requests, self.waits,
-                                     self.near_misses)]
+                                     self.near_misses, self.batch_lines, self.batch_tokens)]
 
     def render(self, snapshot: Snapshot, engine_metrics: Mapping[str, str] | None = None
                ) -> bytes:
@@ -280,6 +294,8 @@ class Snapshot:
     native_relay_streams: int = 0       # streams relay.c passed on (past the first event)
     native_relay_active: int = 0        # ... passing on now
     bounded: Mapping[str, int] = field(default_factory=dict)   # counted outside the calls
+    # unended batches' lines not answered yet: (model, "queued"|"sending") -> lines
+    batch_lines: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def families(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -377,6 +393,13 @@ class Snapshot:
         yield GaugeMetricFamily("llm_gateway_native_relay_active",
                                 "Streams the native relay is passing on now",
                                 value=self.native_relay_active)
+        lines = GaugeMetricFamily("llm_gateway_batch_lines_waiting",
+                                  "Lines of unended batches not answered yet: queued (to "
+                                  "be sent) or sending (on their way to an engine)",
+                                  labels=["model", "state"])
+        for (model, stage), count in sorted(self.batch_lines.items()):
+            lines.add_metric([model, stage], count)
+        yield lines
 
 
 def _bound(value: float) -> str:

@@ -263,6 +263,8 @@ async def metrics(request: web.Request) -> web.Response:
                         upstreams=[(r.name, r.up, r.in_flight) for r in front.remotes.remotes()])
     if (native := request.app.get(NATIVE_RELAY)) is not None:
         snapshot.native_relay_streams, snapshot.native_relay_active = native.streams, native.active
+    if (batches := request.app.get(BATCHES)) is not None:
+        snapshot.batch_lines = await batches.lines_waiting()
     pruned = front.records.pruned if front.records else {}
     snapshot.bounded = {"engine_framing": front.engine_client.refused["framing"],
                         "records_max_age_days": pruned.get("age", 0),

@@ -222,6 +222,10 @@ class Batches:
                                         limit=limit + 1)
         return found[:limit], len(found) > limit
 
+    async def lines_waiting(self) -> dict[tuple[str, str], int]:
+        """Unended batches' lines not answered yet, by (model, "queued"|"sending")."""
+        return await asyncio.to_thread(self._store.lines_waiting)
+
     async def unended(self) -> list[Batch]:
         """Every batch not yet ended, oldest first (the admin's view)."""
         return await asyncio.to_thread(self._store.unended)

@@ -252,3 +252,65 @@ async def test_json_nested_past_the_parser_and_a_broken_form_are_400s(gw: Gatewa
     resp = await gw.client.post("/v1/files", data=broken,
                                 headers={"Content-Type": "multipart/form-data; boundary=b"})
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_request"
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """One sample of a Prometheus exposition (None: no such sample)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+async def test_the_metrics_count_batch_lines_waiting_ended_and_their_tokens(
+        gw: Gateway) -> None:
+    client = sdk(gw)
+    waiting = await waiting_batch(gw, client)
+    text = await (await gw.client.get("/admin/metrics")).text()
+    assert metric(text, "llm_gateway_batch_lines_waiting", model="b", state="queued") == 1
+    assert (await client.batches.cancel(waiting.id)).status == "cancelling"
+    await ended(client, waiting.id)
+    text = await (await gw.client.get("/admin/metrics")).text()
+    assert metric(text, "llm_gateway_batch_lines_waiting", model="b", state="queued") is None
+
+    batches = gw.client.app[BATCHES]
+    batches.config = dataclasses.replace(batches.config, batch_idle_s=0)
+    uploaded = await client.files.create(
+        file=("in.jsonl", jsonl(chat_line("x"), chat_line("y"), chat_line("z"))),
+        purpose="batch")
+    done = await ended(client, (await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+        completion_window="24h")).id)
+    assert done.status == "completed"
+    text = await (await gw.client.get("/admin/metrics")).text()
+    assert metric(text, "llm_gateway_batch_lines_total", model="a", result="ok") == 3
+    assert metric(text, "llm_gateway_batch_tokens_total", model="a", kind="completion") == 9
+    # an interactive call is in the calls' figures, not in the batch lines'
+    assert (await gw.client.post("/v1/chat/completions", json={
+        "model": "a", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3})).status == 200
+    text = await (await gw.client.get("/admin/metrics")).text()
+    assert metric(text, "llm_gateway_batch_lines_total", model="a", result="ok") == 3
+
+
+async def test_the_cli_follows_the_batches_with_progress_bars_until_they_end(
+        gw: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
+    client = sdk(gw)
+    uploaded = await client.files.create(
+        file=("in.jsonl", jsonl(*(chat_line(f"q{i}") for i in range(4)))), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id,
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    url = str(gw.client.make_url(""))
+    assert await asyncio.to_thread(cli.main, ["--url", url, "batches", "--follow"]) == 0
+    frames = capsys.readouterr().out.split("ID ")
+    last = frames[-1].splitlines()
+    assert last[0].split() == ["KEY", "STATUS", "DONE", "PROGRESS", "FAILED", "ENDPOINT",
+                               "CREATED"]
+    assert last[1].split()[:6] == [batch.id, "-", "completed", "4/4",
+                                   "[####################]", "100%"]
+    assert cli.progress_bar(9, 20) == "[#########-----------]  45%"
+    assert cli.progress_bar(0, 0) == "[####################] 100%"
