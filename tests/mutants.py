@@ -1204,6 +1204,11 @@ BATCHES = (
            "gatewayd/core/routes.py", '_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")',
            '_KEY = re.compile(r".{1,64}")',
            tests=(BATCH_API_T + "test_hostile_reads_get_clear_errors",)),
+    Mutant("batch-metrics-count-every-call", "the batch lines' figures count batch lines "
+           "only", "gatewayd/adapters/metrics.py", "        if record.batch is not None:",
+           "        if True:",
+           tests=(BATCH_API_T + "test_the_metrics_count_batch_lines_waiting_ended_and_their_"
+                  "tokens",)),
     Mutant("batch-bad-lines-kept", "a file with a bad line is refused whole",
            "gatewayd/core/batch.py", "    if problems:\n        shown",
            "    if False:\n        shown",
