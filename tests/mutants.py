@@ -1244,26 +1244,48 @@ VARIANTS = (
            'LENGTH_FIELDS = ("n_predict", "max_tokens",',
            'LENGTH_FIELDS = ("max_tokens",',
            tests=(VARIANTS_T + "test_a_limit_holds_whatever_the_client_asks",)),
-    Mutant("adapter-sent-without-lora", "a request to an engine with adapters carries "
-           "the whole lora list", "gatewayd/core/variants.py",
-           "    if shape.lora:\n        payload[\"lora\"]",
-           "    if shape.lora and shape.defaults:\n        payload[\"lora\"]",
+    Mutant("adapter-sent-without-lora", "a request for an adapter carries the engine's "
+           "lora list", "gatewayd/http/openai_api.py",
+           "    if call.inference and request.path in INFERENCE_PATHS and with_adapters(",
+           "    if call.inference and call.adapter is None and request.path in INFERENCE_PATHS "
+           "and with_adapters(",
            tests=(VARIANTS_HTTP_T + "test_an_adapter_and_the_base_share_one_engine_each_"
                   "with_its_lora_list",)),
     Mutant("adapter-base-sent-without-lora", "the base of an engine with adapters is "
-           "sent the list that applies none", "gatewayd/core/catalog.py",
-           "        return Shape(lora=lora_scales(adapters, None)) if adapters else NO_CHANGE",
-           "        return NO_CHANGE",
-           tests=(VARIANTS_T + "test_adapters_are_models_named_base_colon_adapter_and_the_"
-                  "base_applies_none",)),
-    Mutant("adapter-client-lora-kept", "the lora list is the gateway's, not the client's",
-           "gatewayd/core/variants.py",
-           '        payload["lora"] = [{"id": i, "scale": s} for i, s in enumerate(shape.lora)]',
-           '        payload.setdefault("lora", [{"id": i, "scale": s} '
-           "for i, s in enumerate(shape.lora)])",
-           tests=(VARIANTS_T + "test_the_lora_list_is_the_gateways_whatever_the_client_sent",
+           "sent the list that applies none", "gatewayd/core/variants.py",
+           "    if not loaded:\n        return False",
+           "    if not loaded or applied is None:\n        return False",
+           tests=(VARIANTS_T + "test_the_lora_list_is_the_engines_whole_list_whatever_the_"
+                  "client_sent",
                   VARIANTS_HTTP_T + "test_an_adapter_and_the_base_share_one_engine_each_"
                   "with_its_lora_list")),
+    Mutant("adapter-client-lora-kept", "the lora list is the gateway's, not the client's",
+           "gatewayd/core/variants.py", '    payload["lora"] = [{"id": i,',
+           '    payload["lora"] = payload.get("lora") or [{"id": i,',
+           tests=(VARIANTS_T + "test_the_lora_list_is_the_engines_whole_list_whatever_the_"
+                  "client_sent",
+                  VARIANTS_HTTP_T + "test_an_adapter_and_the_base_share_one_engine_each_"
+                  "with_its_lora_list")),
+    Mutant("adapter-ids-from-the-configuration", "the lora ids are the running engine's "
+           "(a reload restarts it only once idle)", "gatewayd/http/openai_api.py",
+           "    loaded = engine.adapters if engine.adapters is not None \\\n"
+           "        else tuple(a.name for a in call.local.config.adapters) if call.local else ()",
+           "    loaded = tuple(a.name for a in call.local.config.adapters) if call.local else ()",
+           tests=(VARIANTS_HTTP_T + "test_the_lora_list_is_the_engines_own_after_a_reload_"
+                  "changed_the_adapters",)),
+    Mutant("adapter-on-anthropic-path", "llama-server's Anthropic path drops the lora "
+           "list: refused for an engine with adapters", "gatewayd/core/variants.py",
+           '    if path.startswith("/v1/messages") and not path.endswith("/count_tokens"):',
+           '    if False:',
+           tests=(VARIANTS_T + "test_an_adapter_its_engine_did_not_load_or_a_body_without_"
+                  "the_list_is_refused",
+                  VARIANTS_HTTP_T + "test_a_request_that_cannot_carry_the_lora_list_is_"
+                  "refused")),
+    Mutant("variant-name-of-a-model", "a variant cannot take a model's own name",
+           "gatewayd/core/catalog.py",
+           '            if (kind, other) != ("variant", variant_id):',
+           '            if other != variant_id:',
+           tests=(VARIANTS_T + "test_a_variant_cannot_be_called_as_a_model_found_in_models_dir",)),
     Mutant("variant-chain-allowed", "a variant names a model with an engine of its own",
            "gatewayd/core/catalog.py",
            "        if named in adapter_ids or any(named == other.name.casefold()",
@@ -1277,16 +1299,14 @@ VARIANTS = (
                   "base", "tests/unit/test_pulls.py::test_a_lora_adapter_is_pulled_like_a_"
                   "model_and_listed_as_none")),
     Mutant("openai-alias-sent-as-is", "an openai server is asked for the model by its id",
-           "gatewayd/http/openai_api.py",
-           "            and isinstance(payload.get(\"model\"), str) and payload[\"model\"] != "
-           "local.id:",
-           "            and isinstance(payload.get(\"model\"), str) and payload[\"model\"] == "
-           "local.id:",
-           tests=(VARIANTS_HTTP_T + "test_an_openai_servers_request_names_the_model_by_its_id",)),
+           "gatewayd/core/catalog.py", "            or payload[\"model\"] == model.id:",
+           "            or payload[\"model\"] != model.id:",
+           tests=(VARIANTS_HTTP_T + "test_an_openai_servers_request_names_the_model_by_its_id",
+                  BATCHES_T + "test_an_openai_servers_line_names_the_model_by_its_id")),
     Mutant("batch-line-variant-unshaped", "a batch line for a variant is changed as the "
            "variant says", "gatewayd/service/batch_lines.py",
-           "            if shape_body(served.shape, line.url, payload):",
-           "            if False:",
+           "            shape_body(served.shape, line.url, payload)\n",
+           "            served.shape\n",
            tests=(BATCHES_T + "test_a_variants_line_goes_to_its_bases_engine_changed_as_the_"
                   "variant_says",)),
 )

@@ -49,6 +49,7 @@ from gatewayd.core.engine_units import (
     SOCKET_ENV,
     UNIT_PREFIX,
     EngineLayout,
+    adapters_of,
     gateway_secrets,
     in_private_tmp,
     keeps_kv_cache,
@@ -117,7 +118,8 @@ class EngineUnitsBase:
 
     def check_startable(self, model: Model) -> None:
         binary = resolve_binary(*server_binary(model, self._config))
-        for path in (model.config.path, model.config.mmproj):
+        for path in (model.config.path, model.config.mmproj,
+                     *(a.path for a in model.config.adapters)):
             if path is not None and (why := missing(path)):
                 raise ConfigError(f"{model.id}: {path}: {why}; the engine would have "
                                   "nothing to load", model=model.id)
@@ -450,7 +452,7 @@ class TemplateEngineUnits(EngineUnitsBase):
             return info
         env = settings.get("env") or {}
         return replace(info, model_id=settings.get("model"), socket=settings.get("socket"),
-                       visible_devices=env.get(DEVICES_ENV))
+                       visible_devices=env.get(DEVICES_ENV), adapters=adapters_of(env))
 
 
 def engine_identity() -> tuple[int | None, frozenset[int]]:
@@ -502,9 +504,10 @@ def engine_cannot_reach(name: str) -> str | None:
 
 def check_engine_can_read(model: Model, binary: str) -> None:
     """ConfigError naming the file and the reason where the engine's user could not
-    read the model (its mmproj) or run the engine server (for whisper, the gateway's
+    read the model (its mmproj, its adapters) or run the engine server (for whisper, the gateway's
     launcher, which runs it: this Python and the gatewayd package)."""
-    files = [binary, *(str(p) for p in (model.config.path, model.config.mmproj) if p)]
+    files = [binary, *(str(p) for p in (model.config.path, model.config.mmproj) if p),
+             *(str(a.path) for a in model.config.adapters)]
     if listens_on_tcp(model):
         files += [sys.executable, str(Path(__file__).resolve().parents[1] / "engine_launch.py")]
     for name in files:
@@ -566,6 +569,7 @@ def info_from_properties(unit: str, unit_props: dict[str, Any],
         started_at_us=int(service.get("ExecMainStartTimestamp", 0)),
         visible_devices=env.get(DEVICES_ENV),
         control_group=str(control_group) if control_group else None,
+        adapters=adapters_of(env),
     )
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from gatewayd.core.config import Backend, GatewayConfig, ModelConfig, ModelKind
 from gatewayd.core.errors import ConfigError, ModelNotFound
@@ -31,10 +32,10 @@ from gatewayd.core.model_facts import GgufFacts
 from gatewayd.core.variants import (
     NO_CHANGE,
     SEPARATOR,
+    Applied,
     Shape,
     VariantConfig,
     check_defaults,
-    lora_scales,
 )
 
 RANK_POOLING = 4   # LLAMA_POOLING_TYPE_RANK
@@ -105,12 +106,6 @@ class Model:
         return (*own, *(["vision"] if projector.has_vision_encoder else []),
                 *(["transcription"] if projector.has_audio_encoder else []))
 
-    @cached_property
-    def shape(self) -> Shape:
-        """What its requests' bodies get: with adapters, the lora list that applies none."""
-        adapters = self.config.adapters
-        return Shape(lora=lora_scales(adapters, None)) if adapters else NO_CHANGE
-
     def describe(self) -> dict[str, object]:
         facts = self.facts
         return {
@@ -168,7 +163,7 @@ class Served:
 
     @classmethod
     def of_model(cls, model: Model) -> Served:
-        return cls(model.id, model.names, model, model.shape, model.config.priority)
+        return cls(model.id, model.names, model, NO_CHANGE, model.config.priority)
 
     @classmethod
     def of_variant(cls, variant: Variant) -> Served:
@@ -176,6 +171,18 @@ class Served:
         priority = config.priority if config is not None and config.priority is not None \
             else variant.base.config.priority
         return cls(variant.id, variant.names, variant.base, variant.shape, priority, variant)
+
+
+def named_for_engine(model: Model, payload: dict[str, Any]) -> bool:
+    """payload's `model` made the name model's engine knows it by, where that matters;
+    whether it changed. An openai server was told the model's id (its command's {model})
+    and a strict one (vLLM) refuses any other name: an alias's or a variant's request is
+    sent with the id. llama-server answers any name."""
+    if model.backend is not Backend.OPENAI or not isinstance(payload.get("model"), str) \
+            or payload["model"] == model.id:
+        return False
+    payload["model"] = model.id
+    return True
 
 
 def health_of(catalog: Catalog, model_id: str) -> tuple[str, int]:
@@ -355,16 +362,17 @@ def _variants(config: GatewayConfig, models: Sequence[Model],
     has, defaults its base's requests take, names no model or variant claims."""
     where = str(config.source) if config.source else "config"
     by_id = {m.id: m for m in models}
-    owner = dict(strong_owner)   # name -> who claims it (model ids, then variants)
+    # name -> who claims it: ("model", id) for the models' strong names, then variants
+    owner = {name: ("model", model_id) for name, model_id in strong_owner.items()}
     out: list[Variant] = []
 
     def claim(variant_id: str, names: Iterable[str]) -> frozenset[str]:
         folded = {n.casefold() for n in names if n.strip()}
         for name in folded:
-            other = owner.setdefault(name, variant_id)
-            if other != variant_id:
-                raise ConfigError(f"{where}: {variant_id!r} and {other!r} both claim the "
-                                  f"name {name!r}; change an alias or a name")
+            kind, other = owner.setdefault(name, ("variant", variant_id))
+            if (kind, other) != ("variant", variant_id):
+                raise ConfigError(f"{where}: {kind} {other!r} and variant {variant_id!r} "
+                                  f"both claim the name {name!r}; change an alias or a name")
         return frozenset(folded)
 
     for model in models:
@@ -373,7 +381,7 @@ def _variants(config: GatewayConfig, models: Sequence[Model],
             out.append(Variant(
                 id=variant_id, base=model, adapter=adapter.name,
                 names=claim(variant_id, (variant_id, *adapter.aliases)),
-                shape=Shape(lora=lora_scales(model.config.adapters, adapter.name))))
+                shape=Shape(adapter=Applied(adapter.name, adapter.scale))))
     adapter_ids = {v.id.casefold(): v for v in out}
     for vc in config.variants:
         key = f"models.{vc.name}.variant_of"
@@ -393,18 +401,21 @@ def _variants(config: GatewayConfig, models: Sequence[Model],
                               f"that; the models: {', '.join(sorted(by_id)) or 'none'}")
         base = by_id[base_id]
         adapters = base.config.adapters
-        if vc.adapter is not None and vc.adapter not in {a.name for a in adapters}:
-            has = f"the adapters {', '.join(a.name for a in adapters)}" if adapters \
-                else "no adapters"
-            raise ConfigError(f"{where}: models.{vc.name}.adapter = {vc.adapter!r}: "
-                              f"{base_id!r} has {has}")
+        applied = None
+        if vc.adapter is not None:
+            found = [a for a in adapters if a.name.casefold() == vc.adapter.casefold()]
+            if not found:
+                has = f"the adapters {', '.join(a.name for a in adapters)}" if adapters \
+                    else "no adapters"
+                raise ConfigError(f"{where}: models.{vc.name}.adapter = {vc.adapter!r}: "
+                                  f"{base_id!r} has {has}")
+            applied = Applied(found[0].name, found[0].scale)
         check_defaults(vc, base.kinds, where)
-        lora = lora_scales(adapters, vc.adapter) if adapters else ()
         out.append(Variant(
-            id=vc.name, base=base, adapter=vc.adapter, config=vc,
+            id=vc.name, base=base, adapter=applied.name if applied else None, config=vc,
             names=claim(vc.name, (vc.name, *vc.aliases)),
             shape=Shape(defaults=vc.defaults, system_prompt=vc.system_prompt,
-                        max_tokens=vc.max_tokens, lora=lora)))
+                        max_tokens=vc.max_tokens, adapter=applied)))
     return out
 
 

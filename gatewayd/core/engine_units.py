@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 from gatewayd.core.catalog import Model
 from gatewayd.core.config import Backend, GatewayConfig, ModelKind, fill
 from gatewayd.core.unit_spec import UnitSpec, exec_args
-from gatewayd.core.variants import adapter_args
+from gatewayd.core.variants import adapter_args, adapter_env
 
 UNIT_PREFIX = "llm-engine"
 ENGINES_SLICE = "llm-engines.slice"
@@ -31,6 +31,9 @@ SOCKET_NAME = "engine.sock"
 MODEL_ENV = "LLM_GATEWAY_MODEL"
 SOCKET_ENV = "LLM_GATEWAY_SOCKET"
 DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+# the LoRA adapters it loaded, in --lora's order (core/variants.adapter_env): what its
+# requests' lora list is made from, after a reload or a gateway restart too
+ADAPTERS_ENV = "LLM_GATEWAY_ADAPTERS"
 MAX_INSTANCE = 64          # /run/llm-engine-<instance>/engine.sock stays < 108 bytes
 WHISPER_PORT = 8080        # a TCP engine's, inside its private network namespace
 # The engines' identity, never the gateway's: a static system user where the package
@@ -216,6 +219,8 @@ def engine_env(model: Model, layout: EngineLayout,
         values = placeholder_values(model, layout)
         own = {name: fill(value, values) for name, value in own.items()}
     env = {MODEL_ENV: model.id, SOCKET_ENV: layout.socket, **own}
+    if model.config.adapters:
+        env[ADAPTERS_ENV] = adapter_env(model.config.adapters)
     named = model.config.cuda_visible_devices
     devices = visible_devices if named is None else named
     if devices is not None:
@@ -480,3 +485,11 @@ def wake_line(spec: UnitSpec, visible_devices: str | None) -> bytes:
             or "\n" in visible_devices or visible_devices == KEEP_DEVICES:
         return f"{KEEP_DEVICES}\n".encode()
     return f"{visible_devices}\n".encode()
+
+
+def adapters_of(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The adapters an engine loaded, read back from its environment (engine_env); None
+    where the environment is not an engine's (no model in it)."""
+    if MODEL_ENV not in env:
+        return None
+    return tuple(name for name in env.get(ADAPTERS_ENV, "").split(",") if name)

@@ -122,6 +122,9 @@ class Engine:
     # stays counted: a late or reordered signal must never let a start exceed max_engines.
     exit_unconfirmed: bool = False
     devices: tuple[str, ...] = ()       # the GPUs it was placed on (UUIDs); (): all / none
+    # the LoRA adapters it loaded, in --lora's order: its requests' lora list is made of
+    # them (core/variants.with_adapters); None: not known (then the configuration's)
+    adapters: tuple[str, ...] | None = None
     # restarting: the process that ended (0: unknown). Its signals are its own, never
     # the restarted process's: only another MainPID running is the restart
     dead_pid: int = 0

@@ -207,6 +207,13 @@ class UpstreamFailed(GatewayError):
     status, type, code = 502, "server_error", "upstream_failed"
 
 
+class AdapterNotLoaded(GatewayError):
+    """The model's engine was started before its LoRA adapter was configured: it restarts
+    with it once idle (a reload restarts an engine whose settings changed)."""
+
+    status, type, code = 503, "server_error", "adapter_not_loaded"
+
+
 class ModelNotLoaded(GatewayError):
     """The model's engine is not running and the request said autoload=false."""
 

@@ -38,6 +38,7 @@ class EngineUnitInfo:
     cpu_ns: int | None = None   # systemd's CPUUsageNSec (cgroup accounting)
     visible_devices: str | None = None   # its CUDA_VISIBLE_DEVICES (placement), if any
     control_group: str | None = None     # systemd's ControlGroup, e.g. /system.slice/x.service
+    adapters: tuple[str, ...] | None = None   # the LoRA adapters it loaded (None: unknown)
 
 
 UnitWatcher = Callable[[str, Mapping[str, Any]], None]

@@ -53,6 +53,8 @@ CAPABILITY_OF_PATH: dict[str, str] = {
     **dict.fromkeys(GENERATION_PATHS, "completion"),
     **dict.fromkeys(IMAGE_PATHS, "image"),
     **dict.fromkeys(SPEECH_PATHS, "speech")}
+# the paths on which an engine runs a model (and so applies LoRA adapters: core/variants)
+INFERENCE_PATHS = frozenset(CAPABILITY_OF_PATH)
 HOW_TO_MAKE = {"embeddings": "an embedding model (kind = \"embedding\")",
                "rerank": "a reranker (kind = \"rerank\")",
                "completion": "a chat model (kind = \"chat\")",
@@ -125,8 +127,8 @@ def choose_model(path: str, model: str | None, *, catalog: Catalog,
                 f"{len(ready)} engines are ready" if ready else "no engine is ready"),
             param="model", available_models=[e.model_id for e in ready] or catalog.ids)
     if default_model is not None:
-        try:
-            default_id = catalog.resolve(default_model).id
+        try:   # (a variant names its base's engine)
+            default_id = catalog.served(default_model).model.id
         except ModelNotFound:
             default_id = default_model
         for engine in ready:

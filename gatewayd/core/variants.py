@@ -7,10 +7,13 @@
 - A **LoRA adapter** (`[models.BASE] adapters = { sql = "sql.gguf" }`) is loaded into
   BASE's llama-server at its start, unapplied (`--lora ... --lora-init-without-apply`);
   `BASE:sql` names it, and a request for it is sent with llama-server's per-request
-  `lora` list. Every JSON request to an engine with adapters carries the whole list, the
-  base's all zeros: llama-server applies every adapter at scale 1 to a request without
-  one, and keeps a prompt cached under another adapter set unless the list is non-empty
-  (both measured; ../shared/notes/llama-server.md).
+  `lora` list. Every inference request to an engine with adapters carries the whole list,
+  the base's all zeros (`with_adapters`): llama-server applies every adapter at scale 1 to
+  a request without one, and keeps a prompt cached under another adapter set unless the
+  list is non-empty (both measured; ../shared/notes/llama-server.md). The list is made
+  from the adapters the engine itself was started with (its ids are their positions), not
+  from the configuration in force: a reload that changes them restarts the engine only
+  once it is idle, and a gateway restart adopts the engine as it runs.
 
 The catalog (core/catalog) resolves the names; this module reads the tables and
 changes bodies.
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gatewayd.core.config_schema import ModelKind, expect, known, no_unknown, read_table
-from gatewayd.core.errors import ConfigError, InvalidRequest
+from gatewayd.core.errors import AdapterNotLoaded, ConfigError, InvalidRequest
 
 # what a variant's `defaults` may set, by its base's kind: request fields its engine
 # takes (llama-server's sampling and template options; OpenAI's for the media kinds).
@@ -61,6 +64,12 @@ SEPARATOR = ":"   # BASE:ADAPTER
 _ADAPTER_KEYS = frozenset({"path", "scale", "aliases"})
 
 
+class Applied(NamedTuple):
+    """The adapter a name applies, and at what scale."""
+    name: str
+    scale: float
+
+
 class Adapter(NamedTuple):
     """One LoRA adapter of a llama model: its name (BASE:name asks for it), its file, the
     scale a request for it is sent with, more names."""
@@ -85,16 +94,17 @@ class VariantConfig:
 
 @dataclass(frozen=True)
 class Shape:
-    """What a model name changes in the JSON bodies of its requests."""
+    """What a model name changes in the JSON bodies of its requests (the adapter it
+    applies goes in at the engine: with_adapters)."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     system_prompt: str | None = None
     max_tokens: int | None = None
-    lora: tuple[float, ...] = ()        # a scale per adapter of the engine (): it has none
+    adapter: Applied | None = None
 
     @property
     def changes_anything(self) -> bool:
         return bool(self.defaults or self.system_prompt is not None
-                    or self.max_tokens is not None or self.lora)
+                    or self.max_tokens is not None)
 
 
 NO_CHANGE = Shape()
@@ -219,10 +229,40 @@ def adapter_args(adapters: tuple[Adapter, ...]) -> list[str]:
     return ["--lora", ",".join(str(a.path) for a in adapters), "--lora-init-without-apply"]
 
 
-def lora_scales(adapters: tuple[Adapter, ...], applied: str | None) -> tuple[float, ...]:
-    """The scale of each adapter for a request of the base (applied None: all zero) or
-    of one adapter (its scale, the rest zero)."""
-    return tuple(a.scale if a.name == applied else 0.0 for a in adapters)
+def adapter_env(adapters: tuple[Adapter, ...]) -> str:
+    """The engine's adapters in --lora's order, as its environment keeps them (an
+    adopted engine's are read back from there): names, comma-separated."""
+    return ",".join(a.name for a in adapters)
+
+
+def with_adapters(path: str, payload: dict[str, Any] | None, loaded: tuple[str, ...],
+                  applied: Applied | None, model_id: str) -> bool:
+    """payload given the engine's whole lora list: applied at its scale, every other
+    adapter the engine loaded (loaded, in its --lora order) at 0; whether it changed.
+    An engine without adapters gets none; an adapter the engine has not loaded is
+    AdapterNotLoaded. Only inference paths (inference: True) carry one; a body that cannot
+    carry the list there, and llama-server's Anthropic path (which drops it and would
+    apply every adapter), are the client's 400. The client's own `lora` is replaced."""
+    if applied is not None and applied.name not in loaded:
+        raise AdapterNotLoaded(
+            f"{model_id!r}'s engine was started before adapter {applied.name!r} was "
+            "configured; it restarts with it once idle: try again shortly",
+            retry_after=5)
+    if not loaded:
+        return False
+    if path.startswith("/v1/messages") and not path.endswith("/count_tokens"):
+        raise InvalidRequest(
+            f"{model_id!r} runs on an engine with LoRA adapters, and llama-server's "
+            "Anthropic endpoint drops the per-request adapter list (it would apply every "
+            "adapter): ask /v1/chat/completions for it", param="model")
+    if payload is None:
+        raise InvalidRequest(
+            f"{model_id!r} runs on an engine with LoRA adapters, whose choice the gateway "
+            "sets in a JSON body: this request has none (an upload, or no body)",
+            param="model")
+    payload["lora"] = [{"id": i, "scale": applied.scale if applied is not None
+                        and name == applied.name else 0.0} for i, name in enumerate(loaded)]
+    return True
 
 
 def shape_body(shape: Shape, path: str, payload: dict[str, Any]) -> bool:
@@ -230,18 +270,25 @@ def shape_body(shape: Shape, path: str, payload: dict[str, Any]) -> bool:
     what the client left out (a table merged key by key); the system prompt goes first
     where the client sent none; the limit lowers every length field given (and sets the
     path's own where none is); the lora list is the gateway's, whatever the client sent.
-    A length that is not a whole number is the client's 400."""
-    before = copy.deepcopy(payload) if shape.changes_anything else None
+    A length that is not a whole number is the client's 400; a length the client left
+    null is one it did not give."""
+    if not shape.changes_anything:
+        return False
+    before = copy.deepcopy(payload)
+    for name in LENGTH_FIELDS:
+        if name in payload and payload[name] is None:
+            del payload[name]
+    lengths_given = any(name in payload for name in LENGTH_FIELDS)
     for name, value in shape.defaults.items():
+        if name in LENGTH_FIELDS and lengths_given:
+            continue   # the client said how long, in another field
         payload[name] = _merged(value, payload[name]) if name in payload \
             else copy.deepcopy(value)
     if shape.system_prompt is not None:
         _add_system_prompt(shape.system_prompt, path, payload)
     if shape.max_tokens is not None:
         _limit_length(shape.max_tokens, path, payload)
-    if shape.lora:
-        payload["lora"] = [{"id": i, "scale": s} for i, s in enumerate(shape.lora)]
-    return before is not None and before != payload
+    return before != payload
 
 
 def _merged(default: Any, given: Any) -> Any:
@@ -256,7 +303,11 @@ def _add_system_prompt(prompt: str, path: str, payload: dict[str, Any]) -> None:
     if path.startswith("/v1/messages"):       # Anthropic's: a top-level `system`
         payload.setdefault("system", prompt)
     elif path == "/v1/responses":            # OpenAI's Responses: `instructions`
-        payload.setdefault("instructions", prompt)
+        given = payload.get("input")
+        if payload.get("instructions") is None and not (isinstance(given, list) and any(
+                isinstance(m, dict) and m.get("role") in ("system", "developer")
+                for m in given)):
+            payload["instructions"] = prompt
     elif isinstance(messages := payload.get("messages"), list) and not any(
             isinstance(m, dict) and m.get("role") in ("system", "developer")
             for m in messages):

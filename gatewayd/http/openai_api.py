@@ -29,7 +29,7 @@ from gatewayd.adapters.remote_client import never_connected, to_remote
 from gatewayd.adapters.remote_upstreams import Remote, Remotes
 from gatewayd.core import progress
 from gatewayd.core.auth import ApiKey, check_model
-from gatewayd.core.catalog import Catalog, Model, Served, Variant
+from gatewayd.core.catalog import Catalog, Model, Served, Variant, named_for_engine
 from gatewayd.core.config import Backend, GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
@@ -52,9 +52,9 @@ from gatewayd.core.errors import (
 )
 from gatewayd.core.priority import HEADER as PRIORITY_HEADER
 from gatewayd.core.priority import NORMAL, of_request
-from gatewayd.core.routing import TRANSLATION_PATHS, choose_model
+from gatewayd.core.routing import INFERENCE_PATHS, TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
-from gatewayd.core.variants import shape_body
+from gatewayd.core.variants import Applied, shape_body, with_adapters
 from gatewayd.http.auth import request_key, request_route
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
@@ -300,11 +300,7 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
         raise InvalidRequest(str(e), param=PRIORITY_HEADER) from None
     changed = served is not None and inference and shaped(served, request.path, payload,
                                                           multipart)
-    if local is not None and local.backend is Backend.OPENAI and payload is not None \
-            and isinstance(payload.get("model"), str) and payload["model"] != local.id:
-        # an alias's or a variant's request: its server knows the model by its id (the
-        # {model} of its command), and a strict one (vLLM) refuses any other name
-        payload["model"] = local.id
+    if local is not None and payload is not None and named_for_engine(local, payload):
         changed = True
     drop_usage = False
     if stream and request.path in USAGE_PATHS and payload is not None:
@@ -324,11 +320,13 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
     told = waits_told(front, request, record, t0, local.id) \
         if stream and local is not None else None
     return Call(request, record, t0, payload, body, headers, stream, drop_usage,
-                matched.target, model_id=model_id, local=local, names=names,
+                matched.target, model_id=model_id, local=local,
+                names=local.names if local is not None else names,
                 upstream_route=matched.route.upstream, multipart=multipart,
                 inference=inference, autoload=autoload,
                 whisper=local is not None and local.backend is Backend.WHISPER,
-                priority=priority, client=client_of(request, key), told=told)
+                priority=priority, client=client_of(request, key), told=told,
+                adapter=served.shape.adapter if served is not None else None)
 
 
 @dataclass
@@ -346,7 +344,8 @@ class Call:
     target: str       # the path to send on: the route table's spelling, not the client's
     model_id: str = ""
     local: Model | None = None     # None: a remote model, served by an upstream only
-    names: frozenset[str] = frozenset()   # the model's names, as upstreams are asked
+    # the model's names, as upstreams are asked (a variant's: its base's)
+    names: frozenset[str] = frozenset()
     upstream_route: bool = False   # an OpenAI path under /v1/, which an upstream may take
     multipart: bool = False
     inference: bool = True   # a POST: it may load the model and counts as use
@@ -356,23 +355,24 @@ class Call:
     priority: int = NORMAL  # its class (core/priority): its turn is taken in it
     client: str | None = None   # who asks, as the order's grace tells clients apart
     told: Progress | None = None   # its wait told to its client: the stream begun there
+    adapter: Applied | None = None   # the LoRA adapter its name applies (core/variants)
 
 
 def shaped(served: Served, path: str, payload: dict[str, Any] | None,
            multipart: bool) -> bool:
-    """The body changed as its name says (core/variants: a variant's defaults and limits,
-    the adapters' lora list); whether it changed. A body that cannot carry the changes
-    (an upload, no JSON object) is refused where they matter: an engine with adapters
-    applies them all to a request without the list."""
+    """The body changed as its name says (core/variants: a variant's defaults and limits;
+    the adapter goes in at the engine, relay_local); whether it changed. A request on a
+    generating path whose body cannot carry a limit (an upload, no JSON object) is
+    refused: the limit would not hold."""
     if not served.shape.changes_anything:
         return False
     if payload is None:
-        if not served.shape.lora and not served.shape.max_tokens:
+        if served.shape.max_tokens is None or path not in INFERENCE_PATHS:
             return False   # defaults are for JSON requests; an upload keeps its own
         what = "is an upload" if multipart else "has no JSON body"
         raise InvalidRequest(
-            f"{served.id!r} runs on an engine with LoRA adapters or has a length limit, "
-            f"which the gateway sets in a JSON body: this request {what}", param="model")
+            f"{served.id!r} has a length limit, which the gateway sets in a JSON body: "
+            f"this request {what}", param="model")
     return shape_body(served.shape, path, payload)
 
 
@@ -429,6 +429,11 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine) -> web.Strea
         path = WHISPER_INFERENCE_PATH
     target = _with_query(path, request)
     call.record.engine = engine.unit
+    loaded = engine.adapters if engine.adapters is not None \
+        else tuple(a.name for a in call.local.config.adapters) if call.local else ()
+    if call.inference and request.path in INFERENCE_PATHS and with_adapters(
+            request.path, call.payload, loaded, call.adapter, call.model_id):
+        body = json.dumps(call.payload).encode()   # its engine's own lora list
     send = to_engine(front.engine_client, engine.socket, request.method, target,
                      call.headers, body, stream=call.stream)
     return await relay(request, outgoing(front.config, send, call), call.record, call.t0)

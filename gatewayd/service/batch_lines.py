@@ -33,10 +33,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from gatewayd.core.batch import Batch, Line, answer_line, error_line
-from gatewayd.core.catalog import Catalog
+from gatewayd.core.catalog import Catalog, Served, named_for_engine
 from gatewayd.core.config import GatewayConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
+    AdapterNotLoaded,
     ConcurrencyLimit,
     EngineBusy,
     EngineLimitReached,
@@ -53,7 +54,7 @@ from gatewayd.core.errors import (
 )
 from gatewayd.core.ports import BatchBook, WholeAnswers
 from gatewayd.core.priority import LOW
-from gatewayd.core.variants import shape_body
+from gatewayd.core.variants import shape_body, with_adapters
 
 log = logging.getLogger("gatewayd.batches")
 
@@ -61,10 +62,11 @@ POLL_S = 0.5            # how often a waiting line looks again (a batch is not i
 USER_GAP_S = 1.0        # a gap in a model's users this long lets a batch line in
 RETRY_S = 2.0           # after a line got no turn
 CHUNK = 64              # pending lines read at a time
-# what means "not now" for a line, not "this line failed": it is tried again
-NOT_NOW = (ModelNotLoaded, QueueFull, EngineBusy, ConcurrencyLimit, EngineLimitReached,
-           InsufficientGpu, InsufficientMemory, NoEngineReady, ShuttingDown, GpuUnavailable,
-           ModelDownloading, EngineUnavailable)   # (unavailable: where it reached no process)
+# what means "not now" for a line, not "this line failed": it is tried again (unavailable:
+# where it reached no process)
+NOT_NOW = (ModelNotLoaded, AdapterNotLoaded, QueueFull, EngineBusy, ConcurrencyLimit,
+           EngineLimitReached, InsufficientGpu, InsufficientMemory, NoEngineReady,
+           ShuttingDown, GpuUnavailable, ModelDownloading, EngineUnavailable)
 
 
 T = TypeVar("T")
@@ -170,10 +172,9 @@ class LineSender:
         try:   # as the request path does (http/openai_api.parse_call): a variant's line
             # goes to its base's engine, its body changed as the variant says
             served = self._catalog.served(line.model)
-            body = line.body
-            payload = json.loads(body)
-            if shape_body(served.shape, line.url, payload):
-                body = json.dumps(payload).encode()
+            payload = json.loads(line.body)
+            shape_body(served.shape, line.url, payload)
+            named_for_engine(served.model, payload)
         except GatewayError as e:   # gone from the configuration since, or a bad length
             if not await asyncio.to_thread(self._store.mark_sent, batch.id, line.number):
                 return True   # ended meanwhile
@@ -184,7 +185,8 @@ class LineSender:
                 if not await asyncio.to_thread(self._store.mark_sent, batch.id, line.number):
                     return True   # ended meanwhile (expired): not to be sent
                 status, answer_body = await self._dispatcher.journey(
-                    served.model.id, lambda engine: self._ask(engine, line.url, body),
+                    served.model.id, lambda engine: self._ask(engine, line.url, payload,
+                                                              served),
                     autoload=quiet, priority=LOW, client=f"batch:{batch.id}")
             except NOT_NOW as e:
                 if isinstance(e, EngineUnavailable) and not e.reached_no_process:
@@ -216,8 +218,13 @@ class LineSender:
         await self._progress(batch.id)
         return True
 
-    async def _ask(self, engine: Engine, url: str, body: bytes) -> tuple[int, bytes]:
-        return await self._answers.ask(engine.socket, url, body,
+    async def _ask(self, engine: Engine, url: str, payload: dict[str, Any],
+                   served: Served) -> tuple[int, bytes]:
+        """The line to the engine its journey took, with that engine's adapter list."""
+        loaded = engine.adapters if engine.adapters is not None \
+            else tuple(a.name for a in served.model.config.adapters)
+        with_adapters(url, payload, loaded, served.shape.adapter, served.id)
+        return await self._answers.ask(engine.socket, url, json.dumps(payload).encode(),
                                        limit=self._config().max_answer_bytes)
 
     @contextlib.asynccontextmanager

@@ -136,8 +136,9 @@ class EngineLifecycle:
             self.evicted_for.pop(model.id, None)
             layout = self._units.layout(model.id)
             self._capacity.note_start(model.id)
-            self._registry.register(Engine(model.id, layout.unit, layout.socket,
-                                           devices=where.uuids if where else ()))
+            self._registry.register(Engine(
+                model.id, layout.unit, layout.socket, devices=where.uuids if where else (),
+                adapters=tuple(a.name for a in model.config.adapters)))
             self._registry.event(model.id, StartRequested(self._clock()))
             visible = where.visible_devices() if where else None
             log.info("starting %s as %s%s", model.id, layout.unit,
@@ -295,7 +296,7 @@ class EngineLifecycle:
         self._registry.register(
             Engine(info.model_id, info.unit, info.socket, adopted=True,
                    restarts=info.n_restarts, devices=self._capacity.devices_of(
-                       info.visible_devices)),
+                       info.visible_devices), adapters=info.adapters),
             unit_props={"ActiveState": info.active_state, "SubState": info.sub_state})
         self._registry.apply_info(info.model_id, info)
         self._capacity.track(info.model_id, info.control_group)

@@ -52,6 +52,12 @@ async def remove_model(name: str, *, force: bool, engines: EngineManager, puller
             f"{model.id} is configured as [models.{model.id}] in "
             f"{config.source or 'the configuration'}: remove it there (and its file "
             "yourself), then reload")
+    if variants := [v.id for v in engines.catalog.variants
+                    if v.config is not None and v.base.id == model.id]:
+        raise ModelNotRemovable(
+            f"{model.id} is the base of the variant(s) {', '.join(variants)} in "
+            f"{config.source or 'the configuration'}: remove them there first (the "
+            "configuration would no longer load without it), then reload")
     paths = _owned_paths(model.path, config.models_dir)
     if paths is None:
         raise ModelNotRemovable(f"{model.id}'s file {model.path} is not in models_dir "

@@ -361,7 +361,7 @@ class Puller:
 
     def _claim_name(self, models_dir: Path, selection: Selection) -> None:
         name = selection.name
-        if (models_dir / name).exists() or self._catalog.find(name) is not None:
+        if (models_dir / name).exists() or self._catalog.find_served(name) is not None:
             raise ModelExists(f"a model called {name!r} is already served here; pull it "
                               "under another name (--name)")
         for f in selection.files:

@@ -287,3 +287,25 @@ async def test_rm_of_a_path_is_no_model_and_removes_nothing_outside(api: Api) ->
         assert resp.status == 404, await resp.text()
         assert (await resp.json())["error"]["code"] == "model_not_found"
     assert (somewhere / "x").is_dir() and (somewhere / "x.json").exists()
+
+
+async def test_rm_leaves_a_variants_base_and_pull_will_not_take_a_variants_name(
+        tmp_path: Path) -> None:
+    """A model that a configured variant names stays (the configuration would no longer
+    load without it); a pull cannot land under a variant's name."""
+    hub = FakeHub()
+    hub.publish(REPO, FILES)
+    async with serve_hub(hub) as url:
+        client, mgr = await api_on(tmp_path, url, models_dir=tmp_path,
+                                   variants={"fast": {"variant_of": "a"}})
+        async with client:
+            resp = await client.post("/admin/models/remove", json={"model": "a"})
+            body = await resp.json()
+            assert resp.status == 409 and "variant(s) fast" in body["error"]["message"]
+            assert (tmp_path / "a.gguf").exists()
+            resp = await client.post("/admin/models/pull",
+                                     json={"source": f"{REPO}:Q4_K_M", "name": "FAST"})
+            assert resp.status == 409, await resp.text()
+            assert (await resp.json())["error"]["code"] == "model_exists"
+            await client.app[admin_api.PULLER].close()
+        await mgr.close()

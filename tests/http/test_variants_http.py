@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gatewayd.core.auth import digest, parse_keys
+from gatewayd.core.catalog import ModelFile, build_catalog
 from gatewayd.core.config import Backend
 from gatewayd.core.variants import Adapter
 from tests.http.test_front_door import Gateway, _gateway, chat
@@ -104,13 +106,43 @@ async def test_an_adapter_and_the_base_share_one_engine_each_with_its_lora_list(
     assert sorted(r["model"] for r in rows) == ["a", "a:fr", "a:sql", "sql-low"]
 
 
-async def test_a_body_that_cannot_carry_the_lora_list_is_refused(gw: Gateway) -> None:
+async def test_a_request_that_cannot_carry_the_lora_list_is_refused(gw: Gateway) -> None:
     # (an upload is refused the same way: llama-server takes one only for a transcription,
     # from a chat model whose projector encodes sound)
     resp = await gw.client.post("/v1/completions?model=a:sql", headers=bearer())
     body = await resp.json()
     assert resp.status == 400 and "LoRA adapters" in body["error"]["message"], body
-    assert all(r.path != "/v1/completions" for r in gw.fakes["a"].requests)
+    # llama-server's Anthropic path drops the list (every adapter would apply)
+    resp = await gw.client.post("/v1/messages", headers=bearer(), json={
+        "model": "a", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    body = await resp.json()
+    assert resp.status == 400 and "/v1/chat/completions" in body["error"]["message"], body
+    assert not [r for r in gw.fakes["a"].requests
+                if r.path in ("/v1/completions", "/v1/messages")]
+    # a path that runs no model needs no list: an empty body passes
+    await gw.client.post("/slots/0?action=erase&model=a", headers=bearer(OPS))
+    assert gw.fakes["a"].requests[-1].path == "/slots/0?action=erase&model=a"
+
+
+async def test_the_lora_list_is_the_engines_own_after_a_reload_changed_the_adapters(
+        gw: Gateway) -> None:
+    """A reload restarts an engine whose adapters changed only once it is idle; until then
+    (and for an engine adopted at a gateway start) the ids are the running engine's."""
+    config = gw.engines.config
+    models = [m.config for m in gw.engines.catalog]
+    changed = [replace(m, adapters=(Adapter("fr", Path("/m/fr.gguf"), 0.5),
+                                    Adapter("de", Path("/m/de.gguf"))))
+               if m.name == "a" else m for m in models]
+    gw.engines.catalog.replace(build_catalog(
+        replace(config, models=tuple(changed), variants=()), (),
+        {m.path: ModelFile(1) for m in changed if m.path is not None}))
+    resp = await gw.client.post("/v1/chat/completions", headers=bearer(), json=chat("a:fr"))
+    assert resp.status == 200, await resp.text()
+    assert sent(gw)["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.5}]  # sql, fr
+    resp = await gw.client.post("/v1/chat/completions", headers=bearer(), json=chat("a:de"))
+    body = await resp.json()
+    assert resp.status == 503 and body["error"]["code"] == "adapter_not_loaded", body
+    assert resp.headers["Retry-After"]
 
 
 async def test_a_stream_for_a_variant_keeps_its_changes_and_hides_the_added_usage(

@@ -34,6 +34,10 @@ adapter = "sql"
 defaults = {{ top_k = 7, temperature = 0.0 }}
 limits = {{ max_tokens = 6 }}
 system_prompt = "You write SQL."
+
+[models.beta-short]
+variant_of = "tiny-beta"
+limits = {{ max_tokens = 5 }}
 """
 
 
@@ -78,15 +82,21 @@ def test_adapters_and_variants_share_one_engine_and_answer_each_their_own_way(
     assert (settings["top_k"], settings["n_predict"]) == (3, 6)   # the client's default wins
     _, tokens = answer(gw, "coder", max_tokens=100)
     assert tokens == 6
+    # llama-server's Anthropic path drops the lora list: refused on an engine with adapters,
+    # a variant's limit holds there on one without
     claude = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0)
-    message = claude.messages.create(model="coder", max_tokens=500,
+    with pytest.raises(anthropic.BadRequestError, match="/v1/chat/completions"):
+        claude.messages.create(model="coder", max_tokens=500,
+                               messages=[{"role": "user", "content": "hello there"}])
+    message = claude.messages.create(model="beta-short", max_tokens=500,
                                      messages=[{"role": "user", "content": "hello there"}])
-    assert message.model and message.usage.output_tokens == 6   # the limit, in its dialect
+    assert message.usage.output_tokens == 5
     assert completion(gw, model="tiny-alpha")["generation_settings"]["lora"] == [
         {"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
     assert unit_property(unit, "MainPID") == pid
 
-    rows = records(gw, 10)
+    rows = records(gw, 11)
     assert {r["model"] for r in rows} >= {"tiny-alpha", "tiny-alpha:sql", "tiny-alpha:fr",
                                           "coder"}
-    assert {r["engine"] for r in rows if r["status"] == 200} == {unit}
+    assert {r["engine"] for r in rows if r["status"] == 200
+            and r["model"] != "beta-short"} == {unit}

@@ -15,7 +15,7 @@ import pytest
 from gatewayd.adapters.batch_store import BatchStore
 from gatewayd.core import batch as core
 from gatewayd.core.catalog import Catalog, Model, Variant
-from gatewayd.core.config import GatewayConfig, ModelConfig
+from gatewayd.core.config import Backend, GatewayConfig, ModelConfig
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import (
     BatchEnded,
@@ -178,6 +178,21 @@ async def test_a_variants_line_goes_to_its_bases_engine_changed_as_the_variant_s
     assert (done.completed, done.failed) == (1, 0)
     assert s.answers.sent == [{"model": "short", "input": "a", "encoding_format": "base64"}]
     assert [m for m, *_ in s.journeys.asked] == ["tiny"]
+
+
+async def test_an_openai_servers_line_names_the_model_by_its_id(s: Setup) -> None:
+    """As the request path: a strict server (vLLM) knows its model by its id only."""
+    srv = Model(id="srv", config=ModelConfig(name="srv", path=None, backend=Backend.OPENAI,
+                                             command=("srv", "--uds", "{socket}")),
+                names=frozenset({"srv", "alias"}))
+    s.catalog.replace(Catalog([srv], {}, [Variant(
+        id="srv-cold", base=srv, names=frozenset({"srv-cold"}), shape=Shape(),
+        config=VariantConfig(name="srv-cold", variant_of="srv"))]))
+    s.engines.ready.add("srv")
+    data = lines("a", model="alias") + lines("b", model="srv-cold", first=1)
+    done = await s.ended((await s.run(data)).id)
+    assert (done.completed, done.failed) == (2, 0)
+    assert [r["model"] for r in s.answers.sent] == ["srv", "srv"]
 
 
 async def test_a_line_that_gets_no_turn_is_tried_again_not_failed(s: Setup) -> None:

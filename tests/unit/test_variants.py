@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 
 from gatewayd.core.catalog import ModelFile, build_catalog
-from gatewayd.core.config import parse_config
+from gatewayd.core.config import ModelConfig, parse_config
 from gatewayd.core.config_schema import ModelKind
 from gatewayd.core.engine_units import EngineLayout, server_argv
-from gatewayd.core.errors import ConfigError, InvalidRequest, ModelNotFound
+from gatewayd.core.errors import AdapterNotLoaded, ConfigError, InvalidRequest, ModelNotFound
 from gatewayd.core.model_facts import GgufFacts
 from gatewayd.core.priority import HIGH, LOW, NORMAL
 from gatewayd.core.routing import choose_model
-from gatewayd.core.variants import Shape, shape_body
+from gatewayd.core.variants import Applied, Shape, shape_body, with_adapters
 
 BASE = {"path": "/m/qwen.gguf",
         "adapters": {"sql": "/m/sql.gguf", "fr": {"path": "/m/fr.gguf", "scale": 0.5,
@@ -74,11 +74,32 @@ def test_a_limit_holds_whatever_the_client_asks(path: str, given: dict[str, Any]
     assert payload == expected
 
 
+def test_a_length_left_null_is_one_not_given_and_a_length_default_yields_to_any_length(
+        ) -> None:
+    payload: dict[str, Any] = {"max_tokens": None}
+    shape_body(Shape(max_tokens=64), "/v1/chat/completions", payload)
+    assert payload == {"max_tokens": 64}
+    payload = {"max_completion_tokens": 10}
+    shape_body(Shape(defaults={"max_tokens": 500, "top_k": 3}), "/v1/chat/completions",
+               payload)
+    assert payload == {"max_completion_tokens": 10, "top_k": 3}
+
+
+def test_the_responses_system_prompt_yields_to_a_system_message_in_the_input() -> None:
+    payload: dict[str, Any] = {"input": [{"role": "developer", "content": "mine"}],
+                               "instructions": None}
+    shape_body(Shape(system_prompt="Be terse."), "/v1/responses", payload)
+    assert "instructions" not in payload or payload["instructions"] is None
+    payload = {"input": "hi", "instructions": None}
+    shape_body(Shape(system_prompt="Be terse."), "/v1/responses", payload)
+    assert payload["instructions"] == "Be terse."
+
+
 def test_a_limit_beats_a_default_and_a_length_that_is_no_number_is_the_clients_400() -> None:
     payload: dict[str, Any] = {}
     shape_body(Shape(defaults={"max_tokens": 500}, max_tokens=64), "/v1/completions", payload)
     assert payload == {"max_tokens": 64}
-    for bad in ("5", 2.5, True, None):
+    for bad in ("5", 2.5, True):
         with pytest.raises(InvalidRequest) as refused:
             shape_body(Shape(max_tokens=64), "/v1/chat/completions", {"max_tokens": bad})
         assert refused.value.param == "max_tokens"
@@ -103,13 +124,31 @@ def test_the_system_prompt_goes_first_where_the_client_sent_none(
     assert given == expected
 
 
-def test_the_lora_list_is_the_gateways_whatever_the_client_sent() -> None:
+def test_the_lora_list_is_the_engines_whole_list_whatever_the_client_sent() -> None:
+    loaded = ("sql", "fr")
     payload: dict[str, Any] = {"lora": [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 1.0}]}
-    assert shape_body(Shape(lora=(0.0, 0.0)), "/v1/chat/completions", payload)
+    assert with_adapters("/v1/chat/completions", payload, loaded, None, "q")
     assert payload["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
     payload = {}
-    shape_body(Shape(lora=(0.0, 0.5)), "/v1/chat/completions", payload)
+    with_adapters("/v1/completions", payload, loaded, Applied("fr", 0.5), "q:fr")
     assert payload["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.5}]
+    # the ids are the engine's: one started with (fr) alone has fr at 0
+    payload = {}
+    with_adapters("/v1/chat/completions", payload, ("fr",), Applied("fr", 0.5), "q:fr")
+    assert payload["lora"] == [{"id": 0, "scale": 0.5}]
+    payload = {}
+    assert not with_adapters("/v1/chat/completions", payload, (), None, "q")
+    assert payload == {}
+
+
+def test_an_adapter_its_engine_did_not_load_or_a_body_without_the_list_is_refused() -> None:
+    with pytest.raises(AdapterNotLoaded, match=r"'q:de'.s engine was started before") as e:
+        with_adapters("/v1/chat/completions", {}, ("sql",), Applied("de", 1.0), "q:de")
+    assert e.value.status == 503 and e.value.retry_after
+    for path, payload in (("/v1/messages", {}), ("/v1/chat/completions", None)):
+        with pytest.raises(InvalidRequest, match="LoRA adapters"):
+            with_adapters(path, payload, ("sql",), None, "q")
+    assert with_adapters("/v1/messages/count_tokens", {}, ("sql",), None, "q")
 
 
 # -- names ----------------------------------------------------------------------------
@@ -117,10 +156,11 @@ def test_the_lora_list_is_the_gateways_whatever_the_client_sent() -> None:
 def test_adapters_are_models_named_base_colon_adapter_and_the_base_applies_none() -> None:
     catalog = catalog_of({"qwen": BASE})
     base = catalog.served("qwen")
-    assert base.variant is None and base.shape.lora == (0.0, 0.0)
+    assert base.variant is None and base.shape.adapter is None
     sql = catalog.served("QWEN:SQL")
-    assert (sql.id, sql.model.id, sql.shape.lora) == ("qwen:sql", "qwen", (1.0, 0.0))
-    assert catalog.served("french").shape.lora == (0.0, 0.5)
+    assert (sql.id, sql.model.id, sql.shape.adapter) == ("qwen:sql", "qwen",
+                                                         Applied("sql", 1.0))
+    assert catalog.served("french").shape.adapter == Applied("fr", 0.5)
     assert catalog.served("qwen:fr").id == "qwen:fr"
     assert [m.id for m in catalog] == ["qwen"]   # one engine
     assert catalog.served_ids() == ["qwen", "qwen:sql", "qwen:fr"]
@@ -136,7 +176,7 @@ def test_a_variant_is_its_bases_engine_with_its_own_name_class_and_shape() -> No
     coder = catalog.served("code")
     assert (coder.id, coder.model.id, coder.priority) == ("coder", "qwen", LOW)
     assert coder.shape == Shape(defaults={"temperature": 0.2}, system_prompt="You write SQL.",
-                                max_tokens=256, lora=(1.0, 0.0))
+                                max_tokens=256, adapter=Applied("sql", 1.0))
     assert coder.names == frozenset({"coder", "code"})
     assert catalog.served("quick").priority == HIGH   # the base's, unless it says
     assert catalog.find("coder") is None              # no engine of its own to start
@@ -161,7 +201,8 @@ def test_a_variant_takes_a_weak_gguf_name_but_never_a_models_strong_one() -> Non
                           "v": {"variant_of": "a", "aliases": ["qwen3"]}},
                          **{"/m/a.gguf": ModelFile(size_bytes=1, facts=facts)})
     assert catalog.served("qwen3").id == "v"
-    with pytest.raises(ConfigError, match=r"'v' and 'a' both claim the name 'a\.gguf'"):
+    with pytest.raises(ConfigError,
+                       match=r"model 'a' and variant 'v' both claim the name 'a\.gguf'"):
         catalog_of({"a": {"path": "/m/a.gguf"}, "v": {"variant_of": "a",
                                                       "aliases": ["a.gguf"]}})
 
@@ -191,7 +232,10 @@ def test_a_variant_takes_a_weak_gguf_name_but_never_a_models_strong_one() -> Non
     ({"v": {"path": "/m/v.gguf", "defaults": {"temperature": 1}}},
      r"\[models\.v\]: defaults belong to a variant"),
     ({"v": {"variant_of": "qwen", "aliases": ["qwen:sql"]}},
-     r"'v' and 'qwen:sql' both claim the name 'qwen:sql'"),
+     r"variant 'qwen:sql' and variant 'v' both claim the name 'qwen:sql'"),
+    # a model's id is a name a variant cannot take (a model called coder in models_dir)
+    ({"coder": {"path": "/m/coder.gguf"}, "v": {"variant_of": "qwen", "aliases": ["Coder"]}},
+     r"model 'coder' and variant 'v' both claim the name 'coder'"),
 ])
 def test_a_variant_that_cannot_work_is_refused_naming_its_key(
         models: dict[str, Any], message: str) -> None:
@@ -300,3 +344,24 @@ def test_an_adapter_file_in_models_dir_is_no_model_and_serves_its_base(tmp_path:
     assert tiny is not None and tiny.adapter_bytes == (models / "sql-lora/sql.gguf").stat().st_size
     with pytest.raises(ConfigError, match=r"\[models\.oops\] path .* is a LoRA adapter"):
         load_catalog(parse_config({"models": {"oops": {"path": str(models / "loose-lora.gguf")}}}))
+
+
+def test_an_engines_adapters_are_in_its_environment_and_read_back_when_adopted() -> None:
+    from gatewayd.adapters.unit_control import info_from_properties
+    from gatewayd.core.engine_units import adapters_of, engine_env
+
+    catalog = catalog_of({"qwen": BASE, "plain": {"path": "/m/p.gguf"}})
+    env = engine_env(catalog.get("qwen"), EngineLayout.for_model("qwen"))
+    assert adapters_of(env) == ("sql", "fr")
+    service = {"Environment": [f"{k}={v}" for k, v in env.items()]}
+    assert info_from_properties("u", {}, service).adapters == ("sql", "fr")
+    plain = engine_env(catalog.get("plain"), EngineLayout.for_model("plain"))
+    assert adapters_of(plain) == ()               # an engine of ours with none
+    assert adapters_of({}) is None                # not an engine's environment: unknown
+
+
+def test_a_variant_cannot_be_called_as_a_model_found_in_models_dir() -> None:
+    config = parse_config({"models": {"qwen": BASE, "coder": {"variant_of": "qwen"}}})
+    found = [ModelConfig(name="coder", path=Path("/m/coder/coder.gguf"))]
+    with pytest.raises(ConfigError, match="model 'coder' and variant 'coder' both claim"):
+        build_catalog(config, found, {})
