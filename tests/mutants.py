@@ -1309,6 +1309,12 @@ VARIANTS = (
            "            served.shape\n",
            tests=(BATCHES_T + "test_a_variants_line_goes_to_its_bases_engine_changed_as_the_"
                   "variant_says",)),
+    Mutant("sole-client-despite-requests-at-once", "requests at once from one host and key "
+           "are not a lone client's", "gatewayd/service/turns.py",
+           "            if use.in_flight > 1:\n                # requests at once",
+           "            if False:\n                # requests at once",
+           tests=("tests/unit/test_turns.py::test_requests_at_once_from_one_host_and_key_are_"
+                  "several_clients",)),
 )
 
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP

@@ -95,7 +95,13 @@ class Turns:
         use.serving[priority] += 1
         if counts_as_use:
             recent = use.in_flight > 1 or now - use.released_at < IDLE_GRACE_S
-            use.sole_client = sole_client((use.sole_client, client)) if recent else client
+            if use.in_flight > 1:
+                # requests at once are not one client's back-to-back ones, whatever their
+                # host and key say (keyless clients of one host, a team behind one proxy)
+                use.sole_client = None
+            else:
+                use.sole_client = sole_client((use.sole_client, client)) if recent \
+                    else client
             use.last_used = now
 
     def release(self, model_id: str, *, counts_as_use: bool, priority: int = NORMAL) -> bool:

@@ -48,6 +48,25 @@ def test_two_clients_at_once_are_several() -> None:
     assert turns.get_or_add("a").sole_client is None
 
 
+def test_requests_at_once_from_one_host_and_key_are_several_clients() -> None:
+    """Keyless clients of one host (a team behind one proxy, the e2e test's threads) look
+    like one client: two of its requests at once are not a lone client's back-to-back ones,
+    and the grace must hold for them until a quiet moment."""
+    clock = Clock()
+    turns = Turns(clock)
+    turns.take("a", limit=None, counts_as_use=True, client="@10.0.0.5")
+    turns.take("a", limit=None, counts_as_use=True, client="@10.0.0.5")
+    assert turns.get_or_add("a").sole_client is None
+    turns.release("a", counts_as_use=True)
+    turns.release("a", counts_as_use=True)
+    clock.now += 0.05
+    served(turns, clock, "@10.0.0.5")    # one at a time again, within the grace: still
+    assert turns.get_or_add("a").sole_client is None
+    clock.now += IDLE_GRACE_S + 0.1
+    served(turns, clock, "@10.0.0.5")
+    assert turns.get_or_add("a").sole_client == "@10.0.0.5"
+
+
 def test_after_a_quiet_moment_the_next_client_is_the_sole_one() -> None:
     clock = Clock()
     turns = Turns(clock)
