@@ -61,7 +61,14 @@ from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, batches_api, openai_api, request_parser, router
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
-from gatewayd.http.drain import ABANDON_GRACE_S, OPEN_REQUESTS, OpenRequests, drain, track_requests
+from gatewayd.http.drain import (
+    ABANDON_GRACE_S,
+    OPEN_REQUESTS,
+    OpenRequests,
+    drain,
+    drain_notice,
+    track_requests,
+)
 from gatewayd.http.middleware import (
     SHUTDOWN,
     ClientBytesRefused,
@@ -469,11 +476,12 @@ async def _serve(config: GatewayConfig) -> None:
     loop.add_signal_handler(signal.SIGHUP, lambda: _track(
         reloads, loop.create_task(_reload_quietly(app[admin_api.RELOADER]))))
     await stop.wait()
+    notifier.stopping()
+    await drain_notice(app, config.drain_notice_s)
     await certificates
     for task in reloads:
         task.cancel()
     log.info("stopping: letting open requests finish (up to %gs)", config.shutdown_timeout_s)
-    notifier.stopping()
     notifier.stop_watchdog()   # systemd does not watch a stopping service
     app[admin_api.EVENTS].close()   # event followers are not answers to wait for
     app[admin_api.JOURNALS].close()   # nor journal follows: their journalctl ends now

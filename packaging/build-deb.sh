@@ -42,6 +42,9 @@ for page in docs/*.md; do
 done
 install -Dm644 packaging/grafana/llm-gateway.json \
     "$STAGE/usr/share/doc/llm-gateway/grafana/llm-gateway.json"
+# several gateways behind HAProxy (docs/fleet.md): an example, not a configuration in force
+install -Dm644 packaging/haproxy/haproxy.cfg \
+    "$STAGE/usr/share/doc/llm-gateway/examples/haproxy.cfg"
 mkdir -p "$STAGE/usr/bin"
 ln -s "$PREFIX/venv/bin/llm-gateway" "$STAGE/usr/bin/llm-gateway"
 

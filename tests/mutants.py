@@ -1083,9 +1083,9 @@ GROUPED = (
                   "its_place", "tests/unit/test_scheduler.py")),
     Mutant("turns-sole-client-never-several", "two clients of one engine are several, not "
            "the last one", "gatewayd/service/turns.py",
-           "            use.sole_client = sole_client((use.sole_client, client))"
-           " if recent else client",
-           "            use.sole_client = client",
+           "                use.sole_client = sole_client((use.sole_client, client)) if recent \\\n"
+           "                    else client",
+           "                use.sole_client = client",
            tests=("tests/unit/test_turns.py",)),
     Mutant("priority-raised-by-client", "a client may lower its class, never raise it",
            "gatewayd/core/priority.py", "    return min(granted, wanted)",
@@ -1217,6 +1217,7 @@ BATCHES = (
 )
 
 VARIANTS_T = "tests/unit/test_variants.py::"
+FLEET_T = "tests/http/test_fleet_haproxy.py::"
 VARIANTS_HTTP_T = "tests/http/test_variants_http.py::"
 VARIANTS = (
     Mutant("variant-default-overrides-client", "a variant's default fills only what the "
@@ -1315,6 +1316,25 @@ VARIANTS = (
            "            if False:\n                # requests at once",
            tests=("tests/unit/test_turns.py::test_requests_at_once_from_one_host_and_key_are_"
                   "several_clients",)),
+    Mutant("haproxy-round-robin", "the shipped HAProxy keeps each model on one gateway",
+           "packaging/haproxy/haproxy.cfg", "    balance hash var(txn.model)",
+           "    balance roundrobin",
+           tests=(FLEET_T + "test_each_model_lives_on_one_gateway",)),
+    Mutant("haproxy-no-retry-on-503", "the shipped HAProxy sends a gateway's 503 to another",
+           "packaging/haproxy/haproxy.cfg", "    retry-on conn-failure 503",
+           "    retry-on conn-failure",
+           tests=(FLEET_T + "test_a_503_and_a_refused_connection_are_answered_by_the_other_"
+                  "gateway",)),
+    Mutant("ready-while-draining", "/ready answers 503 once the gateway is stopping",
+           "gatewayd/http/openai_api.py", "    if request.app[SHUTDOWN].draining:",
+           "    if False:",
+           tests=(FLEET_T + "test_a_draining_gateway_leaves_the_ring_and_loses_nothing",
+                  FLEET_T + "test_the_drain_notice_says_draining_and_still_serves")),
+    Mutant("retry-header-on-any-error", "only a 503 of the gateway's own says retry is safe",
+           "gatewayd/http/middleware.py", "    if status == 503:\n        own[RETRY_HEADER]",
+           "    if status >= 400:\n        own[RETRY_HEADER]",
+           tests=(FLEET_T + "test_a_503_and_a_refused_connection_are_answered_by_the_other_"
+                  "gateway",)),
 )
 
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP

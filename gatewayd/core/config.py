@@ -165,6 +165,9 @@ class GatewayConfig:
     # (besides its own, the status page); "*": any page (then keys are the only guard)
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    # [listen] drain_notice_s: on a stop, /ready answers 503 this long (everything else
+    # still served) before the listener closes: a balancer's checks take the gateway out
+    drain_notice_s: float = 0.0
     default_model: str | None = None
     autoload: bool = True                # a request for a stopped model starts it
     eviction_wait_s: float = 30.0        # how long a start waits for room to free up

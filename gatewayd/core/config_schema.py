@@ -235,6 +235,9 @@ KEYS: tuple[Key, ...] = (
         into="listen_port"),
     Key("listen", "allowed_hosts", Kind.STRINGS, [], "Host names besides loopback, the "
         "connected address and this machine's name (else 421); `\"*\"`: any", custom=True),
+    Key("listen", "drain_notice_s", Kind.NUMBER, 0, "on a stop, `GET /ready` answers 503 "
+        "this long while everything is still served, before the socket closes: a balancer's "
+        "health checks take the gateway out first (see [fleet.md](fleet.md))", NOT_NEGATIVE),
     Key("listen", "allowed_origins", Kind.STRINGS, [], "web origins (`scheme://host[:port]`) "
         "besides the gateway's own whose pages may call it (else 403); `\"*\"`: any",
         custom=True),

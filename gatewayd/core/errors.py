@@ -25,6 +25,9 @@ class ErrorSource(StrEnum):
 
 
 ERROR_SOURCE_HEADER = "LLM-Gateway-Error-Source"
+# on each 503 of the gateway's own: no answer was or will be delivered for the request, so a
+# balancer may send it to another gateway (docs/fleet.md); HAProxy matches the status
+RETRY_HEADER = "LLM-Gateway-Retry"
 
 
 def error_body(message: str, *, type_: str, code: str | None, param: str | None = None,

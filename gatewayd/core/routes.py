@@ -109,6 +109,8 @@ JSON, FORM = Body.JSON, Body.MULTIPART
 ROUTES: tuple[Route, ...] = (
     # liveness, for probes and load balancers
     _r("GET", "/health", PUB, GW, handler="openai_api.health"),
+    _r("GET", "/ready", PUB, GW, note="for balancers' health checks: 503 once the gateway "
+       "is stopping (docs/fleet.md)", handler="openai_api.ready"),
     _r("GET", "/favicon.ico", PUB, GW, note="browsers ask; 204, no engine woken",
        handler="openai_api.no_icon"),
     # the OpenAI and Anthropic APIs

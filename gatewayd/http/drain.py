@@ -87,6 +87,16 @@ def track_requests(requests: OpenRequests) -> Middleware:
     return track
 
 
+async def drain_notice(app: web.Application, seconds: float) -> None:
+    """The stop's first step: /ready answers 503 (a balancer's health checks take the
+    gateway out), and for `seconds` everything is still served before the drain begins."""
+    app[SHUTDOWN].draining = True
+    if seconds > 0:
+        log.info("stopping: /ready says draining; serving %gs more (drain_notice_s)",
+                 seconds)
+        await asyncio.sleep(seconds)
+
+
 def cancel_open_requests(app: web.Application) -> None:
     """Cancel each open request's handler ourselves, with the connection still open, so
     that it can answer shutting_down (a stream: an error event) before the connection

@@ -14,6 +14,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gatewayd.core.errors import (
     ERROR_SOURCE_HEADER,
+    RETRY_HEADER,
     BadFraming,
     ErrorSource,
     GatewayError,
@@ -33,10 +34,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass
 class Shutdown:
-    """Set when the gateway's drain time (shutdown_timeout_s) has run out: the requests
-    still open are cancelled then, and each answers shutting_down instead of vanishing."""
+    """The gateway's stop: draining from the moment it was told to stop (/ready answers
+    503, so balancers take it out); expired when its drain time (shutdown_timeout_s) has
+    run out: the requests still open are cancelled then, and each answers shutting_down
+    instead of vanishing."""
 
     expired: bool = False
+    draining: bool = False
 
 
 SHUTDOWN = web.AppKey("shutdown", Shutdown)
@@ -101,9 +105,14 @@ def _answer(request: web.Request, e: GatewayError) -> web.Response:
 
 def _own_error(body: dict[str, Any], status: int,
                headers: dict[str, str] | None = None) -> web.Response:
-    """An error answer of the gateway's own, which says so (ERROR_SOURCE_HEADER)."""
-    return web.json_response(body, status=status, headers={
-        **(headers or {}), ERROR_SOURCE_HEADER: ErrorSource.GATEWAY.value})
+    """An error answer of the gateway's own, which says so (ERROR_SOURCE_HEADER); a 503
+    also says a balancer may try another gateway (RETRY_HEADER): the gateway answers 503
+    only where it delivered no answer and will deliver none (its queue full, no room, its
+    stop), never after an answer began."""
+    own = {**(headers or {}), ERROR_SOURCE_HEADER: ErrorSource.GATEWAY.value}
+    if status == 503:
+        own[RETRY_HEADER] = "safe"
+    return web.json_response(body, status=status, headers=own)
 
 
 class ClientBytesRefused(logging.Filter):

@@ -106,6 +106,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "engines_ready": ready})
 
 
+async def ready(request: web.Request) -> web.Response:
+    """A balancer's health check (docs/fleet.md): 200 while the gateway takes requests,
+    503 from the moment it was told to stop, while it still serves (`drain_notice_s`), so
+    the balancer sends no more before its socket closes."""
+    if request.app[SHUTDOWN].draining:
+        return web.json_response({"status": "draining"}, status=503)
+    engines = request.app[FRONT].manager.engines()
+    return web.json_response({"status": "ready", "engines_ready": sum(
+        1 for e in engines if e.state is EngineState.READY)})
+
+
 async def no_icon(request: web.Request) -> web.Response:
     return web.Response(status=204)
 

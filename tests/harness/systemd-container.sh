@@ -33,7 +33,7 @@ STATE_ROOT=${LAB_STATE:-/var/tmp/llm-gateway-containers}
 BOOT_TIMEOUT=${LAB_BOOT_TIMEOUT:-60}
 STOP_TIMEOUT=${LAB_STOP_TIMEOUT:-30}
 # Units that make no sense in a test container (mask = symlink to /dev/null).
-MASK_UNITS=${LAB_MASK-"getty@tty1.service console-getty.service postgresql.service
+MASK_UNITS=${LAB_MASK-"getty@tty1.service console-getty.service postgresql.service haproxy.service
  e2scrub_reap.service systemd-timesyncd.service apt-daily.timer
  apt-daily-upgrade.timer dpkg-db-backup.timer e2scrub_all.timer fstrim.timer
  man-db.timer"}

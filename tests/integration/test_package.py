@@ -81,7 +81,9 @@ def test_the_package_as_a_system_service(box: SystemdContainer, deb: Path,
     assert board["title"] == "llm-gateway" and board["panels"]
     # README's links (docs/NAME.md) lead to pages installed beside it
     pages = set(box.shell("ls /usr/share/doc/llm-gateway/docs").split())
-    assert {"design.md", "security.md", "configuration.md"} <= pages, pages
+    assert {"design.md", "security.md", "configuration.md", "fleet.md"} <= pages, pages
+    example = box.shell("cat /usr/share/doc/llm-gateway/examples/haproxy.cfg")
+    assert "balance hash var(txn.model)" in example   # docs/fleet.md's example, as shipped
     # a user's setup: an engine binary and a model where the default config looks
     box.shell(f"install -m755 {llama} /usr/local/bin/llama-server && "
               f"install -o llm-gateway -m644 {models}/tiny-alpha.gguf /var/lib/llm-gateway/models/ "

@@ -1,0 +1,199 @@
+"""HAProxy in front of two gateways, with the configuration the project ships
+(packaging/haproxy/haproxy.cfg, only its addresses changed): each model's requests go to one
+gateway; a gateway that says it is draining (/ready: 503) leaves the ring; a refused
+connection and a 503 are answered by the other gateway, so the client sees none.
+
+HAProxy is Debian's (scripts/setup installs it), run by this test as its own process and
+ended by its PID. The gateways are the real app over fake engines; the same run over real
+engines in several systemd containers is not built yet (docs/fleet.md says so)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gatewayd.http.drain import drain_notice
+from gatewayd.http.middleware import SHUTDOWN
+from tests.harness.plugin import unavailable
+from tests.http.test_front_door import Gateway, _gateway, chat
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "packaging" / "haproxy" / "haproxy.cfg"
+DEADLINE_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config_for(front: int, ports: list[int]) -> str:
+    """The shipped file, its addresses this test's (and no syslog: there is none here)."""
+    text = SHIPPED.read_text()
+    text = re.sub(r"\n\s*log /dev/log.*", "", text)
+    text = text.replace("bind 127.0.0.1:8000", f"bind 127.0.0.1:{front}")
+    servers = "".join(f"    server gw{i} 127.0.0.1:{port}\n" for i, port in enumerate(ports))
+    text = re.sub(r"(    server .*\n)+", servers, text)
+    assert text.count("    server ") == len(ports)
+    return text
+
+
+@pytest.fixture(scope="module")
+def haproxy() -> str:
+    found = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy")
+                                        .exists() else None)
+    if found is None:
+        unavailable("haproxy is not installed (scripts/setup installs Debian's)")
+    return found
+
+
+def test_the_shipped_configuration_is_valid(haproxy: str, tmp_path: Path) -> None:
+    checked = subprocess.run([haproxy, "-c", "-f", str(SHIPPED)], capture_output=True,
+                             text=True, timeout=30, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+class Fleet:
+    def __init__(self, gateways: list[Gateway], url: str) -> None:
+        self.gateways = gateways
+        self.url = url
+
+    def served(self, model: str) -> list[int]:
+        """How many chat requests each gateway's engine for model has seen."""
+        return [sum(1 for r in g.fakes[model].requests
+                    if r.path.partition("?")[0] == "/v1/chat/completions")
+                for g in self.gateways]
+
+    async def ask(self, session: aiohttp.ClientSession, model: str, query: str = "") -> int:
+        async with session.post(f"{self.url}/v1/chat/completions{query}",
+                                json=chat(model)) as resp:
+            await resp.read()
+            return resp.status
+
+
+@pytest.fixture
+def proxy_process() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:   # ours, by its PID
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, haproxy: str,
+                proxy_process: list[subprocess.Popen[bytes]]) -> AsyncIterator[Fleet]:
+    async with AsyncExitStack() as stack:
+        gateways: list[Gateway] = []
+        for name in ("g1", "g2"):
+            (tmp_path / name).mkdir()
+            gateways.append(await stack.enter_async_context(_asynccontext(
+                _gateway(tmp_path / name, ("a", "b", "c")))))
+        front = free_port()
+        cfg = tmp_path / "haproxy.cfg"
+        ports = [g.client.server.port for g in gateways]
+        assert all(ports)
+        cfg.write_text(config_for(front, [p for p in ports if p is not None]))
+        proxy_process.append(subprocess.Popen([haproxy, "-f", str(cfg), "-db"],
+                                              stdout=subprocess.DEVNULL))
+        url = f"http://127.0.0.1:{front}"
+        deadline = time.monotonic() + DEADLINE_S
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(f"{url}/ready") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() < deadline, "haproxy never answered"
+                await asyncio.sleep(0.05)
+        yield Fleet(gateways, url)
+
+
+def _asynccontext(gen: AsyncIterator[Gateway]) -> AbstractAsyncContextManager[Gateway]:
+    """An async generator of one Gateway (test_front_door's) as a context manager."""
+
+    @contextlib.asynccontextmanager
+    async def one() -> AsyncIterator[Gateway]:
+        async for g in gen:
+            yield g
+    return one()
+
+
+async def test_each_model_lives_on_one_gateway(fleet: Fleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        for model in ("a", "b", "c", "A"):
+            for _ in range(6):
+                assert await fleet.ask(session, model) == 200
+    for model, asked in (("a", 12), ("b", 6), ("c", 6)):   # "A" is a's name: one place
+        assert sorted(fleet.served(model)) == [0, asked], (model, fleet.served(model))
+
+
+async def test_a_draining_gateway_leaves_the_ring_and_loses_nothing(fleet: Fleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        assert await fleet.ask(session, "a") == 200
+        home = fleet.served("a").index(1)
+        other = 1 - home
+        fleet.gateways[home].client.app[SHUTDOWN].draining = True
+        deadline = time.monotonic() + DEADLINE_S
+        while fleet.served("a")[other] == 0:   # answered meanwhile, by either
+            assert await fleet.ask(session, "a") == 200
+            assert time.monotonic() < deadline, "the draining gateway stayed in the ring"
+            await asyncio.sleep(0.1)
+        before = fleet.served("a")[home]
+        for _ in range(5):
+            assert await fleet.ask(session, "a") == 200
+        assert fleet.served("a")[home] == before
+
+
+async def test_a_503_and_a_refused_connection_are_answered_by_the_other_gateway(
+        fleet: Fleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        assert await fleet.ask(session, "b") == 200
+        home = fleet.served("b").index(1)
+        other = 1 - home
+        # b's engine stopped at its home, no autoload: that gateway answers 503
+        await fleet.gateways[home].engines.stop("b")
+        assert await fleet.ask(session, "b", "?autoload=false") == 200
+        assert fleet.served("b") == [1, 1]
+        direct = fleet.gateways[home].client   # what HAProxy met there: a 503 that says so
+        resp = await direct.post("/v1/chat/completions?autoload=false", json=chat("b"))
+        assert resp.status == 503 and resp.headers["LLM-Gateway-Retry"] == "safe"
+        resp = await direct.post("/v1/chat/completions", json=chat("nope"))   # the client's
+        assert resp.status == 404 and "LLM-Gateway-Retry" not in resp.headers
+        # the home gateway gone: its port refuses, the other answers
+        await fleet.gateways[home].client.server.close()
+        statuses = [await fleet.ask(session, "b") for _ in range(5)]
+        assert statuses == [200] * 5
+        assert fleet.served("b")[other] == 6
+
+
+async def test_the_drain_notice_says_draining_and_still_serves(fleet: Fleet) -> None:
+    """The stop's first step (app._serve): /ready 503 for drain_notice_s, everything else
+    answered meanwhile."""
+    gw = fleet.gateways[0]
+    notice = asyncio.create_task(drain_notice(gw.client.app, 1.0))
+    await asyncio.sleep(0.1)
+    ready = await gw.client.get("/ready")
+    assert ready.status == 503 and (await ready.json())["status"] == "draining"
+    assert ready.headers.get("LLM-Gateway-Retry") is None   # (a check, not a refused request)
+    assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
+    assert not notice.done()
+    await asyncio.wait_for(notice, 5)
