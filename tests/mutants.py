@@ -1335,6 +1335,12 @@ VARIANTS = (
            "    if status >= 400:\n        own[RETRY_HEADER]",
            tests=(FLEET_T + "test_a_503_and_a_refused_connection_are_answered_by_the_other_"
                   "gateway",)),
+    Mutant("body-rest-not-discarded", "a body a little over the limit is read and dropped, "
+           "so its 413 arrives", "gatewayd/http/middleware.py",
+           "        if isinstance(e, BodyTooLarge) and await _rest_discarded(request):",
+           "        if False:",
+           tests=("tests/http/test_fuzz.py::test_any_request_gets_an_answer_of_the_right_"
+                  "shape",)),
 )
 
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP

@@ -16,6 +16,7 @@ from gatewayd.core.errors import (
     ERROR_SOURCE_HEADER,
     RETRY_HEADER,
     BadFraming,
+    BodyTooLarge,
     ErrorSource,
     GatewayError,
     ShuttingDown,
@@ -44,6 +45,11 @@ class Shutdown:
 
 
 SHUTDOWN = web.AppKey("shutdown", Shutdown)
+# a body refused for its size: at most this much of its rest is read and dropped, so that
+# the 413 reaches the client (one a little over max_body_mb, the common case) instead of a
+# reset; a larger rest, or one slower than DISCARD_S, gets the 413 and a closed connection
+DISCARD_MAX_BYTES = 16 * 1024 * 1024
+DISCARD_S = 5.0
 
 
 def shutdown_error() -> ShuttingDown:
@@ -65,6 +71,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             return preflight(request, matched)
         return await handler(request)
     except GatewayError as e:
+        if isinstance(e, BodyTooLarge) and await _rest_discarded(request):
+            return _answer(request, e, keep_open=True)
         return _answer(request, e)
     except RequestPayloadError as e:
         # the body, refused by the HTTP parser while it was read (http/request_parser.py)
@@ -91,14 +99,33 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _own_error(_in_dialect(error, request.path), 500)
 
 
-def _answer(request: web.Request, e: GatewayError) -> web.Response:
+async def _rest_discarded(request: web.Request) -> bool:
+    """The rest of a body refused for its size read and dropped, where it is small enough
+    to (its Content-Length at most DISCARD_MAX_BYTES past what was read, arriving within
+    DISCARD_S); whether it was. Then the 413 reaches the client and its connection serves
+    on. Otherwise the connection is closed after the answer: a client still sending may
+    then meet a reset before it reads the 413 (closing with its bytes unread)."""
+    length = request.content_length
+    if length is None or length - request.content.total_bytes > DISCARD_MAX_BYTES:
+        return False
+    try:
+        async with asyncio.timeout(DISCARD_S):
+            while await request.content.readany():
+                pass
+    except (TimeoutError, OSError, RequestPayloadError):
+        return False
+    return request.content.at_eof()
+
+
+def _answer(request: web.Request, e: GatewayError, *,
+            keep_open: bool = False) -> web.Response:
     headers = dict(e.headers)
     if e.retry_after is not None:
         headers["Retry-After"] = str(e.retry_after)
     if not _for_admin(request):
         withhold_engine_logs(e)
     response = _own_error(_in_dialect(e, request.path), e.status, headers)
-    if e.closes_connection:
+    if e.closes_connection and not keep_open:
         response.force_close()
     return response
 
