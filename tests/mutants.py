@@ -1341,6 +1341,10 @@ VARIANTS = (
            "        if False:",
            tests=("tests/http/test_fuzz.py::test_any_request_gets_an_answer_of_the_right_"
                   "shape",)),
+    Mutant("adapters-metric-empty", "the metrics say which adapters each engine loaded",
+           "gatewayd/http/admin_api.py", "            adapters=engine.adapters or ()))",
+           "            adapters=()))",
+           tests=(VARIANTS_HTTP_T + "test_the_metrics_say_which_adapters_each_engine_loaded",)),
 )
 
 MUTANTS = (SCHEDULING + ACCESS + FORWARDING + WIRE + RELAYS + PLANNING + RESTARTS + STOP

@@ -276,6 +276,7 @@ class EngineFigures:
     # llm_gateway_memory_engine_bytes: (memory "ram"/"vram", figure "need"/"measured"/
     # "peak") -> bytes; a figure not known is absent
     memory: dict[tuple[str, str], int] = field(default_factory=dict)
+    adapters: tuple[str, ...] = ()      # the LoRA adapters it loaded (core/variants)
 
 
 @dataclass
@@ -326,7 +327,15 @@ class Snapshot:
             "for its model: learned, else estimated), measured (what it holds now: its "
             "cgroup or PSS; NVML per process), peak (the most its cgroup held)",
             labels=["model", "memory", "figure"])
+        # an endpoint picker's adapter affinity (llm-d reads vLLM's lora_requests_info):
+        # every adapter an engine loaded is always ready to run (docs/fleet.md)
+        adapters = GaugeMetricFamily("llm_gateway_engine_lora_adapters_info",
+                                     "1 for each engine with LoRA adapters: the adapters it "
+                                     "loaded (comma-separated) and how many",
+                                     labels=["model", "running_lora_adapters", "max_lora"])
         for e in self.engines:
+            if e.adapters:
+                adapters.add_metric([e.model, ",".join(e.adapters), str(len(e.adapters))], 1)
             for (kind, figure), value in sorted(e.memory.items()):
                 engine_memory.add_metric([e.model, kind, figure], value)
             for s in EngineState:
@@ -339,7 +348,8 @@ class Snapshot:
                 memory.add_metric([e.model], e.memory_bytes)
             if e.cpu_seconds is not None:
                 cpu.add_metric([e.model], e.cpu_seconds)
-        yield from (state, restarts, in_flight, queued, waiting, memory, cpu, engine_memory)
+        yield from (state, restarts, in_flight, queued, waiting, memory, cpu, engine_memory,
+                    adapters)
         budget = GaugeMetricFamily(
             "llm_gateway_memory_budget_bytes",
             "Each memory budget (memory: ram, gpu): total, available (MemAvailable; the "

@@ -282,7 +282,8 @@ async def metrics(request: web.Request) -> web.Response:
             waiting=front.engine_client.waiting(engine.socket),
             memory_bytes=info.memory_bytes if info else None,
             cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None,
-            memory=_engine_memory(mgr, engine, vram_held.get(engine.model_id))))
+            memory=_engine_memory(mgr, engine, vram_held.get(engine.model_id)),
+            adapters=engine.adapters or ()))
     gpu = _gpu_memory(request)   # a lost GPU: no figures (status says why)
     for d in gpu["gpu_devices"] or ():
         snapshot.gpus.append((d["uuid"], (d["total"] - d["free"]) * MIB, d["total"] * MIB))

@@ -208,3 +208,12 @@ async def test_an_openai_servers_request_names_the_model_by_its_id(tmp_path: Pat
             assert json.loads(gw.fakes["b"].requests[-1].body)["model"] == "b"
         rows = await gw.records(3)
         assert sorted(r["model"] for r in rows) == ["b", "b", "b-cold"]
+
+
+async def test_the_metrics_say_which_adapters_each_engine_loaded(gw: Gateway) -> None:
+    """An endpoint picker's adapter affinity reads it (docs/fleet.md: llm-d's mapping)."""
+    text = await (await gw.client.get("/admin/metrics", headers=bearer(OPS))).text()
+    (line,) = [x for x in text.splitlines()
+               if x.startswith("llm_gateway_engine_lora_adapters_info{")]
+    assert 'model="a"' in line and 'running_lora_adapters="sql,fr"' in line
+    assert 'max_lora="2"' in line and line.endswith(" 1.0")
