@@ -370,6 +370,10 @@ def stats_lines(out: dict[str, Any]) -> list[str]:
                           "tokens/s"])]
 
 
+UNIT_STOP_S = 45          # units/llm-gateway.service's TimeoutStopSec=
+STOP_BUDGET_S = UNIT_STOP_S - 5.0   # the stop's own steps after the drain take a moment
+
+
 def check(args: argparse.Namespace, config: Any) -> int:
     """The configuration parsed (main did that), then its models: names, files, headers.
     A missing engine server is reported but not fatal: the other models would serve."""
@@ -395,6 +399,12 @@ def check(args: argparse.Namespace, config: Any) -> int:
             "them; llm-engine@ units (the package) refuse to start instead")
     warnings += [f"{m.id}: adapter {a.name!r}: no file {a.path} (its engine would not "
                  "start)" for m in catalog for a in m.config.adapters if not a.path.is_file()]
+    stop_s = config.drain_notice_s + config.shutdown_timeout_s
+    if stop_s > STOP_BUDGET_S:
+        warnings.append(
+            f"listen.drain_notice_s + shutdown_timeout_s = {stop_s:g} s: the packaged unit "
+            f"gives a stop {UNIT_STOP_S} s (TimeoutStopSec=) and kills what is left; keep "
+            f"them under {STOP_BUDGET_S:g} s or raise TimeoutStopSec= in a drop-in")
     variants = [v.id for v in catalog.variants]
     out = {"ok": True, "config": str(config.source) if config.source else None,
            "models": catalog.ids, "variants": variants, "warnings": warnings}

@@ -315,6 +315,9 @@ def test_check_lists_the_variants_refuses_a_broken_one_and_warns_of_a_missing_ad
     assert "3 variant(s): q:sql, q:fr, fast" in out
     assert f"q: adapter 'fr': no file {tmp_path / 'fr.gguf'}" in out
     assert "'sql'" not in out
+    cfg.write_text(cfg.read_text() + '[listen]\ndrain_notice_s = 20\n')
+    assert cli.main(["--config", str(cfg), "check"]) == 0
+    assert "drain_notice_s + shutdown_timeout_s = 50 s" in capsys.readouterr().out
     cfg.write_text(cfg.read_text() + '[models.slow]\nvariant_of = "fast"\n')
     assert cli.main(["--config", str(cfg), "check"]) == 1
     assert "models.slow.variant_of = 'fast' is itself a variant" in capsys.readouterr().err
