@@ -318,6 +318,8 @@ def test_check_lists_the_variants_refuses_a_broken_one_and_warns_of_a_missing_ad
     cfg.write_text(cfg.read_text() + '[listen]\ndrain_notice_s = 20\n')
     assert cli.main(["--config", str(cfg), "check"]) == 0
     assert "drain_notice_s + shutdown_timeout_s = 50 s" in capsys.readouterr().out
+    unit = (Path(__file__).resolve().parents[2] / "units" / "llm-gateway.service").read_text()
+    assert f"\nTimeoutStopSec={cli.UNIT_STOP_S}\n" in unit   # the figure the warning uses
     cfg.write_text(cfg.read_text() + '[models.slow]\nvariant_of = "fast"\n')
     assert cli.main(["--config", str(cfg), "check"]) == 1
     assert "models.slow.variant_of = 'fast' is itself a variant" in capsys.readouterr().err
