@@ -104,7 +104,7 @@ async def fleet(tmp_path: Path, haproxy: str,
         for name in ("g1", "g2"):
             (tmp_path / name).mkdir()
             gateways.append(await stack.enter_async_context(_asynccontext(
-                _gateway(tmp_path / name, ("a", "b", "c")))))
+                _gateway(tmp_path / name, ("a", "b", "c"), max_body_bytes=1 << 20))))
         front = free_port()
         cfg = tmp_path / "haproxy.cfg"
         ports = [g.client.server.port for g in gateways]
@@ -197,3 +197,26 @@ async def test_the_drain_notice_says_draining_and_still_serves(fleet: Fleet) -> 
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
     assert not notice.done()
     await asyncio.wait_for(notice, 5)
+
+
+async def test_bad_input_through_the_balancer_gets_the_gateways_clear_answers(
+        fleet: Fleet) -> None:
+    """What a client gets through HAProxy is what it gets direct: the gateway's JSON error
+    for a body past its limit and for a request without a model; a body whose `model` is
+    past HAProxy's buffer is still answered (balanced round robin)."""
+    async with aiohttp.ClientSession() as session:
+        huge = b'{"model": "a", "pad": "' + b"x" * (2 << 20) + b'"}'   # past their 1 MiB
+        limit = fleet.gateways[0].engines.config.max_body_bytes
+        assert len(huge) > limit, "the test's body must be past the gateways' limit"
+        async with session.post(f"{fleet.url}/v1/chat/completions", data=huge,
+                                headers={"Content-Type": "application/json"}) as resp:
+            body = await resp.json()
+            assert resp.status == 413 and body["error"]["code"] == "request_too_large", body
+        async with session.post(f"{fleet.url}/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "hi"}]}) as resp:
+            body = await resp.json()
+            assert resp.status == 400 and body["error"]["code"] == "model_required", body
+        late = {"messages": [{"role": "user", "content": "x" * (100 << 10)}],
+                "max_tokens": 2, "model": "c"}   # `model` past HAProxy's 64 KiB
+        async with session.post(f"{fleet.url}/v1/chat/completions", json=late) as resp:
+            assert resp.status == 200, await resp.text()
