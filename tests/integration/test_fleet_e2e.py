@@ -1,0 +1,237 @@
+"""Two gateways, each in its own systemd container with its own real llama-server engines,
+behind HAProxy with the shipped configuration (packaging/haproxy/haproxy.cfg, only its
+addresses changed), as an operator would run them:
+
+- each model's engine runs on one host while the load is light (read from each host's own
+  systemd);
+- a host stopped mid-load loses no request: every one is answered 200, by the other host
+  (with `drain_notice_s`, once the balancer's checks took it out; without, by the balancer
+  retrying the connections it refuses);
+- started again, it takes its models back.
+
+HAProxy is Debian's, run by this test by its PID. The containers share the host's network
+(the gateways listen on loopback ports of their own)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import make_tiny_model
+import pytest
+
+from tests.harness.container import SystemdContainer, why_unavailable
+from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
+
+pytestmark = [pytest.mark.container, pytest.mark.engine, pytest.mark.slow]
+
+SHIPPED = REPO / "packaging" / "haproxy" / "haproxy.cfg"
+MODELS = ("m-one", "m-two", "m-three", "m-four")
+DEADLINE_S = 60.0
+# host 0 stops with a drain notice (the balancer's checks take it out first), host 1
+# without one (its refused connections are retried on the other host)
+NOTICE_S = (3, 0)
+SEEN_503: list[str] = []   # the first 503's headers and body: whose it was
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Host:
+    box: SystemdContainer
+    port: int
+
+    def start_gateway(self) -> None:
+        self.box.shell(f"systemd-run --quiet --unit=fleet-gw --collect "
+                       f"-p WorkingDirectory={REPO} {REPO}/.venv/bin/python -m gatewayd "
+                       "--config /etc/fleet-gw.toml serve")
+        deadline = time.monotonic() + DEADLINE_S
+        while status(f"http://127.0.0.1:{self.port}/ready") != 200:
+            assert time.monotonic() < deadline, self.box.shell(
+                "journalctl -u fleet-gw --no-pager | tail -30", check=False)
+            time.sleep(0.1)
+
+    def engines(self) -> set[str]:
+        """The models whose engine units this host's systemd runs."""
+        out = self.box.shell("systemctl list-units --type=service --state=active --plain "
+                             "--no-legend 'llm-engine-*'", check=False)
+        return {unescape(m.group(1)) for m in re.finditer(r"llm-engine-(\S+)\.service", out)}
+
+    def answered(self, model: str) -> float:
+        """Requests for model this host's gateway answered 200 (its metrics)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/admin/metrics",
+                                    timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("llm_gateway_requests_total{")
+                   and f'model="{model}"' in line and 'status="200"' in line)
+
+
+def unescape(name: str) -> str:
+    return name.replace("\\x2d", "-")
+
+
+def status(url: str, body: bytes | None = None) -> int:
+    request = urllib.request.Request(url, data=body, headers={
+        "Content-Type": "application/json"} if body else {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        if e.code == 503 and not SEEN_503:
+            SEEN_503.append(f"{dict(e.headers)} {e.read()[:300]!r}")
+        return int(e.code)
+    except OSError:
+        return 0
+
+
+def chat(model: str) -> bytes:
+    return (b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", '
+            b'"content": "hi"}]}' % model.encode())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fleet-models")
+    for seed, name in enumerate(MODELS):
+        make_tiny_model.write_model(str(root / f"{name}.gguf"), name=name, seed=seed)
+    return root
+
+
+@pytest.fixture
+def hosts(models: Path) -> Iterator[list[Host]]:
+    if (why := why_unavailable()) is not None:
+        unavailable(why)
+    llama = engine_binary("LLAMA_SERVER")
+    started: list[Host] = []
+    try:
+        for i in range(2):
+            box = SystemdContainer(f"fleet{i}-{os.getpid() % 10000}", private_network=False,
+                                   binds_ro=[models, *([ENGINE_CACHE]
+                                                       if ENGINE_CACHE.is_dir() else [])])
+            box.start()
+            host = Host(box, free_port())
+            started.append(host)
+            box.shell(f"mkdir -p /srv/fleet-models && cp {models}/*.gguf /srv/fleet-models/ "
+                      "&& chmod -R a+rX /srv/fleet-models && printf '%s\\n' "
+                      "'models_dir = \"/srv/fleet-models\"' "
+                      f"'llama_server = \"{llama}\"' 'state_dir = \"/var/lib/fleet-gw\"' "
+                      "'max_engines = 4' '[listen]' 'host = \"127.0.0.1\"' "
+                      f"'port = {host.port}' 'drain_notice_s = {NOTICE_S[i]}' '[admin]' "
+                      "'public = true' "
+                      "> /etc/fleet-gw.toml")
+            host.start_gateway()
+        yield started
+    finally:
+        for host in started:
+            host.box.stop()
+
+
+@pytest.fixture
+def balancer(hosts: list[Host], tmp_path: Path) -> Iterator[str]:
+    haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    if not Path(haproxy).exists():
+        unavailable("haproxy is not installed (scripts/setup installs Debian's)")
+    front = free_port()
+    text = re.sub(r"\n\s*log /dev/log.*", "", SHIPPED.read_text())
+    text = text.replace("bind 127.0.0.1:8000", f"bind 127.0.0.1:{front}")
+    servers = "".join(f"    server host{i} 127.0.0.1:{h.port}\n" for i, h in enumerate(hosts))
+    text = re.sub(r"(    server .*\n)+", servers, text)
+    cfg = tmp_path / "haproxy.cfg"
+    # its log (each request, each server going down or up) beside the test's files: what
+    # a failure here is read with
+    text = text.replace("global\n", "global\n    log stdout format raw local0\n", 1)
+    cfg.write_text(text)
+    with open(tmp_path / "haproxy.log", "w") as log:
+        proc = subprocess.Popen([haproxy, "-f", str(cfg), "-db"], stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{front}"
+        deadline = time.monotonic() + DEADLINE_S
+        while status(f"{url}/ready") != 200:
+            assert time.monotonic() < deadline, "haproxy never answered"
+            time.sleep(0.1)
+        yield url
+    finally:   # ours, by its PID
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_each_model_on_one_host_a_stopped_host_loses_nothing_and_takes_its_models_back(
+        hosts: list[Host], balancer: str) -> None:
+    url = f"{balancer}/v1/chat/completions"
+    for model in MODELS:
+        for _ in range(3):
+            assert status(url, chat(model)) == 200, model
+    placed = [h.engines() for h in hosts]
+    assert placed[0] | placed[1] == set(MODELS), placed
+    assert not placed[0] & placed[1], f"a model's engine on both hosts: {placed}"
+    assert placed[0] and placed[1], f"all on one host (the ring's luck?): {placed}"
+    home = {m: 0 if m in placed[0] else 1 for m in MODELS}
+
+    # clients on every model while host 0 is stopped: every request answered
+    statuses = under_load(url, lambda: hosts[0].box.shell("systemctl stop fleet-gw"))
+    assert set(statuses) == {200} and statuses[200] > 20, (statuses, SEEN_503)
+    moved = [m for m in MODELS if home[m] == 0]
+    assert all(m in hosts[1].engines() for m in moved), (moved, hosts[1].engines())
+
+    # host 0 back: the ring sends its models to it again (its engines were kept running
+    # across its gateway's stop, and are adopted)
+    hosts[0].start_gateway()
+    before = {m: hosts[0].answered(m) for m in moved}
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(hosts[0].answered(m) > before[m] for m in moved):
+        for m in moved:
+            assert status(url, chat(m)) == 200
+        assert time.monotonic() < deadline, "host 0 never took its models back"
+        time.sleep(0.2)
+
+    # host 1 stopped with no notice: its listener closes at once, and the connections it
+    # refuses are retried on host 0
+    statuses = under_load(url, lambda: hosts[1].box.shell("systemctl stop fleet-gw"))
+    assert set(statuses) == {200} and statuses[200] > 20, (statuses, SEEN_503)
+
+
+def under_load(url: str, event: Callable[[], object]) -> Counter[int]:
+    """Clients on every model, back to back, with event in their midst: each answer's
+    status, counted."""
+    statuses: Counter[int] = Counter()
+    lock = threading.Lock()
+    stop_sending = threading.Event()
+
+    def client(model: str) -> None:
+        while not stop_sending.is_set():
+            got = status(url, chat(model))
+            with lock:
+                statuses[got] += 1
+
+    threads = [threading.Thread(target=client, args=(m,)) for m in MODELS]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    event()
+    time.sleep(3)
+    stop_sending.set()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    return statuses
