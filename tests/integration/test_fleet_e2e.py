@@ -43,6 +43,7 @@ DEADLINE_S = 60.0
 # without one (its refused connections are retried on the other host)
 NOTICE_S = (3, 0)
 SEEN_503: list[str] = []   # the first 503's headers and body: whose it was
+BALANCER_LOG: list[Path] = []   # where this test's HAProxy logs
 
 
 def free_port() -> int:
@@ -158,6 +159,7 @@ def balancer(hosts: list[Host], tmp_path: Path) -> Iterator[str]:
     # a failure here is read with
     text = text.replace("global\n", "global\n    log stdout format raw local0\n", 1)
     cfg.write_text(text)
+    BALANCER_LOG[:] = [tmp_path / "haproxy.log"]
     with open(tmp_path / "haproxy.log", "w") as log:
         proc = subprocess.Popen([haproxy, "-f", str(cfg), "-db"], stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -185,13 +187,15 @@ def test_each_model_on_one_host_a_stopped_host_loses_nothing_and_takes_its_model
             assert status(url, chat(model)) == 200, model
     placed = [h.engines() for h in hosts]
     assert placed[0] | placed[1] == set(MODELS), placed
-    assert not placed[0] & placed[1], f"a model's engine on both hosts: {placed}"
+    assert not placed[0] & placed[1], \
+        f"a model's engine on both hosts: {placed}; haproxy said:\n{balancer_events()}"
     assert placed[0] and placed[1], f"all on one host (the ring's luck?): {placed}"
     home = {m: 0 if m in placed[0] else 1 for m in MODELS}
 
     # clients on every model while host 0 is stopped: every request answered
     statuses = under_load(url, lambda: hosts[0].box.shell("systemctl stop fleet-gw"))
-    assert set(statuses) == {200} and statuses[200] > 20, (statuses, SEEN_503)
+    assert set(statuses) == {200} and statuses[200] > 20, (statuses, SEEN_503,
+                                                           balancer_events())
     moved = [m for m in MODELS if home[m] == 0]
     assert all(m in hosts[1].engines() for m in moved), (moved, hosts[1].engines())
 
@@ -209,7 +213,15 @@ def test_each_model_on_one_host_a_stopped_host_loses_nothing_and_takes_its_model
     # host 1 stopped with no notice: its listener closes at once, and the connections it
     # refuses are retried on host 0
     statuses = under_load(url, lambda: hosts[1].box.shell("systemctl stop fleet-gw"))
-    assert set(statuses) == {200} and statuses[200] > 20, (statuses, SEEN_503)
+    assert set(statuses) == {200} and statuses[200] > 20, (statuses, SEEN_503,
+                                                           balancer_events())
+
+
+def balancer_events() -> str:
+    """What HAProxy logged besides answers of 200 (servers going down or up, retries): what
+    a failure here is read with."""
+    lines = BALANCER_LOG[0].read_text().splitlines() if BALANCER_LOG else []
+    return "\n".join(line for line in lines if '"POST' not in line or " 200 " not in line)[-4000:]
 
 
 def under_load(url: str, event: Callable[[], object]) -> Counter[int]:
