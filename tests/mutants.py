@@ -1269,9 +1269,8 @@ VARIANTS = (
                   "with_its_lora_list")),
     Mutant("adapter-ids-from-the-configuration", "the lora ids are the running engine's "
            "(a reload restarts it only once idle)", "gatewayd/http/openai_api.py",
-           "    loaded = engine.adapters if engine.adapters is not None \\\n"
-           "        else tuple(a.name for a in call.local.config.adapters) if call.local else ()",
-           "    loaded = tuple(a.name for a in call.local.config.adapters) if call.local else ()",
+           "    loaded = loaded_adapters(engine.adapters,",
+           "    loaded = loaded_adapters(None,",
            tests=(VARIANTS_HTTP_T + "test_the_lora_list_is_the_engines_own_after_a_reload_"
                   "changed_the_adapters",)),
     Mutant("adapter-on-anthropic-path", "llama-server's Anthropic path drops the lora "

@@ -200,13 +200,17 @@ class Catalog:
         self._ambiguous = ambiguous
         self._variants = {v.id: v for v in variants}
         self._variant_index = {name: v.id for v in self._variants.values() for name in v.names}
+        # what each name means, made once: the request path asks for it several times
+        self._served = {**{m.id: Served.of_model(m) for m in self._models.values()},
+                        **{v.id: Served.of_variant(v) for v in self._variants.values()}}
 
     def replace(self, other: Catalog) -> None:
         """Become other, in place: everyone holding this catalog sees the new models
         (a configuration reload)."""
         self._models, self._index, self._ambiguous = (
             other._models, other._index, other._ambiguous)
-        self._variants, self._variant_index = other._variants, other._variant_index
+        self._variants, self._variant_index, self._served = (
+            other._variants, other._variant_index, other._served)
 
     @property
     def variants(self) -> list[Variant]:
@@ -219,11 +223,8 @@ class Catalog:
     def find_served(self, name: str) -> Served | None:
         """What a name means, a model or a variant, or None."""
         key = name.strip().casefold()
-        if (model_id := self._index.get(key)) is not None:
-            return Served.of_model(self._models[model_id])
-        if (variant_id := self._variant_index.get(key)) is not None:
-            return Served.of_variant(self._variants[variant_id])
-        return None
+        served_id = self._index.get(key) or self._variant_index.get(key)
+        return None if served_id is None else self._served[served_id]
 
     def served(self, name: str) -> Served:
         """What a client's name means; ModelNotFound (as resolve's) otherwise."""

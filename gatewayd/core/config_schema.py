@@ -237,7 +237,9 @@ KEYS: tuple[Key, ...] = (
         "connected address and this machine's name (else 421); `\"*\"`: any", custom=True),
     Key("listen", "drain_notice_s", Kind.NUMBER, 0, "on a stop, `GET /ready` answers 503 "
         "this long while everything is still served, before the socket closes: a balancer's "
-        "health checks take the gateway out first (see [fleet.md](fleet.md))", NOT_NEGATIVE),
+        "health checks take the gateway out first (see [fleet.md](fleet.md))",
+        (*NOT_NEGATIVE, Bound(0, 30, says="{key} = {value}: at most {high} s (a stop has "
+                              "TimeoutStopSec=45 for it and the drain)"))),
     Key("listen", "allowed_origins", Kind.STRINGS, [], "web origins (`scheme://host[:port]`) "
         "besides the gateway's own whose pages may call it (else 403); `\"*\"`: any",
         custom=True),

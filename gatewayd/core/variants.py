@@ -235,6 +235,13 @@ def adapter_env(adapters: tuple[Adapter, ...]) -> str:
     return ",".join(a.name for a in adapters)
 
 
+def loaded_adapters(started: tuple[str, ...] | None,
+                    configured: tuple[Adapter, ...]) -> tuple[str, ...]:
+    """The adapters an engine loaded: those it was started with (Engine.adapters), else,
+    where unknown, the configuration's."""
+    return started if started is not None else tuple(a.name for a in configured)
+
+
 def with_adapters(path: str, payload: dict[str, Any] | None, loaded: tuple[str, ...],
                   applied: Applied | None, model_id: str) -> bool:
     """payload given the engine's whole lora list: applied at its scale, every other

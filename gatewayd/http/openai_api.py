@@ -54,7 +54,7 @@ from gatewayd.core.priority import HEADER as PRIORITY_HEADER
 from gatewayd.core.priority import NORMAL, of_request
 from gatewayd.core.routing import INFERENCE_PATHS, TRANSLATION_PATHS, choose_model
 from gatewayd.core.upstreams import REMOTE_PREFIX
-from gatewayd.core.variants import Applied, shape_body, with_adapters
+from gatewayd.core.variants import Applied, loaded_adapters, shape_body, with_adapters
 from gatewayd.http.auth import request_key, request_route
 from gatewayd.http.middleware import SHUTDOWN, shutdown_error
 from gatewayd.http.proxy import (
@@ -440,8 +440,8 @@ async def relay_local(front: FrontDoor, call: Call, engine: Engine) -> web.Strea
         path = WHISPER_INFERENCE_PATH
     target = _with_query(path, request)
     call.record.engine = engine.unit
-    loaded = engine.adapters if engine.adapters is not None \
-        else tuple(a.name for a in call.local.config.adapters) if call.local else ()
+    loaded = loaded_adapters(engine.adapters,
+                             call.local.config.adapters if call.local else ())
     if call.inference and request.path in INFERENCE_PATHS and with_adapters(
             request.path, call.payload, loaded, call.adapter, call.model_id):
         body = json.dumps(call.payload).encode()   # its engine's own lora list

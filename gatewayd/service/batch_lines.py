@@ -54,7 +54,7 @@ from gatewayd.core.errors import (
 )
 from gatewayd.core.ports import BatchBook, WholeAnswers
 from gatewayd.core.priority import LOW
-from gatewayd.core.variants import shape_body, with_adapters
+from gatewayd.core.variants import loaded_adapters, shape_body, with_adapters
 
 log = logging.getLogger("gatewayd.batches")
 
@@ -221,9 +221,9 @@ class LineSender:
     async def _ask(self, engine: Engine, url: str, payload: dict[str, Any],
                    served: Served) -> tuple[int, bytes]:
         """The line to the engine its journey took, with that engine's adapter list."""
-        loaded = engine.adapters if engine.adapters is not None \
-            else tuple(a.name for a in served.model.config.adapters)
-        with_adapters(url, payload, loaded, served.shape.adapter, served.id)
+        with_adapters(url, payload,
+                      loaded_adapters(engine.adapters, served.model.config.adapters),
+                      served.shape.adapter, served.id)
         return await self._answers.ask(engine.socket, url, json.dumps(payload).encode(),
                                        limit=self._config().max_answer_bytes)
 

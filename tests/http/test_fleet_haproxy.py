@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-import shutil
-import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
 
@@ -25,42 +22,14 @@ import pytest
 
 from gatewayd.http.drain import drain_notice
 from gatewayd.http.middleware import SHUTDOWN
-from tests.harness.plugin import unavailable
+from tests.haproxy import SHIPPED, free_port, haproxy_binary, running_haproxy
 from tests.http.test_front_door import Gateway, _gateway, chat
 
-REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "packaging" / "haproxy" / "haproxy.cfg"
 DEADLINE_S = 15.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def config_for(front: int, ports: list[int]) -> str:
-    """The shipped file, its addresses this test's (and no syslog: there is none here)."""
-    text = SHIPPED.read_text()
-    text = re.sub(r"\n\s*log /dev/log.*", "", text)
-    text = text.replace("bind 127.0.0.1:8000", f"bind 127.0.0.1:{front}")
-    servers = "".join(f"    server gw{i} 127.0.0.1:{port}\n" for i, port in enumerate(ports))
-    text = re.sub(r"(    server .*\n)+", servers, text)
-    assert text.count("    server ") == len(ports)
-    return text
-
-
-@pytest.fixture(scope="module")
-def haproxy() -> str:
-    found = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy")
-                                        .exists() else None)
-    if found is None:
-        unavailable("haproxy is not installed (scripts/setup installs Debian's)")
-    return found
-
-
-def test_the_shipped_configuration_is_valid(haproxy: str, tmp_path: Path) -> None:
-    checked = subprocess.run([haproxy, "-c", "-f", str(SHIPPED)], capture_output=True,
+def test_the_shipped_configuration_is_valid() -> None:
+    checked = subprocess.run([haproxy_binary(), "-c", "-f", str(SHIPPED)], capture_output=True,
                              text=True, timeout=30, check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
@@ -84,21 +53,7 @@ class Fleet:
 
 
 @pytest.fixture
-def proxy_process() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:   # ours, by its PID
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-@pytest.fixture
-async def fleet(tmp_path: Path, haproxy: str,
-                proxy_process: list[subprocess.Popen[bytes]]) -> AsyncIterator[Fleet]:
+async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
     async with AsyncExitStack() as stack:
         gateways: list[Gateway] = []
         for name in ("g1", "g2"):
@@ -106,12 +61,9 @@ async def fleet(tmp_path: Path, haproxy: str,
             gateways.append(await stack.enter_async_context(_asynccontext(
                 _gateway(tmp_path / name, ("a", "b", "c"), max_body_bytes=1 << 20))))
         front = free_port()
-        cfg = tmp_path / "haproxy.cfg"
         ports = [g.client.server.port for g in gateways]
-        assert all(ports)
-        cfg.write_text(config_for(front, [p for p in ports if p is not None]))
-        proxy_process.append(subprocess.Popen([haproxy, "-f", str(cfg), "-db"],
-                                              stdout=subprocess.DEVNULL))
+        stack.enter_context(running_haproxy(
+            tmp_path, front, [p for p in ports if p is not None]))
         url = f"http://127.0.0.1:{front}"
         deadline = time.monotonic() + DEADLINE_S
         async with aiohttp.ClientSession() as session:

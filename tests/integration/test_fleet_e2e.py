@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -31,12 +28,12 @@ from pathlib import Path
 import make_tiny_model
 import pytest
 
+from tests.haproxy import free_port, running_haproxy
 from tests.harness.container import SystemdContainer, why_unavailable
 from tests.harness.plugin import ENGINE_CACHE, REPO, engine_binary, unavailable
 
 pytestmark = [pytest.mark.container, pytest.mark.engine, pytest.mark.slow]
 
-SHIPPED = REPO / "packaging" / "haproxy" / "haproxy.cfg"
 MODELS = ("m-one", "m-two", "m-three", "m-four")
 DEADLINE_S = 60.0
 # host 0 stops with a drain notice (the balancer's checks take it out first), host 1
@@ -44,12 +41,6 @@ DEADLINE_S = 60.0
 NOTICE_S = (3, 0)
 SEEN_503: list[str] = []   # the first 503's headers and body: whose it was
 BALANCER_LOG: list[Path] = []   # where this test's HAProxy logs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -146,37 +137,15 @@ def hosts(models: Path) -> Iterator[list[Host]]:
 
 @pytest.fixture
 def balancer(hosts: list[Host], tmp_path: Path) -> Iterator[str]:
-    haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
-    if not Path(haproxy).exists():
-        unavailable("haproxy is not installed (scripts/setup installs Debian's)")
     front = free_port()
-    text = re.sub(r"\n\s*log /dev/log.*", "", SHIPPED.read_text())
-    text = text.replace("bind 127.0.0.1:8000", f"bind 127.0.0.1:{front}")
-    servers = "".join(f"    server host{i} 127.0.0.1:{h.port}\n" for i, h in enumerate(hosts))
-    text = re.sub(r"(    server .*\n)+", servers, text)
-    cfg = tmp_path / "haproxy.cfg"
-    # its log (each request, each server going down or up) beside the test's files: what
-    # a failure here is read with
-    text = text.replace("global\n", "global\n    log stdout format raw local0\n", 1)
-    cfg.write_text(text)
-    BALANCER_LOG[:] = [tmp_path / "haproxy.log"]
-    with open(tmp_path / "haproxy.log", "w") as log:
-        proc = subprocess.Popen([haproxy, "-f", str(cfg), "-db"], stdout=log,
-                                stderr=subprocess.STDOUT)
-    try:
+    with running_haproxy(tmp_path, front, [h.port for h in hosts]) as log:
+        BALANCER_LOG[:] = [log]
         url = f"http://127.0.0.1:{front}"
         deadline = time.monotonic() + DEADLINE_S
         while status(f"{url}/ready") != 200:
             assert time.monotonic() < deadline, "haproxy never answered"
             time.sleep(0.1)
         yield url
-    finally:   # ours, by its PID
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def test_each_model_on_one_host_a_stopped_host_loses_nothing_and_takes_its_models_back(
