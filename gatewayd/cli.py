@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gatewayd import __version__, cli_play, cli_pull
+from gatewayd import __version__, cli_fleet, cli_play, cli_pull
 from gatewayd.adapters.config_file import load_config
 from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grep", help="only lines that contain this text (any case)")
     cli_pull.add_commands(sub)
     cli_play.add_commands(sub)
+    cli_fleet.add_commands(sub)
     p = sub.add_parser("key", help="API keys ([auth] keys_file)")
     keys = p.add_subparsers(dest="key_command", metavar="KEY_COMMAND", required=True)
     p = keys.add_parser("new", help="make a key: prints it (once) and its [keys.NAME] table "
@@ -120,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "key":
             return new_key(args)
+        if args.command == "endpoints":   # a file about other gateways: none asked here
+            return cli_fleet.run_endpoints(args)
         if args.command not in ("serve", "check"):
             return run_command(args, gateway_address(args))
         config = load_config(args.config, required=args.config is not None)

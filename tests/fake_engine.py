@@ -58,6 +58,10 @@ def speech_pieces(text: str, pieces: int = 4, size: int = 3000) -> list[bytes]:
     return out
 
 
+SLOT_CTX = 1024      # a slot's context in the fake's GET /slots
+SLOT_TOKENS = 256    # what a request being answered holds of it
+
+
 @dataclass
 class Seen:
     path: str
@@ -85,6 +89,7 @@ class FakeEngine:
         app.router.add_get("/health", self.health)
         app.router.add_get("/props", self.props)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/slots", self.slot_list)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -141,6 +146,20 @@ class FakeEngine:
     async def metrics(self, request: web.Request) -> web.Response:
         await self._seen(request)
         return web.Response(text=f"llamacpp:requests_processing{{fake=\"{self.name}\"}} 0\n")
+
+    async def slot_list(self, request: web.Request) -> web.Response:
+        """llama-server's GET /slots as its build here writes it: each request being
+        answered holds a slot with SLOT_TOKENS of its SLOT_CTX."""
+        await self._seen(request)
+        slots: list[dict[str, Any]] = [
+            {"id": i, "n_ctx": SLOT_CTX, "speculative": False,
+             "is_processing": i < self.in_flight} for i in range(self.slots)]
+        for slot in slots[:self.in_flight]:
+            slot.update({"id_task": 1, "n_prompt_tokens": SLOT_TOKENS,
+                         "n_prompt_tokens_processed": SLOT_TOKENS, "n_prompt_tokens_cache": 0,
+                         "next_token": [{"has_next_token": True, "has_new_line": False,
+                                         "n_remain": 10, "n_decoded": 5}]})
+        return web.json_response(slots)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         await self._seen(request)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from gatewayd.adapters.records import CallRecord
 from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.model_server import KvUse, Warm, host_kv
 from gatewayd.core.priority import NAMES
 from gatewayd.core.routing import CAPABILITY_OF_PATH, WHISPER_PATHS
 from gatewayd.core.waits import Waited
@@ -277,6 +278,7 @@ class EngineFigures:
     # "peak") -> bytes; a figure not known is absent
     memory: dict[tuple[str, str], int] = field(default_factory=dict)
     adapters: tuple[str, ...] = ()      # the LoRA adapters it loaded (core/variants)
+    kv: KvUse | None = None             # its KV cache, from its /slots (core/model_server)
 
 
 @dataclass
@@ -297,6 +299,11 @@ class Snapshot:
     bounded: Mapping[str, int] = field(default_factory=dict)   # counted outside the calls
     # unended batches' lines not answered yet: (model, "queued"|"sending") -> lines
     batch_lines: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # the host as one model server, for an endpoint picker (core/model_server)
+    requests_waiting: int = 0
+    requests_running: int = 0
+    warm: Warm | None = None
+    queued_no_engine: Mapping[str, int] = field(default_factory=dict)  # model -> requests
 
     def families(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -348,6 +355,8 @@ class Snapshot:
                 memory.add_metric([e.model], e.memory_bytes)
             if e.cpu_seconds is not None:
                 cpu.add_metric([e.model], e.cpu_seconds)
+        for model, depth in sorted(self.queued_no_engine.items()):   # waiting for room
+            queued.add_metric([model], depth)
         yield from (state, restarts, in_flight, queued, waiting, memory, cpu, engine_memory,
                     adapters)
         budget = GaugeMetricFamily(
@@ -410,6 +419,43 @@ class Snapshot:
         for (model, stage), count in sorted(self.batch_lines.items()):
             lines.add_metric([model, stage], count)
         yield lines
+        yield from self._model_server()
+
+    def _model_server(self) -> Iterator[Metric]:
+        """The figures an endpoint picker reads, each one series for the whole host (a
+        picker takes a family's first series), and each engine's KV use by model."""
+        from prometheus_client.core import GaugeMetricFamily
+        kv = GaugeMetricFamily("llm_gateway_engine_kv_cache_usage_ratio",
+                               "Of an engine's context (all its slots), the share held by "
+                               "requests being served, 0-1 (llama-server's /slots)",
+                               labels=["model"])
+        for e in self.engines:
+            if e.kv is not None:
+                kv.add_metric([e.model], e.kv.ratio)
+        yield kv
+        yield GaugeMetricFamily("llm_gateway_requests_waiting",
+                                "Requests of every model waiting: for an engine, or for a "
+                                "connection to one whose slots are all in use",
+                                value=self.requests_waiting)
+        yield GaugeMetricFamily("llm_gateway_requests_running",
+                                "Requests of every model an engine is serving now",
+                                value=self.requests_running)
+        yield GaugeMetricFamily("llm_gateway_kv_cache_usage_ratio",
+                                "Of every engine's context, the share held by requests being "
+                                "served, 0-1 (llama engines that answered /slots)",
+                                value=host_kv(e.kv for e in self.engines
+                                              if e.kv is not None).ratio)
+        warm = GaugeMetricFamily(
+            "llm_gateway_models_warm_info",
+            "The names this host answers from a running engine (running_lora_adapters) and "
+            "from one on its way (waiting_lora_adapters), and how many it can hold without "
+            "evicting (max_lora): vLLM's lora_requests_info, for a picker's affinity; the "
+            "value is the time of the reading",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        if self.warm is not None:
+            warm.add_metric([",".join(self.warm.running), ",".join(self.warm.waiting),
+                             str(self.warm.max)], time.time())
+        yield warm
 
 
 def _bound(value: float) -> str:

@@ -220,6 +220,18 @@ class Catalog:
         """Every name a client may send as it is recorded: models, then variants."""
         return [*self._models, *self._variants]
 
+    def engine_names(self, model_id: str) -> tuple[str, ...]:
+        """Every name a client may send that model_id's engine answers: its id and names,
+        its variants' and adapters' (ids as configured, other names casefolded)."""
+        model = self._models.get(model_id)
+        if model is None:
+            return (model_id,)
+        names = {model.id, *model.names}
+        for v in self._variants.values():
+            if v.base.id == model_id:
+                names |= {v.id, *v.names}
+        return tuple(sorted(names))
+
     def find_served(self, name: str) -> Served | None:
         """What a name means, a model or a variant, or None."""
         key = name.strip().casefold()

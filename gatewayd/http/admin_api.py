@@ -24,11 +24,12 @@ from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.journal import Journals
 from gatewayd.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.adapters.metrics import EngineFigures, Snapshot
-from gatewayd.core import logs, placement, scheduler
+from gatewayd.core import logs, model_server, placement, scheduler
 from gatewayd.core.budget import MIB
 from gatewayd.core.config import Backend
-from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.engines import COMING_STATES, PLACE_STATES, Engine, EngineState
 from gatewayd.core.errors import GpuUnavailable, InvalidRequest, NotASystemdUnit
+from gatewayd.core.model_server import KvUse
 from gatewayd.core.ports import EngineUnitInfo
 from gatewayd.core.priority import NAMES
 from gatewayd.core.query import FOLLOW_LINES
@@ -51,6 +52,8 @@ PULLER = web.AppKey("puller", Puller)
 JOURNALS = web.AppKey("journals", Journals)
 HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
+# a picker scrapes every second or faster: a busy engine's slots are left out, not waited on
+ENGINE_SLOTS_TIMEOUT_S = 0.5
 
 
 # beside this module, not through importlib.resources: that and the zipfile it imports
@@ -272,7 +275,11 @@ async def metrics(request: web.Request) -> web.Response:
                         "kv_cache_unconfigured": kv_counts.get(("prune", "removed"), 0)}
     ram = mgr.ram()   # read first: each engine's RAM below is this reading's
     engines = mgr.engines()
-    infos = await asyncio.gather(*(mgr.info(e) for e in engines))
+    ready_llama = [e for e in engines if e.state is EngineState.READY
+                   and (model := mgr.catalog.get(e.model_id)) is not None
+                   and model.backend is Backend.LLAMA]
+    infos, kv = await asyncio.gather(asyncio.gather(*(mgr.info(e) for e in engines)),
+                                     _engine_kv(ready_llama))
     vram_held = mgr.vram_held()
     for engine, info in zip(engines, infos, strict=True):
         use = uses.get(engine.model_id)
@@ -283,7 +290,8 @@ async def metrics(request: web.Request) -> web.Response:
             memory_bytes=info.memory_bytes if info else None,
             cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None,
             memory=_engine_memory(mgr, engine, vram_held.get(engine.model_id)),
-            adapters=engine.adapters or ()))
+            adapters=engine.adapters or (), kv=kv.get(engine.model_id)))
+    _as_one_model_server(snapshot, mgr, request.app.get(DISPATCHER))
     gpu = _gpu_memory(request)   # a lost GPU: no figures (status says why)
     for d in gpu["gpu_devices"] or ():
         snapshot.gpus.append((d["uuid"], (d["total"] - d["free"]) * MIB, d["total"] * MIB))
@@ -299,12 +307,29 @@ async def metrics(request: web.Request) -> web.Response:
             ("free", ram.plan_free_mib)) if mib is not None})
     own = None
     if query_of(request).get("engines", False):
-        own = await _engine_metrics([
-            e for e in engines if e.state is EngineState.READY
-            and (model := mgr.catalog.get(e.model_id)) is not None
-            and model.backend is Backend.LLAMA])
+        own = await _engine_metrics(ready_llama)
     return web.Response(body=front.metrics.render(snapshot, own),
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def _as_one_model_server(snapshot: Snapshot, mgr: EngineManager,
+                         dispatcher: Dispatcher | None) -> None:
+    """The host's figures for an endpoint picker (core/model_server), from the engines'
+    figures already in snapshot and the dispatcher's queues (a model waiting for room for
+    its first engine has a queue and no engine)."""
+    depths = dispatcher.queue_depths() if dispatcher is not None else {}
+    listed = {e.model for e in snapshot.engines}
+    snapshot.queued_no_engine = {m: n for m, n in depths.items() if m not in listed}
+    waiting = sum(e.waiting for e in snapshot.engines)
+    snapshot.requests_waiting = sum(depths.values()) + waiting
+    snapshot.requests_running = max(0, sum(e.in_flight for e in snapshot.engines) - waiting)
+    ready = [e.model for e in snapshot.engines if e.state == EngineState.READY.value]
+    coming = {e.model for e in snapshot.engines if EngineState(e.state) in COMING_STATES}
+    coming |= {m for m in depths if m not in ready}
+    places = sum(1 for e in snapshot.engines if EngineState(e.state) in PLACE_STATES)
+    snapshot.warm = model_server.warm(
+        {m: mgr.catalog.engine_names(m) for m in {*ready, *coming}}, ready, coming,
+        room=places < mgr.config.max_engines)
 
 
 def _engine_memory(mgr: EngineManager, engine: Engine, vram_mib: int | None
@@ -338,6 +363,21 @@ async def _engine_metrics(engines: list[Engine]) -> dict[str, str]:
             return engine.model_id, None
     found = await asyncio.gather(*(one(e) for e in engines))
     return {model: text for model, text in found if text is not None}
+
+
+async def _engine_kv(engines: list[Engine]) -> dict[str, KvUse]:
+    """Each engine's KV use from its /slots; one that does not answer in time, or answers
+    no list of slots, is left out (its figure is absent, never made up)."""
+    async def one(engine: Engine) -> tuple[str, KvUse | None]:
+        try:
+            status, body = await exchange(engine.socket, "GET", "/slots",
+                                          timeout=ENGINE_SLOTS_TIMEOUT_S)
+            return engine.model_id, model_server.kv_use(json.loads(body)) \
+                if status == 200 else None
+        except (TimeoutError, EngineConnectionError, OSError, ValueError):
+            return engine.model_id, None
+    found = await asyncio.gather(*(one(e) for e in engines))
+    return {model: use for model, use in found if use is not None}
 
 
 def _uses(request: web.Request) -> dict[str, scheduler.Usage]:

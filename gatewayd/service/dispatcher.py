@@ -238,6 +238,11 @@ class Dispatcher:
                       "overdue": w.overdue(now), "max_wait_s": w.max_wait_s}
                      for w in self._loader.line()]}
 
+    def queue_depths(self) -> dict[str, int]:
+        """Per model with requests queued for a turn, how many: a model with no engine yet
+        (waiting for room for its first) included, which usages() lists no row for."""
+        return {m: len(u.waiters) for m, u in self._turns.uses().items() if u.waiters}
+
     def requests(self, model_id: str) -> int:
         """How many requests model_id's engine serves or has queued for a turn."""
         use = self._turns.peek(model_id)

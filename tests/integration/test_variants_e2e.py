@@ -6,11 +6,15 @@ all as ordinary models, and so does the anthropic SDK."""
 
 from __future__ import annotations
 
+import threading
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import GatewayFactory
 from tests.integration.gateway_helpers import GatewayService, toml_str, unit_property
@@ -100,3 +104,52 @@ def test_adapters_and_variants_share_one_engine_and_answer_each_their_own_way(
                                           "coder"}
     assert {r["engine"] for r in rows if r["status"] == 200
             and r["model"] != "beta-short"} == {unit}
+
+
+def scrape(gw: GatewayService) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """/admin/metrics through Prometheus's own text parser: each family's series."""
+    with urllib.request.urlopen(gw.url + "/admin/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {f.name: [(dict(s.labels), s.value) for s in f.samples]
+            for f in text_string_to_metric_families(text)}
+
+
+def test_a_pickers_scrape_after_real_requests_says_what_runs_and_what_it_holds(
+        gateway_factory: GatewayFactory, tiny_models: dict[str, Path],
+        tiny_loras: dict[str, Path]) -> None:
+    """The model-server protocol (docs/fleet.md) read from a real scrape: while the real
+    engine generates, its slots hold tokens, and the host's figures say one request runs;
+    the warm names are every name the engine answers; after it, nothing is held."""
+    gw = gateway_factory(extra=config(tiny_models["alpha"], tiny_loras))
+    start(gw, "tiny-alpha")
+    assert answer(gw, "tiny-alpha:sql")[1] > 0
+    result: list[tuple[int, Any]] = []
+    long = threading.Thread(target=lambda: result.append(gw.api(
+        "POST", "/v1/completions", {"model": "french", "prompt": "hello there",
+                                    "max_tokens": 400, "ignore_eos": True})))
+    long.start()
+    deadline, seen = time.monotonic() + 30, None
+    while long.is_alive() and time.monotonic() < deadline:
+        m = scrape(gw)
+        if m["llm_gateway_requests_running"][0][1] == 1 and \
+                m["llm_gateway_kv_cache_usage_ratio"][0][1] > 0:
+            seen = m
+            break
+        time.sleep(0.05)
+    long.join(60)
+    assert result and result[0][0] == 200, result
+    assert seen is not None, "no scrape saw the request running and holding the cache"
+    engine_kv = dict((labels["model"], v) for labels, v in
+                     seen["llm_gateway_engine_kv_cache_usage_ratio"])
+    assert 0 < engine_kv["tiny-alpha"] <= 1
+    assert seen["llm_gateway_requests_waiting"][0][1] == 0
+    [(warm, _)] = seen["llm_gateway_models_warm_info"]
+    assert {"tiny-alpha", "tiny-alpha:sql", "tiny-alpha:fr", "french", "coder"} <= set(
+        warm["running_lora_adapters"].split(","))
+    assert "tiny-beta" not in warm["running_lora_adapters"].split(",")
+    [(lora, _)] = seen["llm_gateway_engine_lora_adapters_info"]
+    assert (lora["model"], lora["running_lora_adapters"]) == ("tiny-alpha", "sql,fr")
+
+    after = scrape(gw)   # the request has ended: nothing runs, the cache held is free
+    assert after["llm_gateway_requests_running"][0][1] == 0
+    assert after["llm_gateway_kv_cache_usage_ratio"][0][1] == 0

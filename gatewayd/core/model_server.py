@@ -1,0 +1,84 @@
+"""What an endpoint picker reads of a model server (the Gateway API Inference Extension's
+"model server protocol", as llm-d's router scrapes it), worked out for a gateway that is
+many model servers behind one address.
+
+A picker reads one figure per endpoint, per name: it takes the first series of a family,
+so per-model series would be read as one model's. The host figures here are therefore
+whole-host sums, and the models a host has warm are told the way vLLM tells its loaded
+LoRA adapters (`running_lora_adapters`, `waiting_lora_adapters`, `max_lora`), so that a
+picker's adapter-affinity scorer sends each model's requests where its engine runs. The
+rendering is adapters/metrics.py's; docs/fleet.md has the mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KvUse:
+    """An engine's KV cache as its /slots shows it: tokens held by the slots serving a
+    request, of the context all its slots have."""
+    held: int
+    size: int
+
+    @property
+    def ratio(self) -> float:
+        """0 (empty) to 1 (full)."""
+        return min(1.0, self.held / self.size) if self.size > 0 else 0.0
+
+
+def kv_use(slots: object) -> KvUse | None:
+    """llama-server's GET /slots answer (a list of slots) as a KvUse; None where it is not
+    one. A slot serving a request holds its `n_prompt_tokens` (prompt and tokens generated
+    so far, measured on the build used here); an idle slot's cached prompt is not counted,
+    as vLLM does not count its free blocks' cached prefixes: the next request may take it."""
+    if not isinstance(slots, list) or not slots:
+        return None
+    held = size = 0
+    for slot in slots:
+        if not isinstance(slot, dict):
+            return None
+        n_ctx = slot.get("n_ctx")
+        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 0:
+            return None
+        size += n_ctx
+        tokens = slot.get("n_prompt_tokens")
+        if slot.get("is_processing") is True and isinstance(tokens, int) \
+                and not isinstance(tokens, bool) and tokens > 0:
+            held += min(tokens, n_ctx)
+    return KvUse(held, size)
+
+
+def host_kv(uses: Iterable[KvUse]) -> KvUse:
+    """The host's KV cache: every engine's held tokens over every engine's context."""
+    held = size = 0
+    for use in uses:
+        held, size = held + use.held, size + use.size
+    return KvUse(held, size)
+
+
+@dataclass(frozen=True)
+class Warm:
+    """The names a host answers from an engine already running (running), from one on its
+    way (waiting), and how many names it could hold (max): one more where another engine
+    has a place, else exactly what it holds, so that a picker's "room for one more"
+    (running + waiting < max) is true only where a load evicts nothing."""
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max: int
+
+
+def warm(names: Mapping[str, Iterable[str]], ready: Iterable[str], coming: Iterable[str],
+         *, room: bool) -> Warm:
+    """names: per model id, every name a client may send for its engine (the id, aliases,
+    variants, adapters); ready and coming: the models whose engine is ready, and on its way
+    (starting, loading, or requests waiting for it); room: another engine has a place."""
+    def of(models: Iterable[str]) -> tuple[str, ...]:
+        # a name with a comma would split in the picker's list: such a name is no model's
+        return tuple(sorted({n for m in models for n in names.get(m, (m,)) if "," not in n}))
+    running = of(ready)
+    waiting = tuple(n for n in of(coming) if n not in running)
+    held = len(running) + len(waiting)
+    return Warm(running, waiting, held + 1 if room else held)
