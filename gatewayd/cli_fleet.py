@@ -141,13 +141,13 @@ def run_endpoints(args: argparse.Namespace, out: TextIO = sys.stdout,
     try:
         endpoints = [endpoint_of(h, resolve) for h in args.hosts]
         content = endpoints_file(endpoints)
-    except EndpointError as e:
-        print(f"llm-gateway: {e}", file=err)
+    except EndpointError as refused:
+        print(f"llm-gateway: {refused}", file=err)
         return 1
     if not args.no_check:
-        for e in endpoints:
-            if (why := probe(e)) is not None:
-                print(f"llm-gateway: warning: {e.given}: the picker reads its metrics at "
-                      f"{METRICS_PATH}, and {why}", file=err)
+        for endpoint in endpoints:
+            if (why := probe(endpoint)) is not None:
+                print(f"llm-gateway: warning: {endpoint.given}: the picker reads its metrics "
+                      f"at {METRICS_PATH}, and {why}", file=err)
     out.write(json.dumps(content, indent=2) + "\n" if args.json else as_yaml(content))
     return 0

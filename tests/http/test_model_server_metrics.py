@@ -85,8 +85,8 @@ async def test_requests_in_flight_and_queued_are_the_hosts_figures(gw: Gateway) 
     assert m["llm_gateway_requests_waiting"][1] == 0
     slots = gw.fakes["a"].slots
     # a: two slots of its four hold SLOT_TOKENS each; the host: three of eight
-    assert (await per_model(gw, "llm_gateway_engine_kv_cache_usage_ratio")) == {"a": 2 * SLOT_TOKENS / (slots * SLOT_CTX),
-                         "b": SLOT_TOKENS / (slots * SLOT_CTX)}
+    assert (await per_model(gw, "llm_gateway_engine_kv_cache_usage_ratio")) == {
+        "a": 2 * SLOT_TOKENS / (slots * SLOT_CTX), "b": SLOT_TOKENS / (slots * SLOT_CTX)}
     assert m["llm_gateway_kv_cache_usage_ratio"][1] == 3 * SLOT_TOKENS / (2 * slots * SLOT_CTX)
 
     # both places taken by busy engines: c's request waits, c is on its way, no room
