@@ -1218,6 +1218,7 @@ BATCHES = (
 
 VARIANTS_T = "tests/unit/test_variants.py::"
 FLEET_T = "tests/http/test_fleet_haproxy.py::"
+MODEL_SERVER_T = "tests/http/test_model_server_metrics.py::"
 VARIANTS_HTTP_T = "tests/http/test_variants_http.py::"
 VARIANTS = (
     Mutant("variant-default-overrides-client", "a variant's default fills only what the "
@@ -1324,6 +1325,33 @@ VARIANTS = (
            "    retry-on conn-failure",
            tests=(FLEET_T + "test_a_503_and_a_refused_connection_are_answered_by_the_other_"
                   "gateway",)),
+    Mutant("haproxy-no-balance-factor", "a hot model overflows to a second gateway",
+           "packaging/haproxy/haproxy.cfg", "    hash-balance-factor 150\n", "",
+           tests=(FLEET_T + "test_a_hot_model_overflows_to_a_second_gateway_and_comes_home_"
+                  "after",)),
+    Mutant("kv-counts-idle-slots", "an idle slot's cached prompt is not held KV",
+           "gatewayd/core/model_server.py",
+           '        if slot.get("is_processing") is True and isinstance(tokens, int) \\\n',
+           '        if isinstance(tokens, int) \\\n',
+           tests=("tests/unit/test_model_server.py",)),
+    Mutant("warm-names-only-ids", "every name a client may send for a warm engine is warm",
+           "gatewayd/core/model_server.py",
+           "n for m in models for n in names.get(m, (m,)) if",
+           "n for m in models for n in (m,) if",
+           tests=(MODEL_SERVER_T + "test_an_idle_host_reads_empty_with_its_warm_models_and_"
+                  "room",)),
+    Mutant("room-despite-full", "no room for one more where every place is taken",
+           "gatewayd/http/admin_api.py", "room=places < mgr.config.max_engines)",
+           "room=True)",
+           tests=(MODEL_SERVER_T + "test_requests_in_flight_and_queued_are_the_hosts_"
+                  "figures",)),
+    Mutant("queue-of-engines-only", "a model waiting for its first engine counts as queued",
+           "gatewayd/http/admin_api.py",
+           "    depths = dispatcher.queue_depths() if dispatcher is not None else {}",
+           "    depths = {u.model_id: u.queued for u in dispatcher.usages() if u.queued} "
+           "if dispatcher is not None else {}",
+           tests=(MODEL_SERVER_T + "test_requests_in_flight_and_queued_are_the_hosts_"
+                  "figures",)),
     Mutant("ready-while-draining", "/ready answers 503 once the gateway is stopping",
            "gatewayd/http/openai_api.py", "    if request.app[SHUTDOWN].draining:",
            "    if False:",

@@ -98,6 +98,31 @@ async def test_each_model_lives_on_one_gateway(fleet: Fleet) -> None:
         assert sorted(fleet.served(model)) == [0, asked], (model, fleet.served(model))
 
 
+async def test_a_hot_model_overflows_to_a_second_gateway_and_comes_home_after(
+        fleet: Fleet) -> None:
+    """hash-balance-factor 150: with 8 requests in flight for one model and none for any
+    other, its gateway takes them until it holds 150 % of the average; the rest go to the
+    next gateway on the ring. Once the load is gone, the model is served at home only."""
+    async with aiohttp.ClientSession() as session:
+        assert await fleet.ask(session, "a") == 200
+        home = fleet.served("a").index(1)
+        before = fleet.served("a")
+
+        async def slow() -> int:
+            body = {**chat("a", prompt="slow 100"), "stream": True, "max_tokens": 15}
+            async with session.post(f"{fleet.url}/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                return resp.status
+        assert await asyncio.gather(*(slow() for _ in range(8))) == [200] * 8
+        hot = [n - b for n, b in zip(fleet.served("a"), before, strict=True)]
+        # at most ceil(1.5 * 8 / 2) = 6 at home; the overflow (a load there) elsewhere
+        assert hot[home] == 6 and hot[1 - home] == 2, hot
+        after = fleet.served("a")
+        for _ in range(6):
+            assert await fleet.ask(session, "a") == 200
+        assert fleet.served("a") == [after[0] + 6 * (home == 0), after[1] + 6 * (home == 1)]
+
+
 async def test_a_draining_gateway_leaves_the_ring_and_loses_nothing(fleet: Fleet) -> None:
     async with aiohttp.ClientSession() as session:
         assert await fleet.ask(session, "a") == 200
