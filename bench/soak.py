@@ -308,6 +308,81 @@ def main_pid(unit: str) -> int:
     return int(run("systemctl", "show", "-p", "MainPID", "--value", unit).strip() or 0)
 
 
+class Clients:
+    """The soak's clients: spec.concurrency loops, each asking a random one of models
+    (max_tokens chat completions; a share spec.drop streamed and dropped after the first
+    event), at url: one gateway, or a balancer in front of several (bench/soak_fleet.py)."""
+
+    def __init__(self, spec: Spec, url: str, models: Sequence[str], requests: Requests,
+                 rng: random.Random) -> None:
+        import aiohttp  # the host side runs without it too
+
+        self.aiohttp = aiohttp
+        self.spec, self.url, self.models = spec, url, list(models)
+        self.requests, self.rng = requests, rng
+
+    async def client(self, session: Any, deadline: float, n: int) -> None:
+        timeout = self.aiohttp.ClientTimeout(total=self.spec.request_timeout)
+        i = 0
+        while time.monotonic() < deadline:
+            i += 1
+            model = self.rng.choice(self.models)
+            stream = self.rng.random() < self.spec.drop
+            body: dict[str, Any] = {"model": model, "max_tokens": self.spec.max_tokens,
+                                    "messages": [{"role": "user", "content": f"hi {n}.{i}"}]}
+            if stream:
+                body["stream"] = True
+            t0 = time.perf_counter()
+            try:
+                async with session.post(self.url + CHAT, json=body, timeout=timeout) as resp:
+                    if resp.status != 200:
+                        raw = await resp.read()
+                        self.requests.error(f"{resp.status} {error_code(raw)}",
+                                            f"{model}: {raw.decode(errors='replace')}")
+                    elif stream:
+                        await self.first_event_then_drop(resp, model)
+                    else:
+                        raw = await resp.read()
+                        data = json.loads(raw)
+                        if isinstance(data, dict) and data.get("choices"):
+                            self.requests.ok += 1
+                            self.requests.latencies_ms.append((time.perf_counter() - t0) * 1000)
+                        else:
+                            self.requests.error("200 no_choices", f"{model}: {raw[:300]!r}")
+            except TimeoutError:
+                self.requests.error("timeout", f"{model}: no answer in "
+                                    f"{self.spec.request_timeout}s (stream={stream})")
+            except (self.aiohttp.ClientError, ValueError) as e:
+                self.requests.error(f"exception {type(e).__name__}", f"{model}: {e}")
+
+    async def first_event_then_drop(self, resp: Any, model: str) -> None:
+        buf = b""
+        while b"\n\n" not in buf:
+            chunk = await resp.content.readany()
+            if not chunk:
+                break
+            buf += chunk
+        event = buf.split(b"\n\n", 1)[0]
+        resp.close()      # drop the connection mid-stream
+        if b"\n\n" not in buf:
+            self.requests.error("200 stream_ended_before_first_event",
+                                f"{model}: {buf[:300]!r}")
+        elif b'"error"' in event:
+            payload = event.split(b"data:", 1)[-1].strip()
+            self.requests.error(f"200 stream_error:{error_code(payload)}",
+                                f"{model}: {payload[:300]!r}")
+        else:
+            self.requests.dropped += 1
+
+    async def load(self, seconds: float) -> None:
+        connector = self.aiohttp.TCPConnector(limit=self.spec.concurrency)
+        async with self.aiohttp.ClientSession(connector=connector) as session:
+            deadline = time.monotonic() + seconds
+            await asyncio.gather(*(self.client(session, deadline, n)
+                                   for n in range(self.spec.concurrency)))
+
+
+
 class Driver:
     def __init__(self, spec: Spec) -> None:
         import aiohttp  # the host side runs without it too
@@ -322,6 +397,7 @@ class Driver:
         self.unit_prefix = "llm-engine@" if self.template else "llm-engine-"
         self.base = f"http://127.0.0.1:{self.port}"
         self.requests = Requests()
+        self.clients = Clients(spec, self.base, self.models, self.requests, self.rng)
         self.sampler = Sampler(spec.slots, interval=spec.interval)
         self.events: Counter[str] = Counter()
         self.stop_reasons: Counter[str] = Counter()
@@ -392,65 +468,8 @@ class Driver:
 
     # -- the load ---------------------------------------------------------------------
 
-    async def client(self, session: Any, deadline: float, n: int) -> None:
-        timeout = self.aiohttp.ClientTimeout(total=self.spec.request_timeout)
-        i = 0
-        while time.monotonic() < deadline:
-            i += 1
-            model = self.rng.choice(self.models)
-            stream = self.rng.random() < self.spec.drop
-            body: dict[str, Any] = {"model": model, "max_tokens": self.spec.max_tokens,
-                                    "messages": [{"role": "user", "content": f"hi {n}.{i}"}]}
-            if stream:
-                body["stream"] = True
-            t0 = time.perf_counter()
-            try:
-                async with session.post(self.base + CHAT, json=body, timeout=timeout) as resp:
-                    if resp.status != 200:
-                        raw = await resp.read()
-                        self.requests.error(f"{resp.status} {error_code(raw)}",
-                                            f"{model}: {raw.decode(errors='replace')}")
-                    elif stream:
-                        await self.first_event_then_drop(resp, model)
-                    else:
-                        raw = await resp.read()
-                        data = json.loads(raw)
-                        if isinstance(data, dict) and data.get("choices"):
-                            self.requests.ok += 1
-                            self.requests.latencies_ms.append((time.perf_counter() - t0) * 1000)
-                        else:
-                            self.requests.error("200 no_choices", f"{model}: {raw[:300]!r}")
-            except TimeoutError:
-                self.requests.error("timeout", f"{model}: no answer in "
-                                    f"{self.spec.request_timeout}s (stream={stream})")
-            except (self.aiohttp.ClientError, ValueError) as e:
-                self.requests.error(f"exception {type(e).__name__}", f"{model}: {e}")
-
-    async def first_event_then_drop(self, resp: Any, model: str) -> None:
-        buf = b""
-        while b"\n\n" not in buf:
-            chunk = await resp.content.readany()
-            if not chunk:
-                break
-            buf += chunk
-        event = buf.split(b"\n\n", 1)[0]
-        resp.close()      # drop the connection mid-stream
-        if b"\n\n" not in buf:
-            self.requests.error("200 stream_ended_before_first_event",
-                                f"{model}: {buf[:300]!r}")
-        elif b'"error"' in event:
-            payload = event.split(b"data:", 1)[-1].strip()
-            self.requests.error(f"200 stream_error:{error_code(payload)}",
-                                f"{model}: {payload[:300]!r}")
-        else:
-            self.requests.dropped += 1
-
     async def load(self, seconds: float) -> None:
-        connector = self.aiohttp.TCPConnector(limit=self.spec.concurrency)
-        async with self.aiohttp.ClientSession(connector=connector) as session:
-            deadline = time.monotonic() + seconds
-            await asyncio.gather(*(self.client(session, deadline, n)
-                                   for n in range(self.spec.concurrency)))
+        await self.clients.load(seconds)
 
     # -- watching -------------------------------------------------------------------
 
@@ -801,6 +820,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="the source tree whose gatewayd runs (e.g. a `git archive` of "
                         "another commit); the package is built from it in template mode")
     p.add_argument("--deb", help="template mode: this .deb instead of building one")
+    p.add_argument("--fleet", type=int, metavar="N",
+                   help="N gateways, each in its own container, behind the shipped HAProxy: "
+                        "the load through the balancer (bench/soak_fleet.py)")
     return p.parse_args(argv)
 
 
@@ -823,6 +845,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # a SIGTERM (or a timeout(1) around us) still stops the container: finally blocks run
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.fleet:
+        return fleet_main(args, llama)
     results = []
     for mode in (MODES if args.mode == "both" else (args.mode,)):
         spec = Spec(mode=mode, models=args.models, slots=args.slots,
@@ -844,6 +868,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps({"passed": passed, "runs": results}, indent=2) + "\n")
     print(markdown(results))
     return 0 if passed else 1
+
+
+def fleet_main(args: argparse.Namespace, llama: str) -> int:
+    """--fleet N: the soak through HAProxy in front of N gateways (bench/soak_fleet.py)."""
+    from bench import soak_fleet
+
+    os.environ.setdefault("LLAMA_SERVER", llama)   # tests/fleet.py's engine
+    spec = Spec(models=args.models, slots=args.slots, concurrency=args.concurrency,
+                drop=args.drop, duration=args.duration, interval=args.interval,
+                seed=args.seed, request_timeout=args.request_timeout, llama_server=llama)
+    spec.warmup = spec.warmup_s() if args.warmup is None else args.warmup
+    try:
+        result = soak_fleet.run_fleet(spec, args.fleet)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        print(f"soak[fleet]: {e}", file=sys.stderr)
+        result = {"spec": asdict(spec), "passed": False, "error": str(e),
+                  "reasons": [f"the run failed: {str(e).splitlines()[0]}"]}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(soak_fleet.markdown(result) if "requests" in result else result["reasons"][0])
+    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":

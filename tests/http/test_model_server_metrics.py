@@ -5,6 +5,7 @@ requests in flight and queued on fake engines that answer llama-server's GET /sl
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from tests.fake_engine import SLOT_CTX, SLOT_TOKENS
 from tests.http.test_front_door import Gateway, _gateway, chat
 from tests.http.test_variants_http import ADAPTERS
 
+FLEET_GUIDE = Path(__file__).resolve().parents[2] / "docs" / "fleet.md"
 VARIANTS = {"coder": {"variant_of": "a", "aliases": ["code"]}}
 
 
@@ -105,3 +107,13 @@ async def test_requests_in_flight_and_queued_are_the_hosts_figures(gw: Gateway) 
     # loading c evicts: no room for one more
     assert int(labels["max_lora"]) == len(running) + len(waiting)
     assert [await t for t in (*busy, queued)] == [200] * 4
+
+
+async def test_every_figure_the_fleet_guide_names_is_in_a_scrape(gw: Gateway) -> None:
+    """docs/fleet.md's tables and recipe name series a picker is configured with: each
+    is in a real scrape, under that name."""
+    text = await (await gw.client.get("/admin/metrics")).text()
+    present = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    named = set(re.findall(r"\bllm_gateway_[a-z_]+", FLEET_GUIDE.read_text()))
+    assert named >= {"llm_gateway_requests_waiting", "llm_gateway_models_warm_info"}
+    assert named <= present, named - present
