@@ -32,9 +32,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def config_for(front: int, ports: list[int]) -> str:
-    """The shipped file, its addresses the test's, its log on stdout (no syslog here)."""
+def config_for(front: int, ports: list[int], request_timeout_s: int | None = None) -> str:
+    """The shipped file, its addresses the test's, its log on stdout (no syslog here);
+    request_timeout_s: its `timeout http-request` shortened (a test of a slow upload)."""
     text = re.sub(r"\n\s*log /dev/log.*", "", SHIPPED.read_text())
+    if request_timeout_s is not None:
+        assert "    timeout http-request 30s\n" in text
+        text = text.replace("    timeout http-request 30s\n",
+                            f"    timeout http-request {request_timeout_s}s\n")
     text = text.replace("global\n", "global\n    log stdout format raw local0\n", 1)
     text = text.replace("bind 127.0.0.1:8000", f"bind 127.0.0.1:{front}")
     servers = "".join(f"    server gw{i} 127.0.0.1:{port}\n" for i, port in enumerate(ports))
@@ -44,11 +49,12 @@ def config_for(front: int, ports: list[int]) -> str:
 
 
 @contextlib.contextmanager
-def running_haproxy(folder: Path, front: int, ports: list[int]) -> Iterator[Path]:
+def running_haproxy(folder: Path, front: int, ports: list[int],
+                    request_timeout_s: int | None = None) -> Iterator[Path]:
     """HAProxy on 127.0.0.1:front in front of ports; yields its log file."""
     binary = haproxy_binary()
     cfg, log_path = folder / "haproxy.cfg", folder / "haproxy.log"
-    cfg.write_text(config_for(front, ports))
+    cfg.write_text(config_for(front, ports, request_timeout_s))
     with open(log_path, "w") as log:
         proc = subprocess.Popen([binary, "-f", str(cfg), "-db"], stdout=log,
                                 stderr=subprocess.STDOUT)

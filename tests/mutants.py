@@ -1329,6 +1329,13 @@ VARIANTS = (
            "packaging/haproxy/haproxy.cfg", "    hash-balance-factor 150\n", "",
            tests=(FLEET_T + "test_a_hot_model_overflows_to_a_second_gateway_and_comes_home_"
                   "after",)),
+    Mutant("haproxy-plain-errors", "what HAProxy answers itself is an OpenAI error that "
+           "says it is the balancer's", "packaging/haproxy/haproxy.cfg",
+           "    http-error status 503 content-type", "    #http-error status 503 content-type",
+           also=(("packaging/haproxy/haproxy.cfg", "    http-error status 408 content-type",
+                  "    #http-error status 408 content-type"),),
+           tests=(FLEET_T + "test_a_slow_upload_gets_the_balancers_timeout_as_an_openai_error",
+                  FLEET_T + "test_no_gateway_up_is_the_balancers_503_as_an_openai_error")),
     Mutant("kv-counts-idle-slots", "an idle slot's cached prompt is not held KV",
            "gatewayd/core/model_server.py",
            '        if slot.get("is_processing") is True and isinstance(tokens, int) \\\n',

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
+from gatewayd.core.errors import ERROR_SOURCE_HEADER
 from gatewayd.http.drain import drain_notice
 from gatewayd.http.middleware import SHUTDOWN
 from tests.haproxy import SHIPPED, free_port, haproxy_binary, running_haproxy
@@ -53,7 +57,8 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+async def fleet(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """Two gateways behind HAProxy; a parameter: HAProxy's `timeout http-request`, s."""
     async with AsyncExitStack() as stack:
         gateways: list[Gateway] = []
         for name in ("g1", "g2"):
@@ -63,7 +68,8 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         front = free_port()
         ports = [g.client.server.port for g in gateways]
         stack.enter_context(running_haproxy(
-            tmp_path, front, [p for p in ports if p is not None]))
+            tmp_path, front, [p for p in ports if p is not None],
+            getattr(request, "param", None)))
         url = f"http://127.0.0.1:{front}"
         deadline = time.monotonic() + DEADLINE_S
         async with aiohttp.ClientSession() as session:
@@ -197,3 +203,48 @@ async def test_bad_input_through_the_balancer_gets_the_gateways_clear_answers(
                 "max_tokens": 2, "model": "c"}   # `model` past HAProxy's 64 KiB
         async with session.post(f"{fleet.url}/v1/chat/completions", json=late) as resp:
             assert resp.status == 200, await resp.text()
+
+
+def balancers(body: dict[str, Any], headers: Any) -> str:
+    """The error code of an answer HAProxy made itself, in the gateway's shape."""
+    assert headers["Content-Type"] == "application/json", headers
+    assert headers[ERROR_SOURCE_HEADER] == "balancer", headers
+    error = body["error"]
+    assert error["source"] == "balancer" and error["message"] and error["type"], body
+    return str(error["code"])
+
+
+@pytest.mark.parametrize("fleet", [1], indirect=True)
+async def test_a_slow_upload_gets_the_balancers_timeout_as_an_openai_error(
+        fleet: Fleet) -> None:
+    """A body not sent whole within HAProxy's `timeout http-request` (here 1 s, shipped
+    30 s): HAProxy's 408, in the gateway's error shape, saying it is the balancer's; no
+    gateway saw the request."""
+    host, port = fleet.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                 b'{"model": "a", ')
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE_S)
+    status_line, *lines = head.decode().split("\r\n")
+    headers: CIMultiDict[str] = CIMultiDict(
+        (name, value) for name, _, value in (line.partition(": ") for line in lines if line))
+    body = json.loads(await reader.readexactly(int(headers["content-length"])))
+    writer.close()
+    assert status_line.split()[1] == "408", head
+    assert balancers(body, headers) == "request_timeout"
+    assert fleet.served("a") == [0, 0]
+
+
+async def test_no_gateway_up_is_the_balancers_503_as_an_openai_error(fleet: Fleet) -> None:
+    """Every gateway gone: an SDK gets a 503 it can read (OpenAI's shape, Retry-After), and
+    a header that says the balancer, not a gateway, answered."""
+    for g in fleet.gateways:
+        await g.client.server.close()
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{fleet.url}/v1/chat/completions", json=chat("a")) as resp:
+        body = await resp.json()
+        assert resp.status == 503, body
+        assert balancers(body, resp.headers) == "no_gateway"
+        assert int(resp.headers["Retry-After"]) > 0

@@ -126,7 +126,31 @@ def test_each_model_on_one_host_a_stopped_host_loses_nothing_and_takes_its_model
                                                            balancer_events())
 
 
-def test_a_soak_through_the_balancer_has_no_errors(hosts: list[Host], balancer: str) -> None:
+def test_a_hot_model_is_served_by_two_hosts_then_a_soak_has_no_errors(
+        hosts: list[Host], balancer: str) -> None:
+    """One model hot enough to pass the balance factor: its engine runs on both hosts, every
+    request answered. Then bench/soak's clients through HAProxy: see soak_checked."""
+    url = f"{balancer}/v1/chat/completions"
+    hot = MODELS[0]
+    assert status(url, chat(hot)) == 200
+    home = [h.engines() for h in hosts]
+    assert [hot in e for e in home].count(True) == 1, home
+    body = (b'{"model": "%s", "max_tokens": 300, "ignore_eos": true, "messages": '
+            b'[{"role": "user", "content": "hi"}]}' % hot.encode())
+    answers: list[int] = []
+    threads = [threading.Thread(target=lambda: answers.append(status(url, body)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert answers == [200] * 8, (answers, SEEN_503, balancer_events())
+    assert all(hot in h.engines() for h in hosts), ([h.engines() for h in hosts],
+                                                    balancer_events())
+    soak_checked(hosts, balancer)
+
+
+def soak_checked(hosts: list[Host], balancer: str) -> None:
     """bench/soak's clients through HAProxy (bench/soak --fleet runs it longer, with fewer
     engines than models): every request answered, no host over its engines, both hosts
     serving, and each model answered mostly where the ring put it (8 clients on 4 models:
