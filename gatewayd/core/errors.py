@@ -168,6 +168,14 @@ class BodyTooLarge(GatewayError):
     closes_connection = True
 
 
+class BodyTooSlow(GatewayError):
+    """A body that stopped coming: no byte of it for the gateway's idle bound. The rest
+    may still come on the connection, which cannot carry another request (closed)."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+    closes_connection = True
+
+
 class EngineUnavailable(GatewayError):
     """The engine's socket refused or dropped the request before it was answered."""
 

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -17,6 +17,7 @@ from gatewayd.core.errors import (
     RETRY_HEADER,
     BadFraming,
     BodyTooLarge,
+    BodyTooSlow,
     ErrorSource,
     GatewayError,
     ShuttingDown,
@@ -50,6 +51,10 @@ SHUTDOWN = web.AppKey("shutdown", Shutdown)
 # reset; a larger rest, or one slower than DISCARD_S, gets the 413 and a closed connection
 DISCARD_MAX_BYTES = 16 * 1024 * 1024
 DISCARD_S = 5.0
+# a body of which no byte came for this long is refused (408): a client that stops
+# mid-body would otherwise hold its handler and connection for ever (the shipped HAProxy
+# waits as long: timeout http-request)
+BODY_IDLE_S = 30.0
 
 
 def shutdown_error() -> ShuttingDown:
@@ -65,10 +70,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     a relayed engine's or upstream's error answer comes with its own source set by the
     relay (http/proxy.py). Access (http/auth.py: Host, Origin, the route table, keys)
     is checked here first: one middleware layer less on the hot path."""
+    watch: asyncio.Task[None] | None = None
     try:
         matched = check_access(request)
         if request.method == "OPTIONS" and matched is not None:
             return preflight(request, matched)
+        if request.body_exists and not request.content.is_eof():   # (a small body: whole)
+            watch = asyncio.create_task(_body_idle_watch(request.content))
         return await handler(request)
     except GatewayError as e:
         if isinstance(e, BodyTooLarge) and await _rest_discarded(request):
@@ -97,6 +105,25 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = GatewayError("internal error; see the gateway's journal")
         return _own_error(_in_dialect(error, request.path), 500)
+    finally:
+        if watch is not None:
+            watch.cancel()
+
+
+async def _body_idle_watch(content: StreamReader) -> None:
+    """Until the body is whole: once no byte of it came for BODY_IDLE_S, every reader of
+    it (read, json, multipart: whichever the handler uses) raises BodyTooSlow, which is
+    answered as the gateway's 408."""
+    loop = asyncio.get_running_loop()
+    seen, since = content.total_bytes, loop.time()
+    while not content.is_eof():
+        await asyncio.sleep(BODY_IDLE_S / 4)
+        if content.total_bytes != seen:
+            seen, since = content.total_bytes, loop.time()
+        elif loop.time() - since >= BODY_IDLE_S and not content.is_eof():
+            content.set_exception(BodyTooSlow(
+                f"no byte of the request body came for {BODY_IDLE_S:g} s; send it whole"))
+            return
 
 
 async def _rest_discarded(request: web.Request) -> bool:
