@@ -15,10 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import MultipartReader, web
-from aiohttp.base_protocol import BaseProtocol
+from aiohttp import web
 from aiohttp.helpers import parse_mimetype
-from aiohttp.streams import StreamReader
 from multidict import CIMultiDict
 
 from gatewayd.adapters.answer import Answer
@@ -571,28 +569,15 @@ async def model_of(request: web.Request, body: bytes) -> tuple[str | None, dict 
 
 
 async def multipart_model(request: web.Request, body: bytes) -> str | None:
-    """The `model` form field, found by its Content-Disposition name (never a filename).
+    """The `model` form field, found by its Content-Disposition name (never a filename),
+    in the body read whole (it is forwarded byte for byte: http/form_field.py parses it
+    where it lies). A body cut short (its closing boundary missing) is refused here: the
+    engine would answer it with its own plain-text 400."""
+    from gatewayd.http import form_field  # audio uploads only: not on the start's path
 
-    The body was read whole (it is forwarded byte for byte), so aiohttp's own
-    multipart reader parses a copy of it from memory, up to the model field. A body cut
-    short (its closing boundary missing) is refused here: the engine would answer it
-    with its own plain-text 400. (Found by a search from the end, not by parsing every
-    part: that would hold the event loop for time in proportion to the audio.)
-    """
-    stream = StreamReader(BaseProtocol(asyncio.get_running_loop()), max(2**16, len(body)),
-                          loop=asyncio.get_running_loop())
-    stream.feed_data(body)
-    stream.feed_eof()
-    model = None
     try:
-        reader = MultipartReader(request.headers, stream)
-        while (part := await reader.next()) is not None:
-            if getattr(part, "name", None) == "model" and not getattr(part, "filename", None):
-                text = await part.text()  # type: ignore[union-attr]
-                model = text.strip() or None
-                break
-            await part.release()
-    except Exception as e:   # the client's bytes: whatever the parser trips on is a 400
+        model = form_field.text_field(body, _boundary(request), "model")
+    except form_field.FormError as e:   # the client's bytes: a 400
         raise InvalidRequest(f"the multipart body cannot be parsed: {e}") from None
     if body.rfind(b"--" + _boundary(request).encode() + b"--") == -1:
         raise InvalidRequest("the multipart body cannot be parsed: it ends before its "
@@ -601,8 +586,13 @@ async def multipart_model(request: web.Request, body: bytes) -> str | None:
 
 
 def _boundary(request: web.Request) -> str:
-    """The multipart boundary (already proven good: the model field was found with it)."""
-    return str(parse_mimetype(request.headers.get("Content-Type", "")).parameters["boundary"])
+    """The multipart boundary its Content-Type names; a 400 where it names none."""
+    boundary = parse_mimetype(request.headers.get("Content-Type", "")).parameters.get(
+        "boundary", "")
+    if not boundary or len(boundary) > 200:   # (RFC 2046: 1 to 70 characters)
+        raise InvalidRequest("the multipart body cannot be parsed: its Content-Type "
+                             "names no boundary")
+    return str(boundary)
 
 
 def _capped(data: bytes, limit: int) -> str:

@@ -1,0 +1,72 @@
+"""http/form_field: the `model` field of a multipart form read from the body in memory,
+wherever it lies, never a file part of that name; what is not a form is a FormError."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gatewayd.http.form_field import MAX_FIELD_BYTES, PIECE, FormError, text_field
+
+
+def form(boundary: str, parts: list[tuple[str, str | None, bytes]]) -> bytes:
+    """parts: (name, filename or None, content), as the SDKs write them."""
+    out = b""
+    for name, filename, content in parts:
+        disposition = f'form-data; name="{name}"' + (
+            f'; filename="{filename}"' if filename is not None else "")
+        out += (f"--{boundary}\r\nContent-Disposition: {disposition}\r\n"
+                + ("Content-Type: audio/wav\r\n" if filename else "") + "\r\n").encode()
+        out += content + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+AUDIO = b"RIFF" + bytes(range(256)) * 1000 + b"\r\n--not-the-boundary\r\n"
+
+
+def test_the_model_field_before_or_after_the_file_and_never_a_file_named_model() -> None:
+    assert text_field(form("b1", [("model", None, b"whisper-1"), ("file", "a.wav", AUDIO)]),
+                      "b1", "model") == "whisper-1"
+    assert text_field(form("b1", [("file", "a.wav", AUDIO), ("model", None, b" tiny \n")]),
+                      "b1", "model") == "tiny"
+    assert text_field(form("b1", [("model", "model.bin", b"not me"),
+                                  ("model", None, b"me")]), "b1", "model") == "me"
+    assert text_field(form("b1", [("file", "a.wav", AUDIO)]), "b1", "model") is None
+    assert text_field(form("b1", [("model", None, b"  ")]), "b1", "model") is None
+
+
+def test_a_field_past_the_first_piece_is_found() -> None:
+    big = b"x" * (3 * PIECE + 17)
+    assert text_field(form("zz", [("file", "a.wav", big), ("model", None, b"late")]),
+                      "zz", "model") == "late"
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"--x\r\nno headers end here", None),
+    (b"\xff\xfe" * 100, None),
+    (form("x", [("model", None, b"m" * (MAX_FIELD_BYTES + 1))]), "over"),
+    (form("x", [("model", None, b"\xff\xfe")]), "UTF-8"),
+])
+def test_what_is_no_form_is_a_form_error(body: bytes, why: str | None) -> None:
+    try:
+        found = text_field(body, "x", "model")
+    except FormError as e:
+        assert why is None or why in str(e)
+    else:   # a body the parser ends in without the field is no field, never a guess
+        assert why is None and found is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(boundary=st.text("abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=40),
+       model=st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1,
+                     max_size=60).filter(lambda s: s.strip()),
+       before=st.integers(0, 3), after=st.integers(0, 3), file_first=st.booleans())
+def test_any_form_gives_its_model_field(boundary: str, model: str, before: int, after: int,
+                                        file_first: bool) -> None:
+    fields = [(f"f{i}", None, f"v{i}".encode()) for i in range(before)]
+    tail = [(f"g{i}", None, f"w{i}".encode()) for i in range(after)]
+    file = [("file", "a.wav", AUDIO)]
+    parts = [*fields, *(file if file_first else []), ("model", None, model.encode()),
+             *([] if file_first else file), *tail]
+    assert text_field(form(boundary, parts), boundary, "model") == model.strip()
