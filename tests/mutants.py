@@ -1385,8 +1385,9 @@ VARIANTS = (
            tests=("tests/http/test_fuzz.py::test_any_request_gets_an_answer_of_the_right_"
                   "shape",)),
     Mutant("adapters-metric-empty", "the metrics say which adapters each engine loaded",
-           "gatewayd/http/admin_api.py", "            adapters=engine.adapters or ()))",
-           "            adapters=()))",
+           "gatewayd/http/admin_api.py",
+           "            adapters=engine.adapters or (), kv=kv.get(engine.model_id)))",
+           "            adapters=(), kv=kv.get(engine.model_id)))",
            tests=(VARIANTS_HTTP_T + "test_the_metrics_say_which_adapters_each_engine_loaded",)),
 )
 
