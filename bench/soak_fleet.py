@@ -92,6 +92,11 @@ def soak_through(url: str, hosts: Sequence[Host], spec: Spec, models: Sequence[s
               for a, b in zip(after, before, strict=True)]
     errors = sum(requests.errors.values())
     reasons = [f"{errors} errors"] if errors else []
+    if len(sampled) != len(hosts):   # the sampler never ended: nothing it saw can be told
+        reasons.append("the hosts' sampler did not end")
+        sampled = [HostSamples() for _ in hosts]
+    reasons += [f"host {i}: no sample of its engines ({s.errors} failed)"
+                for i, s in enumerate(sampled) if s.samples == 0]
     reasons += [f"host {i}: {s.over_slots} samples over {spec.slots} engines"
                 for i, s in enumerate(sampled) if s.over_slots]
     lat = sorted(requests.latencies_ms)

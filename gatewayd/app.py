@@ -58,6 +58,7 @@ from gatewayd.core.config import Backend, GatewayConfig, UnitMode
 from gatewayd.core.engine_units import server_binary, settings_stamp
 from gatewayd.core.engines import Engine, EngineState
 from gatewayd.core.errors import ConfigError, ConfigInvalid, EngineBinaryMissing
+from gatewayd.core.model_server import KvReadings
 from gatewayd.core.origins import BrowserPolicy
 from gatewayd.http import admin_api, batches_api, openai_api, request_parser, router
 from gatewayd.http.auth import ACCESS, PARSER_LIMITS, Access, cors_headers
@@ -386,6 +387,7 @@ def build_app(config: GatewayConfig, notifier: Notifier | None = None,
     app[NOTIFIER] = notifier or Notifier()
     app[admin_api.EVENTS] = EventHub()
     app[admin_api.JOURNALS] = Journals()
+    app[admin_api.KV_READINGS] = KvReadings()
     app.on_shutdown.append(_end_journal_follows)
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(front_door)

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gatewayd import __version__, cli_fleet, cli_play, cli_pull
+from gatewayd import __version__, cli_play, cli_pull
 from gatewayd.adapters.config_file import load_config
 from gatewayd.core.budget import MIB
 from gatewayd.core.errors import GatewayError
@@ -100,7 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grep", help="only lines that contain this text (any case)")
     cli_pull.add_commands(sub)
     cli_play.add_commands(sub)
-    cli_fleet.add_commands(sub)
+    # (cli_fleet is imported when the command runs: not on `serve`'s start)
+    p = sub.add_parser("endpoints", help="print llm-d's endpoints file (file-discovery) for "
+                                         "a fleet of gateways: HOST[:PORT] ...")
+    p.add_argument("hosts", nargs="+", metavar="HOST[:PORT]",
+                   help="each gateway's address (port default 8080); a host name is "
+                        "resolved here to its IPv4 address")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not ask each gateway for /admin/metrics (by default one that "
+                        "does not answer it keyless is named on stderr)")
     p = sub.add_parser("key", help="API keys ([auth] keys_file)")
     keys = p.add_subparsers(dest="key_command", metavar="KEY_COMMAND", required=True)
     p = keys.add_parser("new", help="make a key: prints it (once) and its [keys.NAME] table "
@@ -122,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "key":
             return new_key(args)
         if args.command == "endpoints":   # a file about other gateways: none asked here
+            from gatewayd import cli_fleet
             return cli_fleet.run_endpoints(args)
         if args.command not in ("serve", "check"):
             return run_command(args, gateway_address(args))

@@ -12,13 +12,9 @@ port, so each gateway must serve them there keyless: `[admin] public_metrics = t
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import re
-import socket
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -42,31 +38,24 @@ class Endpoint:
     given: str        # as the operator wrote it
 
 
-def add_commands(sub: Any) -> None:
-    p = sub.add_parser("endpoints", help="print llm-d's endpoints file (file-discovery) for "
-                                         "a fleet of gateways: HOST[:PORT] ...")
-    p.add_argument("hosts", nargs="+", metavar="HOST[:PORT]",
-                   help=f"each gateway's address (port default {DEFAULT_PORT}); a host name "
-                        "is resolved here to its IPv4 address")
-    p.add_argument("--no-check", action="store_true",
-                   help=f"do not ask each gateway for {METRICS_PATH} (by default one that "
-                        "does not answer it keyless is named on stderr)")
-
-
 Resolve = Callable[[str], str]
 
 
 def resolve_ipv4(host: str) -> str:
     """host's IPv4 address (llm-d's file takes no names, nor IPv6)."""
+    import socket  # (this module's imports stay off `serve`'s start: cli imports it)
+
     try:
         infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-    except OSError as e:
+    except (OSError, UnicodeError, ValueError) as e:   # (IDNA: "a..b", a 64-letter label)
         raise EndpointError(f"{host!r}: no IPv4 address ({e})") from None
     return str(infos[0][4][0])
 
 
 def endpoint_of(given: str, resolve: Resolve = resolve_ipv4) -> Endpoint:
     """One HOST[:PORT] as an endpoint; EndpointError says what is wrong with it."""
+    import ipaddress
+
     text = given.strip()
     host, sep, port_text = text.rpartition(":")
     if not sep or "]" in port_text or (text.count(":") > 1 and not text.startswith("[")):
@@ -74,7 +63,7 @@ def endpoint_of(given: str, resolve: Resolve = resolve_ipv4) -> Endpoint:
     host = host.strip("[]")
     if not host:
         raise EndpointError(f"{given!r}: no host")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise EndpointError(f"{given!r}: the port must be 1-65535")
     try:
         ip = ipaddress.ip_address(host)
@@ -97,12 +86,16 @@ def endpoints_file(endpoints: list[Endpoint]) -> dict[str, Any]:
             raise EndpointError(f"{e.given!r} and {seen[e.address, e.port]!r} are the same "
                                 f"gateway ({e.address}:{e.port})")
         seen[e.address, e.port] = e.given
-    names: dict[str, int] = {}
+    taken: set[str] = set()
     out = []
     for e in endpoints:
-        n = names[e.name] = names.get(e.name, 0) + 1
-        out.append({"name": e.name if n == 1 else f"{e.name}-{n}", "address": e.address,
-                    "port": str(e.port), "labels": {ENGINE_TYPE_LABEL: ENGINE_TYPE}})
+        name, n = e.name, 1
+        while name in taken:   # ("a.b:8080" and "a-b:8080" make one name)
+            n += 1
+            name = f"{e.name}-{n}"
+        taken.add(name)
+        out.append({"name": name, "address": e.address, "port": str(e.port),
+                    "labels": {ENGINE_TYPE_LABEL: ENGINE_TYPE}})
     return {"endpoints": out}
 
 
@@ -121,6 +114,10 @@ def as_yaml(content: dict[str, Any]) -> str:
 
 def metrics_answer(e: Endpoint) -> str | None:
     """None where the gateway serves its metrics keyless at the endpoint; else why not."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
     url = f"http://{e.address}:{e.port}{METRICS_PATH}"
     try:
         with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as resp:
@@ -129,8 +126,8 @@ def metrics_answer(e: Endpoint) -> str | None:
     except urllib.error.HTTPError as err:
         why = "turn on [admin] public_metrics" if err.code in (401, 403, 404) else ""
         return f"{url} answered {err.code}" + (f": {why}" if why else "")
-    except OSError as err:
-        return f"{url}: {getattr(err, 'reason', err)}"
+    except (OSError, http.client.HTTPException) as err:   # (a port that speaks no HTTP)
+        return f"{url}: {getattr(err, 'reason', None) or err!r}"
 
 
 def run_endpoints(args: argparse.Namespace, out: TextIO = sys.stdout,

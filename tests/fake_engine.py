@@ -58,7 +58,7 @@ def speech_pieces(text: str, pieces: int = 4, size: int = 3000) -> list[bytes]:
     return out
 
 
-SLOT_CTX = 1024      # a slot's context in the fake's GET /slots
+SLOT_CTX = 1024      # each slot's n_ctx in the fake's GET /slots
 SLOT_TOKENS = 256    # what a request being answered holds of it
 
 

@@ -48,9 +48,15 @@ class Host:
             time.sleep(0.1)
 
     def engines(self) -> set[str]:
-        """The models whose engine units this host's systemd runs."""
-        out = self.box.shell("systemctl list-units --type=service --state=active --plain "
-                             "--no-legend 'llm-engine-*'", check=False)
+        """The models whose engine units this host's systemd runs or is starting; a unit
+        the gateway parked (its main process the preloaded wait, `llm-parked`, or a shell
+        waiting to exec: core/engine_units) is no engine."""
+        out = self.box.shell(
+            "for u in $(systemctl list-units --type=service --state=active,activating "
+            "--plain --no-legend 'llm-engine-*' | awk '{print $1}'); do "
+            "pid=$(systemctl show -p MainPID --value \"$u\"); "
+            "case \"$(cat /proc/$pid/comm 2>/dev/null)\" in llm-parked|sh) ;; "
+            "*) echo \"$u\";; esac; done", check=False)
         return {unescape(m.group(1)) for m in re.finditer(r"llm-engine-(\S+)\.service", out)}
 
     def metrics(self) -> str:

@@ -50,6 +50,7 @@ EVENTS = web.AppKey("events", EventHub)
 RELOADER = web.AppKey("reloader", Reloader)
 PULLER = web.AppKey("puller", Puller)
 JOURNALS = web.AppKey("journals", Journals)
+KV_READINGS = web.AppKey("kv_readings", model_server.KvReadings)
 HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
 # a picker scrapes every second or faster: a busy engine's slots are left out, not waited on
@@ -258,7 +259,6 @@ async def metrics(request: web.Request) -> web.Response:
     mgr, front = request.app[ENGINES], request.app[openai_api.FRONT]
     if front.metrics is None:
         raise web.HTTPNotFound()
-    uses = _uses(request)
     kv_counts = mgr.kv_cache_counts()
     snapshot = Snapshot(max_engines=mgr.config.max_engines, parked=len(mgr.parked()),
                         records_dropped=front.records.dropped if front.records else 0,
@@ -279,8 +279,9 @@ async def metrics(request: web.Request) -> web.Response:
                    and (model := mgr.catalog.get(e.model_id)) is not None
                    and model.backend is Backend.LLAMA]
     infos, kv = await asyncio.gather(asyncio.gather(*(mgr.info(e) for e in engines)),
-                                     _engine_kv(ready_llama))
+                                     _engine_kv(mgr, ready_llama, request.app[KV_READINGS]))
     vram_held = mgr.vram_held()
+    uses = _uses(request)   # after the waits above: one moment with the engines' figures
     for engine, info in zip(engines, infos, strict=True):
         use = uses.get(engine.model_id)
         snapshot.engines.append(EngineFigures(
@@ -291,7 +292,6 @@ async def metrics(request: web.Request) -> web.Response:
             cpu_seconds=info.cpu_ns / 1e9 if info and info.cpu_ns is not None else None,
             memory=_engine_memory(mgr, engine, vram_held.get(engine.model_id)),
             adapters=engine.adapters or (), kv=kv.get(engine.model_id)))
-    _as_one_model_server(snapshot, mgr, request.app.get(DISPATCHER))
     gpu = _gpu_memory(request)   # a lost GPU: no figures (status says why)
     for d in gpu["gpu_devices"] or ():
         snapshot.gpus.append((d["uuid"], (d["total"] - d["free"]) * MIB, d["total"] * MIB))
@@ -305,6 +305,7 @@ async def metrics(request: web.Request) -> web.Response:
             ("reserve", ram.reserve_mib), ("budget", ram.budget_mib),
             ("claimed", ram.claimed_mib), ("pending", ram.pending_mib),
             ("free", ram.plan_free_mib)) if mib is not None})
+    _as_one_model_server(snapshot, mgr, request.app.get(DISPATCHER), uses)
     own = None
     if query_of(request).get("engines", False):
         own = await _engine_metrics(ready_llama)
@@ -313,23 +314,33 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _as_one_model_server(snapshot: Snapshot, mgr: EngineManager,
-                         dispatcher: Dispatcher | None) -> None:
+                         dispatcher: Dispatcher | None,
+                         uses: dict[str, scheduler.Usage]) -> None:
     """The host's figures for an endpoint picker (core/model_server), from the engines'
-    figures already in snapshot and the dispatcher's queues (a model waiting for room for
-    its first engine has a queue and no engine)."""
+    figures and memory budgets already in snapshot and the dispatcher's queues (a model
+    waiting for room for its first engine has a queue and no engine). An engine being
+    drained to make room for another is neither running nor coming: it is on its way out."""
     depths = dispatcher.queue_depths() if dispatcher is not None else {}
     listed = {e.model for e in snapshot.engines}
     snapshot.queued_no_engine = {m: n for m, n in depths.items() if m not in listed}
     waiting = sum(e.waiting for e in snapshot.engines)
     snapshot.requests_waiting = sum(depths.values()) + waiting
     snapshot.requests_running = max(0, sum(e.in_flight for e in snapshot.engines) - waiting)
-    ready = [e.model for e in snapshot.engines if e.state == EngineState.READY.value]
+    leaving = {m for m, u in uses.items() if u.draining}
+    ready = [e.model for e in snapshot.engines
+             if e.state == EngineState.READY.value and e.model not in leaving]
     coming = {e.model for e in snapshot.engines if EngineState(e.state) in COMING_STATES}
-    coming |= {m for m in depths if m not in ready}
+    coming |= {m for m in depths if m not in ready and m not in leaving}
     places = sum(1 for e in snapshot.engines if EngineState(e.state) in PLACE_STATES)
+    held = {*ready, *coming, *leaving}
+    needs = [mgr.need(m) for m in mgr.catalog if m.id not in held]
+    budgets = snapshot.budgets
+    room = model_server.room_for_one_more(
+        places, mgr.config.max_engines,
+        [(n.ram_mib * MIB, n.vram_mib * MIB if mgr.has_gpu() else 0) for n in needs],
+        budgets.get(("ram", "free")), budgets.get(("gpu", "free")))
     snapshot.warm = model_server.warm(
-        {m: mgr.catalog.engine_names(m) for m in {*ready, *coming}}, ready, coming,
-        room=places < mgr.config.max_engines)
+        {m: mgr.catalog.engine_names(m) for m in {*ready, *coming}}, ready, coming, room=room)
 
 
 def _engine_memory(mgr: EngineManager, engine: Engine, vram_mib: int | None
@@ -365,19 +376,27 @@ async def _engine_metrics(engines: list[Engine]) -> dict[str, str]:
     return {model: text for model, text in found if text is not None}
 
 
-async def _engine_kv(engines: list[Engine]) -> dict[str, KvUse]:
-    """Each engine's KV use from its /slots; one that does not answer in time, or answers
-    no list of slots, is left out (its figure is absent, never made up)."""
+async def _engine_kv(mgr: EngineManager, engines: list[Engine],
+                     readings: model_server.KvReadings) -> dict[str, KvUse]:
+    """Each ready llama engine's KV use from its /slots; one that does not answer in time
+    (busy with a long prompt) counts at its last reading; one never read is left out (its
+    figure absent, never made up)."""
+    from gatewayd.core.memory_estimate import EngineSettings  # (not on the start's path)
+
+    def shared(model_id: str) -> bool:
+        model = mgr.catalog.get(model_id)
+        return model is None or EngineSettings.parse(
+            model.config.args, ctx_size=model.config.ctx_size).unified
+
     async def one(engine: Engine) -> tuple[str, KvUse | None]:
         try:
             status, body = await exchange(engine.socket, "GET", "/slots",
                                           timeout=ENGINE_SLOTS_TIMEOUT_S)
-            return engine.model_id, model_server.kv_use(json.loads(body)) \
-                if status == 200 else None
-        except (TimeoutError, EngineConnectionError, OSError, ValueError):
+            return engine.model_id, model_server.kv_use(
+                json.loads(body), shared=shared(engine.model_id)) if status == 200 else None
+        except (TimeoutError, EngineConnectionError, OSError, ValueError, RecursionError):
             return engine.model_id, None
-    found = await asyncio.gather(*(one(e) for e in engines))
-    return {model: use for model, use in found if use is not None}
+    return readings.read(dict(await asyncio.gather(*(one(e) for e in engines))))
 
 
 def _uses(request: web.Request) -> dict[str, scheduler.Usage]:

@@ -175,12 +175,14 @@ class ClientBytesRefused(logging.Filter):
     line, no traceback: aiohttp logs each at ERROR with a traceback, so any client could fill
     the journal with them, a dozen lines a request. So is a body it refused part-way
     (`RequestPayloadError`, http/request_parser.py: logged as aiohttp reads what is left of
-    it after the gateway's 400). Other errors keep theirs."""
+    it after the gateway's 400), and one that stopped coming (`BodyTooSlow`: aiohttp meets
+    it draining a body its handler answered without reading). Other errors keep theirs."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError | RequestPayloadError):
+        if isinstance(exc, HttpProcessingError | RequestPayloadError | BodyTooSlow):
             reason = refusal_reason(exc) if isinstance(exc, RequestPayloadError) \
+                else exc.message if isinstance(exc, BodyTooSlow) \
                 else str(exc.message or exc).splitlines()[0]
             record.msg, record.args = "%s: refused by the HTTP parser: %s", (
                 record.getMessage(), reason[:200])

@@ -830,6 +830,7 @@ async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> Non
      b"--x\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF"),
     ("multipart/form-data; boundary=x", b"--x\r\nno headers end here"),
     ("multipart/form-data; boundary=x", b"\xff\xfe" * 100),
+    ("multipart/form-data; boundary=\u20ac", b"--\xe2\x82\xac--\r\n"),   # no RFC 2046 boundary
     ("application/json", b"\xff\xfe{}"),
     ("application/json", b'"just a string"'),
 ])

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gatewayd.http.admin_api import DISPATCHER
 from tests.fake_engine import SLOT_CTX, SLOT_TOKENS
 from tests.http.test_front_door import Gateway, _gateway, chat
 from tests.http.test_variants_http import ADAPTERS
@@ -85,11 +86,11 @@ async def test_requests_in_flight_and_queued_are_the_hosts_figures(gw: Gateway) 
     m = await picked(gw)
     assert m["llm_gateway_requests_running"][1] == 3
     assert m["llm_gateway_requests_waiting"][1] == 0
-    slots = gw.fakes["a"].slots
-    # a: two slots of its four hold SLOT_TOKENS each; the host: three of eight
+    # the models run llama-server's default (-np auto): the slots share one cache, each
+    # reporting all of it (SLOT_CTX); a: two requests of SLOT_TOKENS, b: one
     assert (await per_model(gw, "llm_gateway_engine_kv_cache_usage_ratio")) == {
-        "a": 2 * SLOT_TOKENS / (slots * SLOT_CTX), "b": SLOT_TOKENS / (slots * SLOT_CTX)}
-    assert m["llm_gateway_kv_cache_usage_ratio"][1] == 3 * SLOT_TOKENS / (2 * slots * SLOT_CTX)
+        "a": 2 * SLOT_TOKENS / SLOT_CTX, "b": SLOT_TOKENS / SLOT_CTX}
+    assert m["llm_gateway_kv_cache_usage_ratio"][1] == 3 * SLOT_TOKENS / (2 * SLOT_CTX)
 
     # both places taken by busy engines: c's request waits, c is on its way, no room
     queued = streaming(gw, "c")
@@ -117,3 +118,25 @@ async def test_every_figure_the_fleet_guide_names_is_in_a_scrape(gw: Gateway) ->
     named = set(re.findall(r"\bllm_gateway_[a-z_]+", FLEET_GUIDE.read_text()))
     assert named >= {"llm_gateway_requests_waiting", "llm_gateway_models_warm_info"}
     assert named <= present, named - present
+
+
+async def test_an_engine_drained_to_make_room_is_not_warm(tmp_path: Path) -> None:
+    """Past its wait bound, a queued model's room is made by draining a busy engine: that
+    engine is on its way out, and a picker must not score the host as having it."""
+    async for gw in _gateway(tmp_path, ("a", "b"), max_engines=2, max_wait_s=0.2):
+        await one_drained(gw)
+
+
+async def one_drained(gw: Gateway) -> None:
+    """a and b busy, c queued past its bound: one of a and b drains, and is not warm."""
+    fakes, dispatcher = gw.fakes, gw.client.app[DISPATCHER]
+    busy = [streaming(gw, "a"), streaming(gw, "b")]
+    await until(lambda: fakes["a"].in_flight == 1 and fakes["b"].in_flight == 1)
+    queued = streaming(gw, "c")
+    await until(lambda: any(u.draining for u in dispatcher.usages()))
+    [leaving] = [u.model_id for u in dispatcher.usages() if u.draining]
+    labels, _ = (await picked(gw))["llm_gateway_models_warm_info"]
+    running = labels["running_lora_adapters"].split(",")
+    assert leaving not in running and ({"a", "b"} - {leaving}) <= set(running), labels
+    assert labels["waiting_lora_adapters"].split(",")[0] == "c"
+    assert [await t for t in (*busy, queued)] == [200] * 3

@@ -18,6 +18,9 @@ DEFERRED = {
     "numpy": "gguf's; never",
     "importlib.resources": "http/admin_api.py reads the page beside its module; never",
     "zipfile": "importlib.resources'; never",
+    "gatewayd.cli_fleet": "cli.py, when `llm-gateway endpoints` runs",
+    "python_multipart": "http/form_field.py, at the first multipart upload",
+    "gatewayd.http.form_field": "http/openai_api.py, at the first multipart upload",
 }
 
 START = """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -15,10 +16,12 @@ import yaml
 
 from gatewayd.cli import build_parser
 from gatewayd.cli_fleet import (
+    METRICS_PATH,
     Endpoint,
     EndpointError,
     endpoint_of,
     metrics_answer,
+    resolve_ipv4,
     run_endpoints,
 )
 
@@ -58,6 +61,7 @@ def test_the_file_is_the_yaml_llm_d_reads_one_entry_per_gateway() -> None:
 @pytest.mark.parametrize("given, why", [
     ("::1", "IPv4 addresses only"), ("[fe80::1]:8080", "IPv4 addresses only"),
     ("gpu1.lan:0", "1-65535"), ("gpu1.lan:70000", "1-65535"), ("gpu1.lan:http", "1-65535"),
+    ("gpu1.lan:\u00b2", "1-65535"), ("gpu1.lan:\uff18\uff10", "1-65535"),
     (":8080", "no host"), ("nowhere.lan", "no IPv4 address")])
 def test_a_host_the_file_cannot_name_is_refused_saying_why(given: str, why: str) -> None:
     with pytest.raises(EndpointError, match=why):
@@ -74,6 +78,34 @@ def test_one_gateway_named_twice_is_refused_and_like_names_are_made_unique(
     rc, out, _ = run("10.0.0.1:8080", "10-0-0-1:8080")
     names = [e["name"] for e in yaml.safe_load(out)["endpoints"]]
     assert rc == 0 and names == ["10-0-0-1-8080", "10-0-0-1-8080-2"]
+    monkeypatch.setitem(HOSTS, "a.b", "10.0.0.5")
+    monkeypatch.setitem(HOSTS, "a-b", "10.0.0.6")
+    monkeypatch.setitem(HOSTS, "a-b-8080", "10.0.0.7")
+    rc, out, _ = run("a.b:8080", "a-b:8080", "a-b-8080:2")
+    names = [e["name"] for e in yaml.safe_load(out)["endpoints"]]
+    assert rc == 0 and len(set(names)) == 3, names
+
+
+@pytest.mark.parametrize("host", ["a..b", "x" * 64 + ".lan"])
+def test_a_name_idna_refuses_is_a_clear_refusal(host: str) -> None:
+    with pytest.raises(EndpointError, match="no IPv4 address"):
+        resolve_ipv4(host)
+
+
+def test_a_port_that_speaks_no_http_is_named_and_the_file_written() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def ssh() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+                conn.recv(4096)
+        threading.Thread(target=ssh, daemon=True).start()
+        why = metrics_answer(Endpoint("x", "127.0.0.1", port, f"127.0.0.1:{port}"))
+    assert why is not None and METRICS_PATH in why
 
 
 @pytest.fixture

@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from gatewayd.core.model_server import KvUse, host_kv, kv_use, warm
+from gatewayd.core.model_server import (
+    KvReadings,
+    KvUse,
+    host_kv,
+    kv_use,
+    room_for_one_more,
+    warm,
+)
 
 # GET /slots of the llama-server built here, one slot generating (12 prompt tokens, 204
 # generated so far) and one idle that served a request before (19 tokens still cached)
@@ -25,6 +32,39 @@ SLOTS: list[dict[str, Any]] = [
 def test_the_slots_serving_a_request_hold_their_tokens_of_every_slots_context() -> None:
     use = kv_use(SLOTS)
     assert use == KvUse(216, 3 * 512) and use.ratio == 216 / 1536
+
+
+def test_slots_sharing_one_cache_each_report_all_of_it_and_count_it_once() -> None:
+    """llama-server's default (-np auto, -kvu): -c 2048 gives four slots of n_ctx 2048,
+    one cache of 2048 (measured on the build here)."""
+    shared = [{"n_ctx": 2048, "is_processing": i < 2, "n_prompt_tokens": 1500}
+              for i in range(4)]
+    assert kv_use(shared, shared=True) == KvUse(2048, 2048)   # 3000 held: capped, full
+    assert kv_use(shared, shared=False) == KvUse(3000, 8192)
+
+
+def test_a_busy_engine_counts_at_its_last_reading_and_a_gone_one_is_forgotten() -> None:
+    readings = KvReadings()
+    assert readings.read({"a": KvUse(1, 10), "b": None}) == {"a": KvUse(1, 10)}
+    assert readings.read({"a": None, "b": KvUse(2, 10)}) == {"a": KvUse(1, 10),
+                                                             "b": KvUse(2, 10)}
+    assert readings.read({"b": None}) == {"b": KvUse(2, 10)}   # a stopped: forgotten
+    assert readings.read({"a": None}) == {}
+
+
+@pytest.mark.parametrize("places, needs, free_ram, free_vram, room", [
+    (1, [(100, 0)], 200, None, True),
+    (4, [(100, 0)], 200, None, False),          # every place taken
+    (1, [(300, 0)], 200, None, False),          # the model not running needs more RAM
+    (1, [(300, 0), (100, 0)], 200, None, True),  # one of them fits
+    (1, [(100, 500)], 200, 400, False),         # ... nor the GPU's
+    (1, [(100, 500)], None, None, True),        # memory not known: no bound
+    (1, [], 200, None, False),                  # every model already held
+])
+def test_room_for_one_more_is_a_place_and_the_memory_for_a_model_not_running(
+        places: int, needs: list[tuple[int, int]], free_ram: int | None,
+        free_vram: int | None, room: bool) -> None:
+    assert room_for_one_more(places, 4, needs, free_ram, free_vram) is room
 
 
 @pytest.mark.parametrize("answer", [
