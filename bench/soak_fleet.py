@@ -31,12 +31,15 @@ from tests.haproxy import free_port, running_haproxy
 
 @dataclass
 class HostSamples:
-    """What one host's systemd ran, sampled."""
+    """What one host's systemd ran, sampled. A sample over the slots counts where the one
+    before it was over too: the reads of one sample are not one moment (units, then their
+    processes), and a swap every second can fall between them; a real excess stays."""
     samples: int = 0
     max_units: int = 0
     over_slots: int = 0
     errors: int = 0
     models_seen: Counter[str] = field(default_factory=Counter)   # samples running each
+    last_over: bool = False
 
 
 def sample(hosts: Sequence[Host], slots: int, interval: float, stop: threading.Event
@@ -53,7 +56,9 @@ def sample(hosts: Sequence[Host], slots: int, interval: float, stop: threading.E
                 continue
             s.samples += 1
             s.max_units = max(s.max_units, len(running))
-            s.over_slots += len(running) > slots
+            over = len(running) > slots
+            s.over_slots += over and s.last_over
+            s.last_over = over
             s.models_seen.update(running)
     return seen
 
@@ -149,7 +154,8 @@ def markdown(result: dict[str, Any]) -> str:
                                         result["samples"], strict=True)):
         rows.append((f"host {i}: answered 200 by model",
                      ", ".join(f"{m} {n}" for m, n in served.items())))
-        rows.append((f"host {i}: max engine units (slots {spec['slots']}) / samples over",
+        rows.append((f"host {i}: max engine units in a sample (slots {spec['slots']}) / "
+                     "over in two samples in a row",
                      f"{s['max_units']} / {s['over_slots']}"))
     rows.append(("verdict", "PASS" if result["passed"] else
                  "FAIL: " + "; ".join(result["reasons"])))

@@ -48,16 +48,42 @@ class Host:
             time.sleep(0.1)
 
     def engines(self) -> set[str]:
-        """The models whose engine units this host's systemd runs or is starting; a unit
-        the gateway parked (its main process the preloaded wait, `llm-parked`, or a shell
-        waiting to exec: core/engine_units) is no engine."""
+        """The models whose engine units this host's systemd runs or is starting. A unit
+        the gateway parked is no engine, told as bench/soak.engine_units tells it: being
+        parked (activating, LLM_GATEWAY_PARKED in its environment), or its main process
+        the preloaded wait (`llm-parked`) or a shell waiting to exec (core/engine_units),
+        or its FIFO still there (a preloaded engine between its exec and its wait). The
+        units' properties come from one `systemctl show`, their processes' names and FIFOs
+        right after, in the same shell: a swap rarely falls between the reads."""
         out = self.box.shell(
-            "for u in $(systemctl list-units --type=service --state=active,activating "
-            "--plain --no-legend 'llm-engine-*' | awk '{print $1}'); do "
-            "pid=$(systemctl show -p MainPID --value \"$u\"); "
-            "case \"$(cat /proc/$pid/comm 2>/dev/null)\" in llm-parked|sh) ;; "
-            "*) echo \"$u\";; esac; done", check=False)
-        return {unescape(m.group(1)) for m in re.finditer(r"llm-engine-(\S+)\.service", out)}
+            "u=$(systemctl list-units --type=service --all --plain --no-legend "
+            "'llm-engine-*' | awk '{print $1}'); [ -z \"$u\" ] && exit 0; "
+            "s=$(systemctl show -p Id,ActiveState,MainPID,Environment $u); "
+            "printf '%s\\n\\n' \"$s\"; echo '=== processes'; "
+            "for p in $(printf '%s\\n' \"$s\" | sed -n 's/^MainPID=//p'); do "
+            "echo \"pid $p $(cat /proc/$p/comm 2>/dev/null)\"; done; "
+            "for f in $(printf '%s\\n' \"$s\" | grep -o 'LLM_GATEWAY_PARK_FIFO=[^ ]*' "
+            "| cut -d= -f2); do [ -e \"$f\" ] && echo \"fifo $f\"; done", check=False)
+        shown, _, processes = out.partition("=== processes")
+        comm = {w[1]: (w[2] if len(w) > 2 else "") for line in processes.splitlines()
+                if (w := line.split()) and w[0] == "pid" and len(w) > 1}
+        fifos = {w[1] for line in processes.splitlines()
+                 if (w := line.split()) and w[0] == "fifo" and len(w) > 1}
+        running = set()
+        for block in shown.strip().split("\n\n"):
+            props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+            unit, state = props.get("Id", ""), props.get("ActiveState", "inactive")
+            environment = props.get("Environment", "")
+            fifo = next((w.split("=", 1)[1] for w in environment.split()
+                         if w.startswith("LLM_GATEWAY_PARK_FIFO=")), None)
+            parked = (state == "activating" and "LLM_GATEWAY_PARKED=" in environment) or (
+                state in ("active", "deactivating")
+                and (comm.get(props.get("MainPID", "0")) in ("llm-parked", "sh")
+                     or fifo in fifos))
+            found = re.fullmatch(r"llm-engine-(\S+)\.service", unit)
+            if found and state in ("active", "activating") and not parked:
+                running.add(unescape(found.group(1)))
+        return running
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.url}/admin/metrics", timeout=10) as resp:
