@@ -1325,8 +1325,12 @@ VARIANTS = (
            "    retry-on conn-failure",
            tests=(FLEET_T + "test_a_503_and_a_refused_connection_are_answered_by_the_other_"
                   "gateway",)),
+    Mutant("haproxy-factor-150", "a model with a few requests at once stays on its "
+           "gateway", "packaging/haproxy/haproxy.cfg", "    hash-balance-factor 180\n",
+           "    hash-balance-factor 150\n",
+           tests=(FLEET_T + "test_a_model_with_a_few_requests_at_once_stays_on_its_gateway",)),
     Mutant("haproxy-no-balance-factor", "a hot model overflows to a second gateway",
-           "packaging/haproxy/haproxy.cfg", "    hash-balance-factor 150\n", "",
+           "packaging/haproxy/haproxy.cfg", "    hash-balance-factor 180\n", "",
            tests=(FLEET_T + "test_a_hot_model_overflows_to_a_second_gateway_and_comes_home_"
                   "after",)),
     Mutant("haproxy-plain-errors", "what HAProxy answers itself is an OpenAI error that "

@@ -104,25 +104,43 @@ async def test_each_model_lives_on_one_gateway(fleet: Fleet) -> None:
         assert sorted(fleet.served(model)) == [0, asked], (model, fleet.served(model))
 
 
-async def test_a_hot_model_overflows_to_a_second_gateway_and_comes_home_after(
-        fleet: Fleet) -> None:
-    """hash-balance-factor 150: with 8 requests in flight for one model and none for any
-    other, its gateway takes them until it holds 150 % of the average; the rest go to the
-    next gateway on the ring. Once the load is gone, the model is served at home only."""
+async def in_flight_at_once(fleet: Fleet, model: str, count: int) -> list[int]:
+    """count requests for model in flight together (each ~1.5 s); how many more each
+    gateway's engine saw."""
+    before = fleet.served(model)
     async with aiohttp.ClientSession() as session:
-        assert await fleet.ask(session, "a") == 200
-        home = fleet.served("a").index(1)
-        before = fleet.served("a")
-
         async def slow() -> int:
-            body = {**chat("a", prompt="slow 100"), "stream": True, "max_tokens": 15}
+            body = {**chat(model, prompt="slow 100"), "stream": True, "max_tokens": 15}
             async with session.post(f"{fleet.url}/v1/chat/completions", json=body) as resp:
                 await resp.read()
                 return resp.status
-        assert await asyncio.gather(*(slow() for _ in range(8))) == [200] * 8
-        hot = [n - b for n, b in zip(fleet.served("a"), before, strict=True)]
-        # at most ceil(1.5 * 8 / 2) = 6 at home; the overflow (a load there) elsewhere
-        assert hot[home] == 6 and hot[1 - home] == 2, hot
+        assert await asyncio.gather(*(slow() for _ in range(count))) == [200] * count
+    return [n - b for n, b in zip(fleet.served(model), before, strict=True)]
+
+
+async def test_a_model_with_a_few_requests_at_once_stays_on_its_gateway(fleet: Fleet) -> None:
+    """Light load on one model is no reason to load it elsewhere: 4 at once all go to its
+    gateway. (With the factor at 150, the second request while one ran went to the other
+    gateway: in the two-container test that loaded a model on both hosts.)"""
+    async with aiohttp.ClientSession() as session:
+        assert await fleet.ask(session, "a") == 200
+    home = fleet.served("a").index(1)
+    for _ in range(2):
+        hot = await in_flight_at_once(fleet, "a", 4)
+        assert hot[home] == 4 and hot[1 - home] == 0, hot
+
+
+async def test_a_hot_model_overflows_to_a_second_gateway_and_comes_home_after(
+        fleet: Fleet) -> None:
+    """hash-balance-factor 180: with 12 requests in flight for one model and none for any
+    other, its gateway takes 11 and the next gateway on the ring the 12th (HAProxy's
+    bounded load, wherever the ring puts the model); once the load is gone, the model is
+    answered at home only."""
+    async with aiohttp.ClientSession() as session:
+        assert await fleet.ask(session, "a") == 200
+        home = fleet.served("a").index(1)
+        hot = await in_flight_at_once(fleet, "a", 12)
+        assert hot[home] == 11 and hot[1 - home] == 1, hot
         after = fleet.served("a")
         for _ in range(6):
             assert await fleet.ask(session, "a") == 200
