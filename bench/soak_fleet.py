@@ -63,16 +63,6 @@ def sample(hosts: Sequence[Host], slots: int, interval: float, stop: threading.E
     return seen
 
 
-def answered_by_model(host: Host) -> dict[str, float]:
-    """Requests this host's gateway answered 200, per model (its own metrics)."""
-    out: dict[str, float] = {}
-    for line in host.metrics().splitlines():
-        if line.startswith("llm_gateway_requests_total{") and 'status="200"' in line:
-            model = line.split('model="', 1)[1].split('"', 1)[0]
-            out[model] = out.get(model, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def soak_through(url: str, hosts: Sequence[Host], spec: Spec, models: Sequence[str]
                  ) -> dict[str, Any]:
     """Spec's load at url (the balancer) for its warm-up + duration, hosts sampled; the
@@ -83,7 +73,7 @@ def soak_through(url: str, hosts: Sequence[Host], spec: Spec, models: Sequence[s
     sampled: list[HostSamples] = []
     sampler = threading.Thread(target=lambda: sampled.extend(
         sample(hosts, spec.slots, spec.interval, stop)))
-    before = [answered_by_model(h) for h in hosts]
+    before = [h.answered_by_model() for h in hosts]
     t0 = time.monotonic()
     sampler.start()
     try:
@@ -92,7 +82,7 @@ def soak_through(url: str, hosts: Sequence[Host], spec: Spec, models: Sequence[s
         stop.set()
         sampler.join(DEADLINE_S)
     wall = time.monotonic() - t0
-    after = [answered_by_model(h) for h in hosts]
+    after = [h.answered_by_model() for h in hosts]
     served = [{m: round(a.get(m, 0) - b.get(m, 0)) for m in models}
               for a, b in zip(after, before, strict=True)]
     errors = sum(requests.errors.values())

@@ -89,20 +89,28 @@ class Host:
         with urllib.request.urlopen(f"{self.url}/admin/metrics", timeout=10) as resp:
             return str(resp.read().decode())
 
-    def answered(self, model: str | None = None) -> float:
-        """Requests (for model, else any) this host's gateway answered 200 (its metrics)."""
-        return sum(float(line.rsplit(" ", 1)[1]) for line in self.metrics().splitlines()
-                   if line.startswith("llm_gateway_requests_total{")
-                   and (model is None or f'model="{model}"' in line)
-                   and 'status="200"' in line)
+    def answered_by_model(self) -> dict[str, float]:
+        """Requests this host's gateway answered 200, per model (its metrics)."""
+        out: dict[str, float] = {}
+        for line in self.metrics().splitlines():
+            if line.startswith("llm_gateway_requests_total{") and 'status="200"' in line:
+                model = line.split('model="', 1)[1].split('"', 1)[0]
+                out[model] = out.get(model, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    def answered(self, model: str) -> float:
+        """Requests for model this host's gateway answered 200."""
+        return self.answered_by_model().get(model, 0.0)
 
 
 def unescape(name: str) -> str:
     return name.replace("\\x2d", "-")
 
 
-def status(url: str, body: bytes | None = None) -> int:
-    """A request's status; 0 where no answer came."""
+def status(url: str, body: bytes | None = None, *, first_503: list[str] | None = None
+           ) -> int:
+    """A request's status; 0 where no answer came. first_503: where to keep the first 503's
+    headers and body (whose it was)."""
     request = urllib.request.Request(url, data=body, headers={
         "Content-Type": "application/json"} if body else {})
     try:
@@ -110,7 +118,9 @@ def status(url: str, body: bytes | None = None) -> int:
             resp.read()
             return int(resp.status)
     except urllib.error.HTTPError as e:
-        e.read()
+        said = e.read()
+        if e.code == 503 and first_503 is not None and not first_503:
+            first_503.append(f"{dict(e.headers)} {said[:300]!r}")
         return int(e.code)
     except OSError:
         return 0

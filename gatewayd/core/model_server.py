@@ -84,8 +84,9 @@ def host_kv(uses: Iterable[KvUse]) -> KvUse:
 def room_for_one_more(places: int, max_engines: int, needs: Iterable[tuple[int, int]],
                       free_ram: int | None, free_vram: int | None) -> bool:
     """Whether a model not running would load without evicting: a place under max_engines,
-    and one of the models not running (needs: each one's (RAM, VRAM) need, bytes) fits in
-    what memory is free for planning (None: not known, so not a bound)."""
+    and one of needs (models not running: each one's (RAM, VRAM) need, bytes; the caller
+    gives the smallest) fits in what memory is free for planning (None: not known, so not
+    a bound)."""
     if places >= max_engines:
         return False
     return any((free_ram is None or ram <= free_ram)

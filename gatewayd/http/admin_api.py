@@ -333,7 +333,11 @@ def _as_one_model_server(snapshot: Snapshot, mgr: EngineManager,
     coming |= {m for m in depths if m not in ready and m not in leaving}
     places = sum(1 for e in snapshot.engines if EngineState(e.state) in PLACE_STATES)
     held = {*ready, *coming, *leaving}
-    needs = [mgr.need(m) for m in mgr.catalog if m.id not in held]
+    # the smallest model not running (by its files) stands for "one more": one estimate a
+    # scrape, not one for every model in models_dir (a picker scrapes every second)
+    smallest = min((m for m in mgr.catalog if m.id not in held),
+                   key=lambda m: m.size_bytes, default=None)
+    needs = [] if smallest is None else [mgr.need(smallest)]
     budgets = snapshot.budgets
     room = model_server.room_for_one_more(
         places, mgr.config.max_engines,

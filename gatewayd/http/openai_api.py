@@ -575,11 +575,12 @@ async def multipart_model(request: web.Request, body: bytes) -> str | None:
     engine would answer it with its own plain-text 400."""
     from gatewayd.http import form_field  # audio uploads only: not on the start's path
 
+    boundary = _boundary(request)
     try:
-        model = form_field.text_field(body, _boundary(request), "model")
+        model = form_field.text_field(body, boundary, "model")
     except form_field.FormError as e:   # the client's bytes: a 400
         raise InvalidRequest(f"the multipart body cannot be parsed: {e}") from None
-    if body.rfind(b"--" + _boundary(request).encode() + b"--") == -1:
+    if body.rfind(b"--" + boundary.encode() + b"--") == -1:
         raise InvalidRequest("the multipart body cannot be parsed: it ends before its "
                              "closing boundary (cut short?)")
     return model

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ import pytest
 
 from bench.soak import Spec
 from bench.soak_fleet import soak_through
+from tests import fleet
 from tests.fleet import DEADLINE_S, FleetUnavailable, Host, running_fleet, write_models
 from tests.haproxy import free_port, running_haproxy
 from tests.harness.plugin import unavailable
@@ -41,19 +40,8 @@ BALANCER_LOG: list[Path] = []   # where this test's HAProxy logs
 
 
 def status(url: str, body: bytes | None = None) -> int:
-    """tests.fleet.status, the first 503's headers and body kept (whose it was)."""
-    request = urllib.request.Request(url, data=body, headers={
-        "Content-Type": "application/json"} if body else {})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            resp.read()
-            return int(resp.status)
-    except urllib.error.HTTPError as e:
-        if e.code == 503 and not SEEN_503:
-            SEEN_503.append(f"{dict(e.headers)} {e.read()[:300]!r}")
-        return int(e.code)
-    except OSError:
-        return 0
+    """tests.fleet.status, the first 503's headers and body kept in SEEN_503."""
+    return fleet.status(url, body, first_503=SEEN_503)
 
 
 def chat(model: str) -> bytes:
