@@ -24,13 +24,19 @@ from typing import Any
 from bench.suite import (
     PY,
     Plan,
+    StreamRun,
     Target,
+    chat,
     cleanup,
+    cpu_seconds,
     first_byte_ms,
+    interleave,
+    main_pid,
     pct,
     post_json,
     router_model_id,
     run_unit,
+    stream_once,
     wait_http,
 )
 
@@ -39,6 +45,10 @@ GATEWAY = "http://127.0.0.1:18660"          # parked_engines = 4
 GATEWAY_UNPARKED = "http://127.0.0.1:18661"  # parked_engines = 0, models named p0-*
 ROUTER = "http://127.0.0.1:18662"
 SETTLE_S = 0.3   # after a stop: the router unloads asynchronously, the gateway parks
+# the unparked gateway relays streams in Python only: what relay.c buys on this model
+RELAY_ENV = {4: {}, 0: {"LLM_GATEWAY_NATIVE_RELAY": "0"}}
+STREAM_TOKENS = 256
+PARALLEL = 4   # streams at once on one engine (llama-server's -np auto: 4 slots)
 
 
 def link_models(source: Path, folder: Path) -> list[Path]:
@@ -126,7 +136,7 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
         cfg = gateway_config(root / f"gw{parked}.toml", paths, llama, root / f"state{parked}",
                              port, parked, prefix)
         run_unit(f"bench-real-gw{parked}", [PY, "-m", "gatewayd", "--config", str(cfg), "serve"],
-                 notify=True)
+                 notify=True, env=RELAY_ENV[parked])
     run_unit("bench-real-router", [llama, "--models-dir", str(root / "models"),
                                    "--models-max", "2", "--host", "127.0.0.1", "--port", "18662"])
     await wait_http(ROUTER + "/health")
@@ -188,6 +198,11 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
             swap["router"].append(await once_more(
                 retried, f"realistic swap to {name}, router",
                 partial(first_byte_ms, router, ids[name])))
+    streaming = await streams(plan, [gw, gw0, router], {"router": ids["real-a"],
+                                                        "gateway_unparked": "p0-a"},
+                              {"gateway": main_pid("bench-real-gw4.service"),
+                               "gateway_unparked": main_pid("bench-real-gw0.service")},
+                              retried)
     cleanup()   # the gateways, the router, and the engines, which outlive their gateway
 
     def p50(v: list[float]) -> float:
@@ -208,6 +223,55 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
         "swap_first_byte_ms": {k: p50(v) for k, v in swap.items()},
         "swap_p95_ms": {k: p95(v) for k, v in swap.items()},
         "swap_samples_ms": {k: [round(x, 1) for x in v] for k, v in swap.items()},
+        "streaming": streaming,
         "parked": {"parked_0_ms": parked_0, "parked_4_ms": parked_4,
                    "saving_pct": round((parked_0 - parked_4) / parked_0 * 100, 2)},
     }
+
+
+async def streams(plan: Plan, targets: list[Target], model_for: dict[str, str],
+                  pids: dict[str, int], retried: list[dict[str, str]]) -> dict[str, Any]:
+    """Streams on the realistic model, where a token takes the engine tens of ms: one at a
+    time (256 tokens) and PARALLEL at once, each path's rate, its gaps between reads, and
+    the gateway's CPU per event. What a relay's µs per event come to where users feel it."""
+    from bench.suite import once_more
+    out: dict[str, Any] = {}
+    for t in targets:   # each path's engine loaded before anything is timed
+        await once_more(retried, f"realistic stream warm-up, {t.name}",
+                        partial(first_byte_ms, t, model_for.get(t.name, "real-a")))
+    for label, parallel in (("c1", 1), (f"c{PARALLEL}", PARALLEL)):
+        got: dict[str, dict[str, list[float]]] = {
+            t.name: {"tok_s": [], "gaps": [], "ttft": [], "cpu": [],
+                     "rounds": []} for t in targets}
+        for rnd in range(plan.real_streams):
+            for t in interleave(targets, rnd):
+                model = model_for.get(t.name, "real-a")
+                body = chat(model, STREAM_TOKENS // parallel, stream=True)
+                pid = pids.get(t.name)
+                cpu0 = cpu_seconds(pid)
+
+                async def together(t: Target = t, body: dict[str, Any] = body,
+                                   n: int = parallel) -> list[StreamRun]:
+                    return list(await asyncio.gather(*(stream_once(t, body) for _ in range(n))))
+
+                runs = await once_more(retried, f"realistic stream {label}, {t.name}",
+                                       together)
+                v = got[t.name]
+                events = sum(r.events for r in runs)
+                if pid is not None:
+                    v["cpu"].append((cpu_seconds(pid) - cpu0) / max(1, events) * 1e6)
+                v["tok_s"].append(sum(r.tokens_per_s for r in runs))
+                v["rounds"].append(round(v["tok_s"][-1], 2))
+                v["ttft"].extend(r.first_token_ms for r in runs)
+                for r in runs:
+                    v["gaps"].extend(r.gaps)
+        out[label] = {name: {
+            "tokens_per_s": round(statistics.median(v["tok_s"]), 2),
+            "first_token_ms": round(statistics.median(v["ttft"]), 1),
+            "gap_p50_ms": round(pct(sorted(v["gaps"]), 50), 2),
+            "gap_p99_ms": round(pct(sorted(v["gaps"]), 99), 2),
+            "tokens_per_s_rounds": v["rounds"],
+            **({"cpu_us_per_event": round(statistics.median(v["cpu"]), 1)}
+               if v["cpu"] else {})}
+            for name, v in got.items()}
+    return out

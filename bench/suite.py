@@ -269,6 +269,7 @@ class Plan:
     activations: int   # socket-activated starts (one process start each: noisy)
     real_starts: int   # cold starts per path and per page-cache state, realistic model
     real_cycles: int   # swap cycles over 3 realistic models, 2 places
+    real_streams: int  # rounds of streams on the realistic model (one alone, 4 at once)
     agent_turns: int   # agent-loop turns per path at the full prefix
     agent_prefixes: tuple[int, ...]   # prefix lengths (tokens) for the crossover
     slot_rounds: int   # rounds of 16 concurrent streams on a 4-slot engine
@@ -294,14 +295,15 @@ class Plan:
 # the proxy and the client): its median takes many rounds, which cost ~0.1 s each
 PLANS = {"full": Plan(rounds=5, n_seq=200, n_c8=400, n_c64=640, n_ceiling=3000, streams=30,
                       starts=12, cycles=4, open_streams=1000, activations=7,
-                      real_starts=5, real_cycles=3, agent_turns=9,
+                      real_starts=5, real_cycles=3, real_streams=6, agent_turns=9,
                       agent_prefixes=(256, 512, 1024, 2048, 4096), slot_rounds=5,
                       crowd_active=256, crowd_idle=2000, refusal_rounds=3,
                       refusal_seconds=3.0, mixed_seconds=180.0, mixed_clients=16,
                       mixed_max_wait_s=20.0, mixed_grace_s=120.0, mixed_preset="realistic"),
          "smoke": Plan(rounds=1, n_seq=20, n_c8=40, n_c64=64, n_ceiling=200, streams=1,
                        starts=1, cycles=1, open_streams=100, activations=2,
-                       real_starts=1, real_cycles=1, agent_turns=2, agent_prefixes=(512,),
+                       real_starts=1, real_cycles=1, real_streams=1, agent_turns=2,
+                       agent_prefixes=(512,),
                        slot_rounds=1, crowd_active=32, crowd_idle=100, refusal_rounds=1,
                        refusal_seconds=1.0, mixed_seconds=6.0, mixed_clients=4,
                        mixed_max_wait_s=2.0, mixed_grace_s=6.0, mixed_preset="small",
