@@ -45,8 +45,6 @@ GATEWAY = "http://127.0.0.1:18660"          # parked_engines = 4
 GATEWAY_UNPARKED = "http://127.0.0.1:18661"  # parked_engines = 0, models named p0-*
 ROUTER = "http://127.0.0.1:18662"
 SETTLE_S = 0.3   # after a stop: the router unloads asynchronously, the gateway parks
-# the unparked gateway relays streams in Python only: what relay.c buys on this model
-RELAY_ENV = {4: {}, 0: {"LLM_GATEWAY_NATIVE_RELAY": "0"}}
 STREAM_TOKENS = 256
 PARALLEL = 4   # streams at once on one engine (llama-server's -np auto: 4 slots)
 
@@ -136,7 +134,7 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
         cfg = gateway_config(root / f"gw{parked}.toml", paths, llama, root / f"state{parked}",
                              port, parked, prefix)
         run_unit(f"bench-real-gw{parked}", [PY, "-m", "gatewayd", "--config", str(cfg), "serve"],
-                 notify=True, env=RELAY_ENV[parked])
+                 notify=True)
     run_unit("bench-real-router", [llama, "--models-dir", str(root / "models"),
                                    "--models-max", "2", "--host", "127.0.0.1", "--port", "18662"])
     await wait_http(ROUTER + "/health")
@@ -198,11 +196,8 @@ async def section(plan: Plan, work: Path, llama: str, models: dict[str, Path],
             swap["router"].append(await once_more(
                 retried, f"realistic swap to {name}, router",
                 partial(first_byte_ms, router, ids[name])))
-    streaming = await streams(plan, [gw, gw0, router], {"router": ids["real-a"],
-                                                        "gateway_unparked": "p0-a"},
-                              {"gateway": main_pid("bench-real-gw4.service"),
-                               "gateway_unparked": main_pid("bench-real-gw0.service")},
-                              retried)
+    streaming = await streams(plan, [gw, router], {"router": ids["real-a"]},
+                              {"gateway": main_pid("bench-real-gw4.service")}, retried)
     cleanup()   # the gateways, the router, and the engines, which outlive their gateway
 
     def p50(v: list[float]) -> float:

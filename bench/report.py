@@ -608,6 +608,18 @@ def _realistic_tables(r: dict[str, Any]) -> list[str]:
         lines.append(f"\nparked units: cold start p50 {_get(pk, 'parked_0_ms')} ms with none "
                      f"parked, {_get(pk, 'parked_4_ms')} ms with 4 (saving "
                      f"{_get(pk, 'saving_pct')} %)")
+    streaming = re_.get("streaming")
+    if isinstance(streaming, dict) and streaming:
+        lines += ["", "Streams on it (tokens/s summed over the streams at once, median of the "
+                  "rounds; gaps between reads, ms):", "",
+                  "| streams at once | path | tokens/s | first token ms | gap p50 | gap p99 "
+                  "| gateway CPU µs/event |", "|---|---|---|---|---|---|---|"]
+        for label, paths in streaming.items():
+            for path, v in paths.items():
+                lines.append(f"| {label.removeprefix('c')} | {path} | "
+                             f"{_get(v, 'tokens_per_s')} | {_get(v, 'first_token_ms')} | "
+                             f"{_get(v, 'gap_p50_ms')} | {_get(v, 'gap_p99_ms')} | "
+                             f"{v.get('cpu_us_per_event', '-')} |")
     return lines
 
 

@@ -25,7 +25,6 @@ from gatewayd.adapters.config_file import load_config
 from gatewayd.adapters.desired import DesiredEngines
 from gatewayd.adapters.engine_memory import CgroupMemoryMeter
 from gatewayd.adapters.engine_wire.client import EngineClient, learn_parallel_slots
-from gatewayd.adapters.engine_wire.native_relay import NativeRelay
 from gatewayd.adapters.event_loop import event_loop_factory
 from gatewayd.adapters.events import EventHub
 from gatewayd.adapters.gpu import open_gpu
@@ -78,7 +77,6 @@ from gatewayd.http.middleware import (
     close_unframed,
     error_middleware,
 )
-from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.service.batches import Batches
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -235,10 +233,6 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         # the model's queue_limit: its requests waiting for a turn at its ready engine
         limit = model.config.queue_limit
         return engines.config.queue_limit if limit is None else limit
-    app[NATIVE_RELAY] = native_relay = NativeRelay()
-    if native_relay.why_off is not None:
-        log.info("streams are relayed in Python (more CPU per event): %s",
-                 native_relay.why_off)
 
     def connections_follow(old: Engine, new: Engine) -> None:
         if old.holds_place and not new.holds_place:
@@ -306,7 +300,6 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         await reloader.close()
         await remotes.close()
         await engine_client.close()
-        native_relay.close()
         if records is not None:
             records.flush()
             await asyncio.to_thread(records.close)  # drains every queued record

@@ -15,9 +15,7 @@ tree; the built native modules go along), and only its tests run there (`pytest 
 -j mutants at a time. Alongside, all their tests run once on an unchanged copy (the
 baseline): a mutant counts as killed only by a test that passes there. The exit status is
 1 if a mutant survives, an edit no longer applies (the list must follow the code), its
-tests error or time out, or the baseline fails. relay.c is not mutated (each mutant would
-need a build): its Python side is (native_relay.py, proxy.py), and its own tests are
-tests/unit/test_native_relay.py.
+tests error or time out, or the baseline fails.
 
 CI runs it after the test suite (.ci/run): the suite says the code does what its tests
 say; this says the tests would notice if it stopped doing so.
@@ -40,6 +38,10 @@ Left out, because no run can tell them apart from the code (equivalent mutants):
   (proxy.py): relay()'s `finally` releases the answer, and a release of an answer not
   read to its end closes the connection anyway (engine_client's and aiohttp's alike), at
   once after; the engine stops generating all the same.
+- a local engine's stream not sending its head before the first pushed chunk
+  (`writer.send_headers()` in proxy.py): the aiohttp pinned sends a StreamResponse's head
+  in prepare() already; the call keeps the hand-framed chunks after the head if that
+  changes.
 They stay as cheap guards for code that changes around them.
 """
 
@@ -59,9 +61,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_TESTS = "tests/unit/test_dispatcher_model.py"
-# built from this tree's C sources and ignored by git: without them a copy would relay
-# streams in Python only, and relay.c's tests could not run
-BUILT = ("gatewayd/adapters/engine_wire/_relay*.so", "gatewayd/_engine_park*.so")
+# built from this tree's C source and ignored by git: without it a copy would park engines
+# behind /bin/sh, and the preloaded wait's tests could not run
+BUILT = ("gatewayd/_engine_park*.so",)
 FAST_TIER = "not systemd and not container"
 SUMMARY = re.compile(r"(FAILED|ERROR) tests/\S+")   # pytest's line for a failed test
 
@@ -99,7 +101,6 @@ UPSTREAM_RULES = "tests/unit/test_upstreams.py::"
 CLIENT = "tests/unit/test_engine_client.py::"
 SSE = "tests/unit/test_sse.py::"
 ENDS = "tests/http/test_stream_ends.py::"
-NATIVE = "tests/unit/test_native_relay.py::"
 RELOAD = "tests/unit/test_reload_plan.py::"
 PLACE = "tests/unit/test_placement.py::"
 STORAGE = "tests/unit/test_storage_faults.py::"
@@ -550,7 +551,7 @@ WIRE = (
            tests=(CLIENT + "test_bytes_past_an_answers_end_break_its_connection",)),
 )
 
-# -- the stream relays: Python's (sse.py, proxy.py) and relay.c's (native_relay.py) --------
+# -- the stream relays (sse.py, proxy.py) --------------------------------------------------
 RELAYS = (
     Mutant("usage-event-not-hidden", "the usage event the gateway asked for is hidden "
            "from a client that did not",
@@ -591,28 +592,19 @@ RELAYS = (
            "            if False:\n",
            tests=(ENDS + "test_a_stream_that_ends_without_its_final_event_ends_with_an_error"
                   "_event",)),
-    Mutant("native-last-chunk-lost", "relay.c's last chunk counts for the end of a stream",
+    Mutant("pushed-first-event-untimed", "a local engine's stream records when its first "
+           "event went out (ttft_ms), though every event of it is pushed",
            "gatewayd/http/proxy.py",
-           "        sse.took_elsewhere(done.last_chunk, done.events)",
-           "        sse.took_elsewhere(b\"\", done.events)",
-           tests=(ENDS + "test_a_final_event_relay_c_passed_on_ends_the_stream_well",)),
-    Mutant("native-unread-dropped", "what relay.c read and did not pass on goes on in "
-           "Python",
-           "gatewayd/adapters/engine_wire/native_relay.py",
-           "        upstream.reattach(b\"\" if done.client_gone or done.reason == \"cancelled\" "
-           "else unread,",
-           "        upstream.reattach(b\"\",",
+           "        if record.ttft_ms is None:\n            record.ttft_ms = (time.monotonic() - "
+           "t0) * 1000\n        record.bytes_out += size",
+           "        record.bytes_out += size",
            tests=(FRONT + "test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events",)),
-    Mutant("native-bytes-not-counted", "the record counts the bytes relay.c passed on",
+    Mutant("pushed-bytes-not-counted", "the record counts the bytes of the events pushed",
            "gatewayd/http/proxy.py",
-           "        record.bytes_out += done.data_bytes",
-           "        pass",
+           "            record.ttft_ms = (time.monotonic() - t0) * 1000\n        "
+           "record.bytes_out += size",
+           "            record.ttft_ms = (time.monotonic() - t0) * 1000",
            tests=(FRONT + "test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events",)),
-    Mutant("native-over-tls", "relay.c never writes to a TLS client (raw bytes)",
-           "gatewayd/adapters/engine_wire/native_relay.py",
-           "                and transport.get_extra_info(\"sslcontext\") is None\n",
-           "\n",
-           tests=(NATIVE + "test_the_native_relay_is_not_used_where_it_could_go_wrong",)),
 )
 
 # -- reload planning, GPU placement, call records ----------------------------------------------

@@ -294,8 +294,6 @@ class Snapshot:
     parked: int = 0                     # engine units parked (no engine, no place)
     kv_cache: Mapping[tuple[str, str], int] = field(default_factory=dict)
     upstreams: list[tuple[str, bool, int]] = field(default_factory=list)  # (name, up, in flight)
-    native_relay_streams: int = 0       # streams relay.c passed on (past the first event)
-    native_relay_active: int = 0        # ... passing on now
     bounded: Mapping[str, int] = field(default_factory=dict)   # counted outside the calls
     # unended batches' lines not answered yet: (model, "queued"|"sending") -> lines
     batch_lines: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -404,14 +402,6 @@ class Snapshot:
             up.add_metric([name], 1.0 if is_up else 0.0)
             busy.add_metric([name], in_flight_)
         yield from (up, busy)
-        yield CounterMetricFamily("llm_gateway_native_relay_streams",
-                                  "Streams whose events past the first the native relay "
-                                  "(gatewayd/adapters/engine_wire/relay.c) passed on; the "
-                                  "rest went in Python",
-                                  value=self.native_relay_streams)
-        yield GaugeMetricFamily("llm_gateway_native_relay_active",
-                                "Streams the native relay is passing on now",
-                                value=self.native_relay_active)
         lines = GaugeMetricFamily("llm_gateway_batch_lines_waiting",
                                   "Lines of unended batches not answered yet: queued (to "
                                   "be sent) or sending (on their way to an engine)",

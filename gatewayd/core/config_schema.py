@@ -463,7 +463,7 @@ def read(value: Any, key: Key, where: str, name: str, base: Path) -> Any:
         return dict(value)
     if key.kind is Kind.NUMBER:
         expect(value, (int, float), where, name)
-        if not math.isfinite(value):   # inf is no timeout at all; relay.c's wait overflows
+        if not math.isfinite(value):   # inf is no timeout at all (a timer overflows)
             raise ConfigError(f"{where}: {name} = {value} is not a finite number")
     else:
         expect(value, _PYTHON_TYPE[key.kind], where, name)

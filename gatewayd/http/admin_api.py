@@ -37,7 +37,6 @@ from gatewayd.core.waits import Swap
 from gatewayd.http import openai_api
 from gatewayd.http.auth import query_of
 from gatewayd.http.batches_api import BATCHES
-from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
@@ -264,8 +263,6 @@ async def metrics(request: web.Request) -> web.Response:
                         records_dropped=front.records.dropped if front.records else 0,
                         kv_cache=kv_counts,
                         upstreams=[(r.name, r.up, r.in_flight) for r in front.remotes.remotes()])
-    if (native := request.app.get(NATIVE_RELAY)) is not None:
-        snapshot.native_relay_streams, snapshot.native_relay_active = native.streams, native.active
     if (batches := request.app.get(BATCHES)) is not None:
         snapshot.batch_lines = await batches.lines_waiting()
     pruned = front.records.pruned if front.records else {}

@@ -38,7 +38,6 @@ from gatewayd.adapters.engine_wire.errors import (
     ConnectionsQueueFull,
     EngineConnectionError,
 )
-from gatewayd.adapters.engine_wire.native_relay import Forwarded, NativeRelay
 from gatewayd.adapters.records import CallRecord
 from gatewayd.adapters.remote_client import REMOTE_ERRORS, AnswerPastLimit
 from gatewayd.core.config import GatewayConfig
@@ -79,9 +78,6 @@ ANSWER_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 # Answers relayed piece by piece as they arrive, unchanged (speech, an image file): by
 # allow-list, so JSON and text (read whole: usage, error codes, whisper's trim) stay so.
 MEDIA_TYPES = ("audio/", "image/", "video/", "application/octet-stream")
-
-# the streams relay.c takes part of (app.py makes it; the admin API's metrics read it)
-NATIVE_RELAY = web.AppKey("native_relay", NativeRelay)
 
 
 # what sending a request or reading its answer raises when the other side is not there,
@@ -233,31 +229,23 @@ async def _relay_stream(request: web.Request, answer: Answer,
     sse = SseRelay(drop_usage_event=out.drop_usage_event, max_event_bytes=out.max_event_bytes)
     delivered = False  # the engine's answer ended and all of it was written to the client
     sent = _Sent()
-    native = request.app.get(NATIVE_RELAY)
-    native_tries = NATIVE_TRIES if chunked and native is not None and native.enabled else 0
     try:
         try:
-            while chunk := await answer.read_some():
-                data = sse.feed(chunk)
-                if data:
-                    if record.ttft_ms is None:
-                        record.ttft_ms = (time.monotonic() - t0) * 1000
-                    await _write(request, response, data, record, out.stall_timeout_s, sent)
-                    if isinstance(answer, EngineResponse) and writer is not None \
-                            and request.method != "HEAD":
-                        # the head and the first event are out: the rest is pushed, by
-                        # relay.c while it can, then from the engine connection's callback
-                        if native_tries and native is not None:
-                            native_tries -= 1
-                            if not (sse.between_events
-                                    and native.usable(request.transport, answer)
-                                    and await _relay_native(native, request, answer, sse,
-                                                            record, out.stall_timeout_s,
-                                                            sent)) and native_tries:
-                                continue   # more came meanwhile: sent, then tried again
-                        await _relay_pushed(request, answer, writer, sse, record, chunked,
-                                            out.stall_timeout_s, sent)
-                        break
+            if isinstance(answer, EngineResponse) and writer is not None \
+                    and request.method != "HEAD":
+                # a local engine's stream: every event pushed from the engine connection's
+                # callback, framed by hand after the head (sent now, not with a first write)
+                writer.send_headers()
+                await _relay_pushed(request, answer, writer, sse, record, chunked,
+                                    out.stall_timeout_s, sent, t0)
+            else:   # an upstream's (aiohttp's client), or HEAD: pulled
+                while chunk := await answer.read_some():
+                    data = sse.feed(chunk)
+                    if data:
+                        if record.ttft_ms is None:
+                            record.ttft_ms = (time.monotonic() - t0) * 1000
+                        await _write(request, response, data, record, out.stall_timeout_s,
+                                     sent)
             tail = sse.flush()
             if tail:
                 await _write(request, response, tail, record, out.stall_timeout_s, sent)
@@ -407,8 +395,9 @@ PUSH_HIGH_WATER = 64 * 1024   # bytes unsent to a slow client before the engine 
 
 async def _relay_pushed(request: web.Request, answer: EngineResponse,
                         writer: AbstractStreamWriter, sse: SseRelay, record: CallRecord,
-                        chunked: bool, stall_timeout_s: float, sent: _Sent) -> None:
-    """The rest of an engine's stream, each event written to the client from the engine
+                        chunked: bool, stall_timeout_s: float, sent: _Sent, t0: float
+                        ) -> None:
+    """A local engine's stream, each event written to the client from the engine
     connection's data_received (EngineResponse.relay_to): no task wakes up per event, the
     relay's CPU per event is ~a third less. The bytes go straight to the client's
     transport, framed as the chunks aiohttp would write (the response was made chunked
@@ -433,19 +422,22 @@ async def _relay_pushed(request: web.Request, answer: EngineResponse,
             answer.close()   # the engine stops generating for nobody
             return
         write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
-        record.bytes_out += len(data)
-        if buffered() > PUSH_HIGH_WATER:
-            answer.hold()
+        wrote(len(data))
 
     def push_chunk(chunk: bytes, size: int) -> bool:
         # the engine's chunk, one event in it as a rule, goes on with its framing as is
         if gone or transport.is_closing() or not take_framed(chunk, 2):
             return False   # push() takes it apart (and sees to a client that left)
         write(chunk)
+        wrote(size)
+        return True
+
+    def wrote(size: int) -> None:   # events of `size` bytes of data went to the client
+        if record.ttft_ms is None:
+            record.ttft_ms = (time.monotonic() - t0) * 1000
         record.bytes_out += size
         if buffered() > PUSH_HIGH_WATER:
             answer.hold()
-        return True
 
     answer.relay_to(push, push_chunk if chunked else None)
     try:
@@ -466,38 +458,6 @@ async def _relay_pushed(request: web.Request, answer: EngineResponse,
         raise
     if gone:
         raise _ClientGone()
-
-
-# events sent in Python while the engine connection is not ready for relay.c (something
-# of the answer arrived while the first event was being written, and is buffered or half
-# parsed), before giving up on it for the stream: short or bursty answers go pushed
-NATIVE_TRIES = 8
-
-
-async def _relay_native(native: NativeRelay, request: web.Request, answer: EngineResponse,
-                        sse: SseRelay, record: CallRecord, stall_timeout_s: float,
-                        sent: _Sent) -> bool:
-    """As much of the stream as relay.c passes on (engine_wire/native_relay): the same bytes as
-    _relay_pushed's, framed the same way; it stops where Python is needed, and
-    _relay_pushed goes on from there with what it read and did not send. False if relay.c
-    could not take the stream now (nothing changed)."""
-    def took(done: Forwarded) -> None:
-        sse.took_elsewhere(done.last_chunk, done.events)
-        record.bytes_out += done.data_bytes
-        if done.client_gone:
-            sent.dropped = True   # the send that failed held events
-        if done.reason == "stalled":
-            record.error_code = "client_stalled"
-
-    assert request.transport is not None   # (usable() said so)
-    done = await native.forward(request.transport, answer, stall_timeout_s, took)
-    if done is None:
-        return False
-    if done.client_gone:
-        if done.reason == "stalled" and request.transport is not None:
-            request.transport.abort()
-        raise _ClientGone()
-    return True
 
 
 def _client_left(record: CallRecord, answer: Answer) -> None:

@@ -146,11 +146,6 @@ class SseRelay:
         self._count(data)
         return True
 
-    @property
-    def between_events(self) -> bool:
-        """Nothing of an incomplete event is held here."""
-        return not self._pending and not self._cr
-
     def _lf(self, chunk: bytes) -> bytes:
         """chunk with its CRLF and CR line ends as LF; a CR that ends it is held back (the
         next read's first byte says whether it was half of a CRLF)."""
@@ -171,13 +166,6 @@ class SseRelay:
             self._pending_size = 0
             raise EventTooLarge(f"an event of the stream went past {self.max_event_bytes} "
                                 "bytes without its end (max_event_mb): the stream ends here")
-
-    def took_elsewhere(self, last: bytes, events: int) -> None:
-        """Whole events passed on without feed() (adapters/engine_wire/native_relay):
-        `last`, the last of them (b"": none), and the number of content events among them."""
-        if last:
-            self._last = last
-        self.content_events += events
 
     def flush(self) -> bytes:
         """Whatever is left when the upstream ends (an unterminated last event)."""

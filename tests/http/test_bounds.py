@@ -18,9 +18,7 @@ from gatewayd.http import openai_api
 from gatewayd.http.middleware import ClientBytesRefused
 from tests.fake_upstream import FakeUpstream
 from tests.http.test_front_door import (
-    BOTH_RELAYS,
     Gateway,
-    _choose_relay,
     _gateway,
     _samples,
     _value,
@@ -34,9 +32,7 @@ KIB = 1024
 
 
 @pytest.fixture
-async def gw(tmp_path: Path, request: pytest.FixtureRequest,
-             monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gateway]:
-    _choose_relay(getattr(request, "param", "native"), monkeypatch)
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
     async for g in _gateway(tmp_path, ("a",), max_event_bytes=256 * KIB,
                             max_answer_bytes=1024 * KIB):
         yield g
@@ -72,7 +68,6 @@ async def test_a_chunk_size_that_is_not_plain_hex_is_a_502(gw: Gateway, size: st
     assert await _bounded(gw, "engine_framing") == 1
 
 
-@BOTH_RELAYS
 @pytest.mark.parametrize("after_an_event", [False, True], ids=["first", "after-an-event"])
 async def test_an_event_that_never_ends_ends_the_stream_with_an_error_event(
         gw: Gateway, after_an_event: bool) -> None:

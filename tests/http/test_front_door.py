@@ -21,7 +21,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.adapters import records
-from gatewayd.adapters.engine_wire import native_relay
 from gatewayd.adapters.engine_wire.client import EngineResponse
 from gatewayd.app import build_app
 from gatewayd.core.config import Backend, ModelKind
@@ -29,7 +28,6 @@ from gatewayd.core.engines import EngineState
 from gatewayd.http import openai_api
 from gatewayd.http.auth import PARSER_LIMITS
 from gatewayd.http.drain import cancel_open_requests
-from gatewayd.http.proxy import NATIVE_RELAY
 from gatewayd.service.engine_manager import EngineManager
 from tests.fake_engine import FakeEngine
 from tests.fakes import FakeHealth, FakeUnits, engine_layer_on, engine_manager_on_fakes
@@ -82,27 +80,10 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
     shutil.rmtree(run_root, ignore_errors=True)
 
 
-def _choose_relay(relay: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """"native": streams go through gatewayd.adapters.engine_wire._relay (relay.c), which the
-    setup builds (its absence fails here rather than quietly testing Python twice);
-    "python": without."""
-    if relay == "native":
-        assert native_relay._native is not None, "engine_wire/relay.c is not built"
-        monkeypatch.delenv("LLM_GATEWAY_NATIVE_RELAY", raising=False)
-    else:
-        monkeypatch.setenv("LLM_GATEWAY_NATIVE_RELAY", "0")
-
-
 @pytest.fixture
-async def gw(tmp_path: Path, request: pytest.FixtureRequest,
-             monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gateway]:
-    _choose_relay(getattr(request, "param", "native"), monkeypatch)
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
     async for g in _gateway(tmp_path, ("a", "b")):
         yield g
-
-
-# a stream's test, run with each relay: the same bytes, records and ends are expected
-BOTH_RELAYS = pytest.mark.parametrize("gw", ["native", "python"], indirect=True)
 
 
 @pytest.fixture
@@ -144,7 +125,6 @@ async def test_chat_is_routed_by_alias_and_recorded(gw: Gateway) -> None:
     assert '"model": "A"' in row["request_text"] and "w0 w1" in row["response_text"]
 
 
-@BOTH_RELAYS
 async def test_stream_gets_usage_for_the_record_but_not_for_the_client(gw: Gateway) -> None:
     resp = await gw.client.post("/v1/chat/completions", json=chat("b", stream=True))
     assert resp.status == 200
@@ -160,7 +140,6 @@ async def test_stream_gets_usage_for_the_record_but_not_for_the_client(gw: Gatew
     assert row["ttft_ms"] is not None and 0 < row["ttft_ms"] <= row["latency_ms"]
 
 
-@BOTH_RELAYS
 async def test_stream_with_usage_asked_keeps_the_usage_chunk(gw: Gateway) -> None:
     resp = await gw.client.post("/v1/chat/completions", json=chat(
         "b", stream=True, stream_options={"include_usage": True}))
@@ -168,7 +147,6 @@ async def test_stream_with_usage_asked_keeps_the_usage_chunk(gw: Gateway) -> Non
     assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == 4
 
 
-@BOTH_RELAYS
 async def test_events_are_passed_one_by_one_not_batched(gw: Gateway) -> None:
     resp = await gw.client.post("/v1/chat/completions", json=chat(
         "a", stream=True, prompt="slow 60", max_tokens=5))
@@ -194,13 +172,11 @@ def chunks_of(raw: bytes) -> list[bytes]:
         raw = raw[size + 2:]
 
 
-@BOTH_RELAYS
 async def test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events(
-        gw: Gateway, request: pytest.FixtureRequest) -> None:
+        gw: Gateway) -> None:
     """Byte for byte on the wire: every chunk the client gets holds whole events, the
     events are the engine's (the usage event it was asked for by the gateway dropped), in
-    order, and the body ends properly. With the native relay, relay.c passed them on
-    (past the first event) and Python ended the stream."""
+    order, and the body ends properly; the record has the first event's time."""
     body = json.dumps(chat("a", stream=True, prompt="slow 5", max_tokens=12)).encode()
     reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -222,38 +198,27 @@ async def test_a_stream_reaches_the_client_as_whole_chunks_of_whole_events(
     (row,) = await gw.records(1)
     assert row["outcome"] == "ok" and row["completion_tokens"] == 12
     assert row["bytes_out"] == sum(len(p) for p in pieces)
-    relayed = 1 if request.node.callspec.params["gw"] == "native" else 0
-    assert gw.client.app[NATIVE_RELAY].streams == relayed
-    text = await (await gw.client.get("/admin/metrics")).text()
-    samples = {s.name: s.value for f in text_string_to_metric_families(text)
-               for s in f.samples}
-    assert samples["llm_gateway_native_relay_streams_total"] == relayed
-    assert samples["llm_gateway_native_relay_active"] == 0
+    assert row["ttft_ms"] is not None and 0 < row["ttft_ms"] <= row["latency_ms"]
 
 
-async def test_relay_c_takes_a_stream_whose_engine_was_mid_chunk_at_the_first_event(
-        gw: Gateway) -> None:
-    """The engine connection is in the middle of a chunk when the first event has been
-    sent (relay.c cannot start there): that event goes in Python, and relay.c takes the
-    stream at the next one, instead of leaving all of it to Python."""
+async def test_a_stream_whose_engine_splits_its_chunks_arrives_whole(gw: Gateway) -> None:
+    """The engine's chunks arrive in pieces (a read ends in the middle of one): each event
+    still reaches the client whole, in order."""
     resp = await gw.client.post("/v1/chat/completions", json=chat(
         "a", stream=True, prompt="split 60 slow 5", max_tokens=12))
     got = events(await resp.read())
     assert [e["choices"][0]["delta"].get("content") for e in got[1:13]] == \
         [f" w{i}" for i in range(12)]
     assert got[-1] == "[DONE]"
-    assert gw.client.app[NATIVE_RELAY].streams == 1
     (row,) = await gw.records(1)
     assert row["outcome"] == "ok" and row["completion_tokens"] == 12
 
 
-@BOTH_RELAYS
 async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
-        gw: Gateway, request: pytest.FixtureRequest) -> None:
-    """The gateway's drain deadline cancels a stream's handler with its client still there
-    (with the native relay: while relay.c has the stream): the client gets the events so
-    far, then shutting_down as an event of its own in a chunk of its own, and the body's
-    proper end."""
+        gw: Gateway) -> None:
+    """The gateway's drain deadline cancels a stream's handler with its client still there:
+    the client gets the events so far, then shutting_down as an event of its own in a
+    chunk of its own, and the body's proper end."""
     body = json.dumps(chat("a", stream=True, prompt="slow 30", max_tokens=200)).encode()
     reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -263,9 +228,6 @@ async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
     raw = b""
     while raw.count(b"data: {") < 4:       # the role event and 3 tokens, at 30 ms each
         raw += await asyncio.wait_for(reader.read(65536), 10)
-    relay = gw.client.app[NATIVE_RELAY]
-    if request.node.callspec.params["gw"] == "native":
-        assert relay.active == 1           # relay.c has it now
     cancel_open_requests(gw.client.app)
     while not raw.endswith(b"\r\n0\r\n\r\n"):
         raw += await asyncio.wait_for(reader.read(65536), 10)
@@ -274,12 +236,10 @@ async def test_a_stream_open_at_the_drain_deadline_ends_with_an_error_chunk(
     got = events(b"".join(pieces))
     assert got[-1]["error"]["code"] == "shutting_down" and len(got) < 100
     assert pieces[-1].startswith(b'data: {"error"')  # a chunk of its own
-    assert relay.active == 0
     (row,) = await gw.records(1)
     assert (row["outcome"], row["error_code"]) == ("error", "shutting_down")
 
 
-@BOTH_RELAYS
 async def test_completions_stream_usage_in_the_last_chunk(gw: Gateway) -> None:
     resp = await gw.client.post("/v1/completions", json={"model": "a", "prompt": "x y",
                                                           "max_tokens": 3, "stream": True})
@@ -289,7 +249,6 @@ async def test_completions_stream_usage_in_the_last_chunk(gw: Gateway) -> None:
     assert row["completion_tokens"] == 3
 
 
-@BOTH_RELAYS
 async def test_a_streamed_then_a_plain_request_on_one_engine(gw: Gateway) -> None:
     # the engine closes the connection after a stream; it must not be reused
     for _ in range(3):
@@ -416,7 +375,6 @@ async def test_multipart_without_model_field_is_model_required(gw: Gateway) -> N
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "model_required"
 
 
-@BOTH_RELAYS
 @pytest.mark.parametrize("prompt", ["die after 2", "slow 10 die after 2"],
                          ids=["at-once", "paced"])   # paced: the events after the first pushed
 async def test_engine_dies_mid_stream_ends_with_an_error_event(gw: Gateway,
@@ -432,7 +390,6 @@ async def test_engine_dies_mid_stream_ends_with_an_error_event(gw: Gateway,
     assert row["completion_tokens"] == 3    # role event + 2 tokens: an estimate
 
 
-@BOTH_RELAYS
 @pytest.mark.parametrize("prompt", ["linger 400", "slow 5 linger 400"],
                          ids=["at-once", "paced"])
 async def test_a_client_that_closes_at_the_final_event_got_its_answer(
@@ -451,7 +408,6 @@ async def test_a_client_that_closes_at_the_final_event_got_its_answer(
     assert row["completion_tokens"] == 6
 
 
-@BOTH_RELAYS
 async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
     resp = await gw.client.post("/v1/chat/completions", json=chat(
         "a", stream=True, prompt="slow 50", max_tokens=40))
@@ -470,7 +426,6 @@ async def test_client_disconnect_mid_stream_is_recorded(gw: Gateway) -> None:
     assert (await gw.client.post("/v1/chat/completions", json=chat("a"))).status == 200
 
 
-@BOTH_RELAYS
 async def test_a_client_that_stops_reading_holds_the_engine_and_gets_everything(
         gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
     """Events are pushed to the client from the engine connection's callback; a client
@@ -496,13 +451,12 @@ async def test_a_client_that_stops_reading_holds_the_engine_and_gets_everything(
     await resp.content.readuntil(b"\n\n")    # then a slow reader: nothing for a while
     engine = gw.fakes["a"]
     assert engine.runner is not None and engine.runner.server is not None
-    server, native = engine.runner.server, gw.client.app[NATIVE_RELAY]
+    server = engine.runner.server
     # until the engine waits to write (its socket is full) while the gateway does not read
-    # it (the Python relay's hold; relay.c reads only once its send to the client is out):
-    # from then on it stays so until the client reads, however slow the machine
+    # it (the relay's hold): from then on it stays so until the client reads, however slow
+    # the machine
     deadline = time.monotonic() + 10
-    while not ((holding or native.active)
-               and any(h.writing_paused for h in server.connections)):
+    while not (holding and any(h.writing_paused for h in server.connections)):
         assert engine.events_sent < n, "the gateway read the whole answer: nothing held it"
         assert time.monotonic() < deadline, engine.events_sent
         await asyncio.sleep(0.005)
@@ -516,13 +470,11 @@ async def test_a_client_that_stops_reading_holds_the_engine_and_gets_everything(
     assert row["outcome"] == "ok" and row["completion_tokens"] == n
 
 
-@pytest.mark.parametrize("relay", ["native", "python"])
 async def test_a_client_that_reads_nothing_for_read_timeout_s_is_dropped_and_lets_go(
-        tmp_path: Path, relay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     """A stream's client that takes no bytes for read_timeout_s while the gateway has some
     for it (a stuck or hostile reader) is cut off: the engine it held is let go (its
     connection closed, the turn free), and the record says client_stalled."""
-    _choose_relay(relay, monkeypatch)
     async for gw in _gateway(tmp_path, ("a",), read_timeout_s=1.0):
         body = json.dumps(chat("a", stream=True, prompt="pad 4000", max_tokens=6000)).encode()
         reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
@@ -892,7 +844,6 @@ def named_events(raw: bytes) -> list[tuple[str | None, dict[str, Any]]]:
     return out
 
 
-@BOTH_RELAYS
 @pytest.mark.parametrize(("path", "body", "counts"), [
     ("/v1/responses", {"input": "one two", "max_output_tokens": 3}, (12, 3)),
     ("/v1/messages", {"messages": [{"role": "user", "content": "one two"}], "max_tokens": 3},
@@ -913,7 +864,6 @@ async def test_usage_of_every_stream_format_is_recorded(
     assert all(r["outcome"] == "ok" for r in rows)
 
 
-@BOTH_RELAYS
 @pytest.mark.parametrize(("path", "body", "error_name"), [
     ("/v1/responses", {"input": "die after 3", "max_output_tokens": 6}, "error"),
     ("/v1/messages", {"messages": [{"role": "user", "content": "die after 5"}],

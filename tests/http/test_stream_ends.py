@@ -1,8 +1,7 @@
-"""How a relayed stream's end is told, on both relays (relay.c's and Python's): an engine
-answer that ends in good HTTP order without the stream's own final event was cut short
-(the client is told so in an error event); one whose final event came whole is not, also
-where relay.c passed that event on and Python only saw the body's end. To an HTTP/1.0
-client, a stream's end is the connection's close."""
+"""How a relayed stream's end is told: an engine answer that ends in good HTTP order
+without the stream's own final event was cut short (the client is told so in an error
+event); one whose final event came whole, in a chunk passed on as it came, is not. To an
+HTTP/1.0 client, a stream's end is the connection's close."""
 
 from __future__ import annotations
 
@@ -16,17 +15,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gatewayd.http.proxy import NATIVE_RELAY
 from tests.http.raw_http import HOST, Request, exchange
-from tests.http.test_front_door import Gateway, _choose_relay, _gateway, chat, events
-
-BOTH_RELAYS = pytest.mark.parametrize("gw", ["native", "python"], indirect=True)
+from tests.http.test_front_door import Gateway, _gateway, chat, events
 
 
 @pytest.fixture
-async def gw(tmp_path: Path, request: pytest.FixtureRequest,
-             monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gateway]:
-    _choose_relay(request.param, monkeypatch)
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
     async for g in _gateway(tmp_path, ("a",)):
         yield g
 
@@ -59,7 +53,6 @@ def engine_streams(gw: Gateway, monkeypatch: pytest.MonkeyPatch, *, tokens: int,
     monkeypatch.setattr(gw.fakes["a"], "_answer", answer)
 
 
-@BOTH_RELAYS
 async def test_a_stream_that_ends_without_its_final_event_ends_with_an_error_event(
         gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
     engine_streams(gw, monkeypatch, tokens=6, done=False)
@@ -73,8 +66,7 @@ async def test_a_stream_that_ends_without_its_final_event_ends_with_an_error_eve
     assert row["outcome"] == "engine_failed" and row["status"] == 200
 
 
-@BOTH_RELAYS
-async def test_a_final_event_relay_c_passed_on_ends_the_stream_well(
+async def test_a_final_event_passed_on_in_its_chunk_ends_the_stream_well(
         gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
     engine_streams(gw, monkeypatch, tokens=6, done=True)
     resp = await gw.client.post("/v1/chat/completions", json=chat("a", stream=True))
@@ -83,8 +75,6 @@ async def test_a_final_event_relay_c_passed_on_ends_the_stream_well(
     assert got[-2]["choices"][0]["finish_reason"] == "length"
     (row,) = await gw.records(1)
     assert row["outcome"] == "ok" and row["error_code"] is None
-    native = gw.client.app[NATIVE_RELAY]
-    assert native.streams == (1 if native.enabled else 0)
 
 
 # HTTP/1.0 has no chunked coding: an answer whose length is not known in advance (a
@@ -98,12 +88,11 @@ def http10_chat(stream: bool) -> Request:
         body=(body,))
 
 
-@BOTH_RELAYS
 @pytest.mark.parametrize("done", [True, False], ids=["whole", "cut_short"])
 async def test_an_http_1_0_keep_alive_stream_ends_with_the_close(
         gw: Gateway, monkeypatch: pytest.MonkeyPatch, done: bool) -> None:
-    """The events, then [DONE] (or the error event of a stream cut short), then the close;
-    relay.c does not take it (it passes the engine's chunk framing on as it came)."""
+    """The events, then [DONE] (or the error event of a stream cut short), then the close:
+    no chunk framing is passed on to it."""
     engine_streams(gw, monkeypatch, tokens=3, done=done)
     host, port = gw.client.host, gw.client.port
     assert isinstance(port, int)
@@ -122,10 +111,8 @@ async def test_an_http_1_0_keep_alive_stream_ends_with_the_close(
         assert got[-1]["error"]["code"] == "engine_failed"
     (row,) = await gw.records(1)
     assert row["outcome"] == ("ok" if done else "engine_failed")
-    assert gw.client.app[NATIVE_RELAY].streams == 0
 
 
-@pytest.mark.parametrize("gw", ["native"], indirect=True)
 async def test_an_http_1_0_keep_alive_answer_of_known_length_keeps_the_connection(
         gw: Gateway) -> None:
     """Not a stream: its Content-Length ends it, and the connection serves the next."""

@@ -155,7 +155,7 @@ def test_kind_is_checked_against_the_backend(tmp_path: Path) -> None:
 def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_by_name(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, value: str) -> None:
     """TOML has inf and nan: `read_timeout_s = inf` was accepted, and is no timeout at all
-    (relay.c's wait would overflow on it). `llm-gateway check` and a reload (which read
+    (an asyncio timer's wait would overflow on it). `llm-gateway check` and a reload (which read
     the file the same way) refuse it, naming the key."""
     from gatewayd import cli
     table, _, option = key.rpartition(".")

@@ -3,7 +3,6 @@
 - `framing`: the request head and the one parser of answers (pure; fuzzed on its own);
 - `connection`, `pool`, `client`: the proxy's pooled keep-alive client (`EngineClient`);
 - `exchange`: the gateway's own short looks (readiness, /props, /metrics, KV cache);
-- `native_relay` (+ `relay.c`): a stream's events passed on without the interpreter.
 http/proxy orchestrates the relay to the client; nothing outside this package parses an
 engine's bytes.
 """

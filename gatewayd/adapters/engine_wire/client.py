@@ -15,7 +15,7 @@ the launcher), so this speaks just what they answer (framing.py) with:
 - at most `limit` connections per socket at once, the rest waiting their turn (pool.py);
 - timeouts: connecting (a dead socket fails at once anyway), and reading
   (connection.py's read timer);
-- flow control and the hand-off to relay.c (connection.py).
+- flow control (connection.py).
 Remote upstreams (TLS, redirects, any server) keep aiohttp's client.
 """
 
@@ -98,22 +98,6 @@ class EngineResponse:
 
     def resume(self) -> None:
         self._conn.resume()
-
-    @property
-    def read_timeout_s(self) -> float:
-        return self._conn.read_timeout_s
-
-    def detach(self) -> int | None:
-        """For native_relay (beside this module): a duplicate of the connection's socket, to
-        be read elsewhere until reattach(), its reading here paused and its read timer off; None
-        if the body is not chunked or not between two chunks, or something of it is
-        buffered here (the relay then stays in Python)."""
-        return self._conn.detach()
-
-    def reattach(self, unread: bytes, idle_s: float) -> None:
-        """Reading back here, with the bytes read elsewhere and not used (parsed as if
-        they had just arrived); idle_s: since the engine's last byte."""
-        self._conn.reattach(unread, idle_s)
 
     def release(self) -> None:
         """Done with it: a complete answer on a reusable connection goes back to the pool,

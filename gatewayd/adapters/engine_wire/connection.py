@@ -7,14 +7,12 @@ life around it:
 - flow control: reading from the engine pauses while more than HIGH_WATER bytes wait
   for a slow reader, or while the sink's own output drains (hold/resume);
 - the read timer: no byte for read_timeout_s fails the wait (aiohttp's sock_read), with
-  one timer per connection re-armed lazily instead of one per read;
-- the hand-off to relay.c (detach/reattach): the socket read elsewhere between two chunks.
+  one timer per connection re-armed lazily instead of one per read.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -174,29 +172,6 @@ class Connection(asyncio.Protocol):
     def resume(self) -> None:
         self._held = False
         self._resume_reading()
-
-    def detach(self) -> int | None:
-        transport = self.transport
-        if transport is None or not self.open or transport.is_closing() or self._paused \
-                or not self._parser.at_chunk_start() or self._body \
-                or self._error is not None or self._sink is not None:
-            return None
-        sock = transport.get_extra_info("socket")
-        if sock is None:
-            return None
-        fd = os.dup(sock.fileno())
-        self._pause_reading()
-        self._cancel_timer()
-        return fd
-
-    def reattach(self, unread: bytes, idle_s: float) -> None:
-        self._last_io = self._loop.time() - idle_s
-        self._resume_reading()
-        if unread:
-            self.data_received(unread)
-            self._last_io = self._loop.time() - idle_s
-        if idle_s >= self.read_timeout_s and self._parser.state != DONE:
-            self._time_out()
 
     def _pause_reading(self) -> None:
         if not self._paused and self.transport is not None:
