@@ -141,7 +141,7 @@ async def _serve_gateway(socket_dir: str, port: int) -> None:
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    await mgr.start("a")
+    await mgr.lifecycle.start("a")
     print("ready", flush=True)
     await asyncio.Event().wait()
 

@@ -169,12 +169,12 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
     liveness = Liveness(engines, health, interval_s=config.health_interval_s,
                         timeout_s=config.health_timeout_s, misses=config.health_misses)
     notifier = app[NOTIFIER]
-    engines.subscribe(lambda old, new: _report(notifier, engines, old, new))
+    engines.registry.subscribe(lambda old, new: _report(notifier, engines, old, new))
     log.info("%d models; engines as %s units of the %s manager; GPU: %s",
              len(catalog), units.mode, manager, gpu.description)
     check_binaries(catalog, config)
     await adopt(engines)
-    await engines.drop_unconfigured_kv_caches()
+    await engines.hooks.drop_unconfigured_kv_caches()
     # Restore (and preload) runs in the background, one engine at a time, while we serve.
     app[RESTORE] = asyncio.get_running_loop().create_task(restore(engines))
     # the memory estimates' tensor tables, off the loop, now that the gateway serves
@@ -202,7 +202,7 @@ async def engine_layer(app: web.Application) -> AsyncIterator[None]:
 async def _pulls_at_start(puller: Puller, engines: EngineManager) -> None:
     await puller.resume_unfinished()
     await puller.pull_sources(list(engines.catalog),
-                              then=lambda model: engines.start(model.id, wait=False))
+                              then=lambda model: engines.lifecycle.start(model.id, wait=False))
 
 
 def read_config(source: Path | None) -> tuple[GatewayConfig, Catalog]:
@@ -214,15 +214,15 @@ def read_config(source: Path | None) -> tuple[GatewayConfig, Catalog]:
 
 def _report(notifier: Notifier, engines: EngineManager, old: Engine, new: Engine) -> None:
     if old.state is not new.state:
-        ready = sum(1 for e in engines.engines() if e.state is EngineState.READY)
+        ready = sum(1 for e in engines.registry.engines() if e.state is EngineState.READY)
         notifier.status(f"{ready} engine(s) ready; {new.model_id} {new.state.value}")
 
 
 async def front_door(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     engines, dispatcher, hub = app[admin_api.ENGINES], app[DISPATCHER], app[admin_api.EVENTS]
-    engines.subscribe(lambda old, new: admin_api.publish_engine(hub, engines, old, new,
-                                                                dispatcher.swap))
+    engines.registry.subscribe(lambda old, new: admin_api.publish_engine(
+        hub, engines, old, new, dispatcher.swap))
     dispatcher.subscribe_queue(lambda model, depth: hub.publish(
         {"type": "queue", "model": model, "depth": depth}))
     records = RecordWriter(config.records_file, max_age_s=config.records_max_age_days * DAY_S,
@@ -237,7 +237,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
     def connections_follow(old: Engine, new: Engine) -> None:
         if old.holds_place and not new.holds_place:
             engine_client.forget(new.socket)
-    engines.subscribe(connections_follow)
+    engines.registry.subscribe(connections_follow)
 
     known_parallel: dict[str, int] = {}
 
@@ -249,10 +249,10 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
             setup = (f"{settings_stamp(model, engines.config)}:"
                      f"{binary_identity(server_binary(model, engines.config)[0])}")
             await learn_parallel_slots(engine_client, socket, known=known_parallel, setup=setup)
-    engines.before_ready(learn_parallel)
+    engines.hooks.before_ready(learn_parallel)
     metrics = GatewayMetrics()
-    engines.subscribe(lambda old, new: metrics.on_engine_change(
-        old, new, engines.stop_reasons.get(new.model_id)))
+    engines.registry.subscribe(lambda old, new: metrics.on_engine_change(
+        old, new, engines.lifecycle.stop_reasons.get(new.model_id)))
     dispatcher.subscribe_waits(metrics.observe_wait)
     remotes = Remotes(config.upstreams, read_timeout_s=config.read_timeout_s)
     await remotes.start()
@@ -265,7 +265,7 @@ async def front_door(app: web.Application) -> AsyncIterator[None]:
         if (batches := app.get(batches_api.BATCHES)) is not None:
             batches.config = new
         engine_client.queue_limit = new.queue_limit
-        for engine in engines.engines():
+        for engine in engines.registry.engines():
             if engine.holds_place and (model := engines.catalog.get(engine.model_id)):
                 engine_client.set_queue_limit(engine.socket, connection_queue_limit(model))
         if records is not None:
@@ -459,7 +459,8 @@ async def _serve(config: GatewayConfig) -> None:
     log.info("serving on %s", where)
     _warn_if_open(config, sock)
     admin_listener, admin_path = _admin_listener(app, runner.server, config, admin_sock)
-    ready = sum(1 for e in app[admin_api.ENGINES].engines() if e.state is EngineState.READY)
+    ready = sum(1 for e in app[admin_api.ENGINES].registry.engines()
+                if e.state is EngineState.READY)
     notifier.ready(f"serving on {where}; {ready} engine(s) ready")
     notifier.start_watchdog()
     certificates = asyncio.create_task(_load_ca_certificates())

@@ -43,7 +43,7 @@ async def traffic(gw: Gateway, gpu: MeasuringGpu, seconds: float, seed: int = 7)
                     prompt=f"slow {rand.randint(1, 12)}")
         resp = await gw.client.post("/v1/chat/completions", json=body)
         await resp.read()
-        for engine in gw.engines.engines():   # what each engine's process holds on the GPU
+        for engine in gw.engines.registry.engines():   # what each engine's process holds on the GPU
             if engine.main_pid:
                 gpu.per_process[engine.main_pid] = VRAM_MIB.get(engine.model_id, 0)
 

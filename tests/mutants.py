@@ -168,11 +168,11 @@ SCHEDULING = (
            "    if not holds_place or state not in (EngineState.STARTING, EngineState.LOADING):"),
     Mutant("failed-is-sticky", "a failed model is tried again by a later request",
            "gatewayd/service/loader.py",
-           "            if (left := self._engines.backoff_left(model.id)) > 0:",
-           "            if (failed := self._engines.get(model.id)) is not None \\\n"
+           "            if (left := self._engines.registry.backoff_left(model.id)) > 0:",
+           "            if (failed := self._engines.registry.get(model.id)) is not None \\\n"
            "                    and failed.state is EngineState.FAILED:\n"
-           "                raise self._engines.failed_error(model.id)\n"
-           "            if (left := self._engines.backoff_left(model.id)) > 0:"),
+           "                raise self._engines.registry.failed_error(model.id)\n"
+           "            if (left := self._engines.registry.backoff_left(model.id)) > 0:"),
     Mutant("no-drain", "a model waiting under load on the others gets a place (drain)",
            "gatewayd/service/loader.py",
            "                self._drain(victim, model.id, reason, want, usages)",

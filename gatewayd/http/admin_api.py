@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -26,7 +26,8 @@ from gatewayd.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.adapters.metrics import EngineFigures, Snapshot
 from gatewayd.core import logs, model_server, placement, scheduler
 from gatewayd.core.budget import MIB
-from gatewayd.core.config import Backend
+from gatewayd.core.catalog import Catalog
+from gatewayd.core.config import Backend, GatewayConfig
 from gatewayd.core.engines import COMING_STATES, PLACE_STATES, Engine, EngineState
 from gatewayd.core.errors import GpuUnavailable, InvalidRequest, NotASystemdUnit
 from gatewayd.core.model_server import KvUse
@@ -40,6 +41,7 @@ from gatewayd.http.batches_api import BATCHES
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
+from gatewayd.service.engine_parts import EngineHooksView, EngineReads, EngineRoom, EngineStarts
 from gatewayd.service.pulls import Puller
 from gatewayd.service.reload import Reloader
 
@@ -54,6 +56,45 @@ HEARTBEAT_S = 15.0
 ENGINE_METRICS_TIMEOUT_S = 2.0
 # a picker scrapes every second or faster: a busy engine's slots are left out, not waited on
 ENGINE_SLOTS_TIMEOUT_S = 0.5
+
+
+class AdminEngines(Protocol):
+    """What the admin API asks of the engine layer (service/engine_manager has it): the
+    catalog and configuration in force, the parts by name, and what only the whole layer
+    says (its overview, the GPU's devices, parked units, an engine's journal)."""
+
+    @property
+    def catalog(self) -> Catalog: ...
+
+    @property
+    def config(self) -> GatewayConfig: ...
+
+    @property
+    def registry(self) -> EngineReads: ...
+
+    @property
+    def lifecycle(self) -> EngineStarts: ...
+
+    @property
+    def capacity(self) -> EngineRoom: ...
+
+    @property
+    def hooks(self) -> EngineHooksView: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def gpu_devices(self) -> list[placement.DeviceMemory] | None: ...
+
+    def parked(self) -> list[str]: ...
+
+    async def logs(self, model_id: str, lines: int) -> list[str]: ...
+
+    def log_unit(self, model_id: str) -> tuple[str, str]: ...
+
+
+def _engines(request: web.Request) -> AdminEngines:
+    return request.app[ENGINES]
+
 
 
 # beside this module, not through importlib.resources: that and the zipfile it imports
@@ -98,8 +139,8 @@ async def status_page(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    mgr = request.app[ENGINES]
-    ram = mgr.ram()
+    mgr = _engines(request)
+    ram = mgr.capacity.ram()
     return web.json_response({
         **mgr.describe(),
         **_gpu_memory(request),
@@ -128,19 +169,19 @@ async def reload_config(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    mgr = request.app[ENGINES]
+    mgr = _engines(request)
     return web.json_response({"models": [m.describe() for m in mgr.catalog],
                               "variants": [v.describe() for v in mgr.catalog.variants]})
 
 
 async def list_engines(request: web.Request) -> web.Response:
-    mgr = request.app[ENGINES]
+    mgr = _engines(request)
     uses = _uses(request)
     rows = []
-    mgr.read_ram()
-    vram = mgr.vram_held() if mgr.has_gpu() else {}
-    for engine in mgr.engines():
-        row = engine_json(mgr, engine, await mgr.info(engine))
+    mgr.capacity.read_ram()
+    vram = mgr.capacity.vram_held() if mgr.capacity.has_gpu() else {}
+    for engine in mgr.registry.engines():
+        row = engine_json(mgr, engine, await mgr.lifecycle.info(engine.unit))
         # measured on the GPU (NVML, per process): the console's bars set it beside the need
         row["vram_mib"] = vram.get(engine.model_id)
         use = uses.get(engine.model_id)
@@ -151,20 +192,21 @@ async def list_engines(request: web.Request) -> web.Response:
 
 
 async def start_engine(request: web.Request) -> web.Response:
-    mgr = request.app[ENGINES]
+    mgr = _engines(request)
     model = mgr.catalog.resolve(await _model_field(request))
     if (puller := request.app.get(PULLER)) is not None:   # a source not pulled yet
         await puller.ensure(model, mgr.config.load_timeout_s)
-    engine = await mgr.start(model.id)
-    mgr.read_ram()
-    return web.json_response({"engine": engine_json(mgr, engine, await mgr.info(engine))})
+    engine = await mgr.lifecycle.start(model.id)
+    mgr.capacity.read_ram()
+    info = await mgr.lifecycle.info(engine.unit)
+    return web.json_response({"engine": engine_json(mgr, engine, info)})
 
 
 async def stop_engine(request: web.Request) -> web.Response:
-    mgr = request.app[ENGINES]
+    mgr = _engines(request)
     name = await _model_field(request)
-    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
-    engine = await mgr.stop(model_id)
+    model_id = name if mgr.registry.get(name) else mgr.catalog.resolve(name).id
+    engine = await mgr.lifecycle.stop(model_id)
     return web.json_response({"engine": engine_json(mgr, engine, None)})
 
 
@@ -172,14 +214,14 @@ async def engine_logs(request: web.Request) -> web.StreamResponse:
     """An engine's journal: its last lines (?lines=N, default 100); with ?follow=1 an event
     stream, the last lines (default 50) then each one as it is written; ?grep=TEXT keeps
     the lines that contain TEXT (any case)."""
-    mgr = request.app[ENGINES]
+    mgr = _engines(request)
     q = query_of(request)
     name = q.get("model")
     if not name:
         raise InvalidRequest("give the model: ?model=NAME", param="model")
     follow = q.get("follow", False)
     lines = q.get("lines", FOLLOW_LINES if follow else 100)
-    model_id = name if mgr.get(name) else mgr.catalog.resolve(name).id
+    model_id = name if mgr.registry.get(name) else mgr.catalog.resolve(name).id
     keep = logs.line_filter(q.get("grep"))
     if follow:   # the unit from the engine or the catalog, never the query's text
         return await _follow_log(request, *mgr.log_unit(model_id), lines, keep)
@@ -242,7 +284,7 @@ async def _follow_log(request: web.Request, unit: str, manager: str, lines: int,
 async def call_records(request: web.Request) -> web.Response:
     """Newest first; filters: model, endpoint, since/until (epoch seconds), status, outcome,
     limit."""
-    mgr = request.app[ENGINES]
+    mgr = _engines(request)
     q = query_of(request)
     rows = await records.search(
         mgr.config.records_file, model=q.get("model"), since=q.get("since"),
@@ -255,10 +297,10 @@ async def metrics(request: web.Request) -> web.Response:
     """Prometheus exposition: the gateway's counters plus the current figures (engine
     states, queues, systemd's memory and CPU per engine unit, GPU memory); with
     ?engines=1 also every ready llama engine's own /metrics, labelled by model."""
-    mgr, front = request.app[ENGINES], request.app[openai_api.FRONT]
+    mgr, front = _engines(request), request.app[openai_api.FRONT]
     if front.metrics is None:
         raise web.HTTPNotFound()
-    kv_counts = mgr.kv_cache_counts()
+    kv_counts = mgr.hooks.kv_cache_counts()
     snapshot = Snapshot(max_engines=mgr.config.max_engines, parked=len(mgr.parked()),
                         records_dropped=front.records.dropped if front.records else 0,
                         kv_cache=kv_counts,
@@ -270,14 +312,15 @@ async def metrics(request: web.Request) -> web.Response:
                         "records_max_age_days": pruned.get("age", 0),
                         "records_max_mb": pruned.get("size", 0),
                         "kv_cache_unconfigured": kv_counts.get(("prune", "removed"), 0)}
-    ram = mgr.ram()   # read first: each engine's RAM below is this reading's
-    engines = mgr.engines()
+    ram = mgr.capacity.ram()   # read first: each engine's RAM below is this reading's
+    engines = mgr.registry.engines()
     ready_llama = [e for e in engines if e.state is EngineState.READY
                    and (model := mgr.catalog.get(e.model_id)) is not None
                    and model.backend is Backend.LLAMA]
-    infos, kv = await asyncio.gather(asyncio.gather(*(mgr.info(e) for e in engines)),
+    infos, kv = await asyncio.gather(asyncio.gather(*(mgr.lifecycle.info(e.unit)
+                                                      for e in engines)),
                                      _engine_kv(mgr, ready_llama, request.app[KV_READINGS]))
-    vram_held = mgr.vram_held()
+    vram_held = mgr.capacity.vram_held()
     uses = _uses(request)   # after the waits above: one moment with the engines' figures
     for engine, info in zip(engines, infos, strict=True):
         use = uses.get(engine.model_id)
@@ -310,7 +353,7 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-def _as_one_model_server(snapshot: Snapshot, mgr: EngineManager,
+def _as_one_model_server(snapshot: Snapshot, mgr: AdminEngines,
                          dispatcher: Dispatcher | None,
                          uses: dict[str, scheduler.Usage]) -> None:
     """The host's figures for an endpoint picker (core/model_server), from the engines'
@@ -334,27 +377,27 @@ def _as_one_model_server(snapshot: Snapshot, mgr: EngineManager,
     # scrape, not one for every model in models_dir (a picker scrapes every second)
     smallest = min((m for m in mgr.catalog if m.id not in held),
                    key=lambda m: m.size_bytes, default=None)
-    needs = [] if smallest is None else [mgr.need(smallest)]
+    needs = [] if smallest is None else [mgr.capacity.need(smallest)]
     budgets = snapshot.budgets
     room = model_server.room_for_one_more(
         places, mgr.config.max_engines,
-        [(n.ram_mib * MIB, n.vram_mib * MIB if mgr.has_gpu() else 0) for n in needs],
+        [(n.ram_mib * MIB, n.vram_mib * MIB if mgr.capacity.has_gpu() else 0) for n in needs],
         budgets.get(("ram", "free")), budgets.get(("gpu", "free")))
     snapshot.warm = model_server.warm(
         {m: mgr.catalog.engine_names(m) for m in {*ready, *coming}}, ready, coming, room=room)
 
 
-def _engine_memory(mgr: EngineManager, engine: Engine, vram_mib: int | None
+def _engine_memory(mgr: AdminEngines, engine: Engine, vram_mib: int | None
                    ) -> dict[tuple[str, str], int]:
     """llm_gateway_memory_engine_bytes of one engine: (memory, figure) -> bytes, the figures
     known only (its RAM from the caller's reading)."""
     out: dict[tuple[str, str], int] = {}
     if (model := mgr.catalog.get(engine.model_id)) is not None:
-        need = mgr.need(model)
+        need = mgr.capacity.need(model)
         out["ram", "need"] = need.ram_mib * MIB
-        if mgr.has_gpu():
+        if mgr.capacity.has_gpu():
             out["vram", "need"] = need.vram_mib * MIB
-    if (use := mgr.ram_measured(engine.model_id)) is not None:
+    if (use := mgr.capacity.ram_measured(engine.model_id)) is not None:
         out["ram", "measured"] = use.current_bytes
         if use.peak_bytes is not None:
             out["ram", "peak"] = use.peak_bytes
@@ -377,7 +420,7 @@ async def _engine_metrics(engines: list[Engine]) -> dict[str, str]:
     return {model: text for model, text in found if text is not None}
 
 
-async def _engine_kv(mgr: EngineManager, engines: list[Engine],
+async def _engine_kv(mgr: AdminEngines, engines: list[Engine],
                      readings: model_server.KvReadings) -> dict[str, KvUse]:
     """Each ready llama engine's KV use from its /slots; one that does not answer in time
     (busy with a long prompt) counts at its last reading; one never read is left out (its
@@ -410,7 +453,7 @@ def _gpu_memory(request: web.Request) -> dict[str, Any]:
     """status's gpu_memory_mib (the ledger), gpu_devices (each device and the engines
     placed on it), both from one fresh reading, and gpu_error (why there is none when
     NVML fails)."""
-    mgr = request.app[ENGINES]
+    mgr = _engines(request)
     try:
         devices = mgr.gpu_devices()
     except GpuUnavailable as e:
@@ -418,7 +461,7 @@ def _gpu_memory(request: web.Request) -> dict[str, Any]:
     if devices is None:
         return {"gpu_memory_mib": None, "gpu_devices": None, "gpu_error": None}
     ledger = scheduler.memory_ledger(*placement.total(devices), _uses(request).values())
-    engines = [e for e in mgr.engines() if e.holds_place]
+    engines = [e for e in mgr.registry.engines() if e.holds_place]
     return {"gpu_error": None, "gpu_memory_mib": {
         "total": ledger.total_mib, "free": ledger.free_mib, "held_by_engines": ledger.held_mib,
         "pending_loads": ledger.pending_mib, "external": ledger.external_mib,
@@ -430,7 +473,7 @@ def _gpu_memory(request: web.Request) -> dict[str, Any]:
                         for d in devices]}
 
 
-def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine,
+def publish_engine(hub: EventHub, mgr: AdminEngines, old: Engine, new: Engine,
                    swap: Callable[[str], Swap | None] | None = None) -> None:
     """Engine state changes as events: starting, ready (load_s: from its start or restart),
     failed and restarting (reason), stopping and stopped (why; evicted_for: the model an
@@ -445,14 +488,15 @@ def publish_engine(hub: EventHub, mgr: EngineManager, old: Engine, new: Engine,
     if new.state in (EngineState.FAILED, EngineState.RESTARTING) and new.failure is not None:
         event["reason"] = new.failure.reason
     elif new.state in (EngineState.STOPPING, EngineState.STOPPED):
-        event["reason"] = mgr.stop_reasons.get(new.model_id, "stopped outside the gateway")
-        if (evicted_for := mgr.evicted_for.get(new.model_id)) is not None:
+        event["reason"] = mgr.lifecycle.stop_reasons.get(new.model_id,
+                                                         "stopped outside the gateway")
+        if (evicted_for := mgr.lifecycle.evicted_for.get(new.model_id)) is not None:
             event["evicted_for"] = evicted_for
             if swap is not None and (why := swap(new.model_id)) is not None \
                     and why.model == evicted_for:
                 event.update(why.describe())
     elif new.state is EngineState.READY \
-            and (load_s := mgr.load_seconds(new.model_id)) is not None:
+            and (load_s := mgr.registry.load_seconds(new.model_id)) is not None:
         event["load_s"] = round(load_s, 3)
     hub.publish(event)
 
@@ -486,7 +530,7 @@ async def event_history(request: web.Request) -> web.Response:
 
 async def follow_events(request: web.Request) -> web.StreamResponse:
     """SSE: a snapshot first, then every engine state change and queue depth change."""
-    mgr, hub = request.app[ENGINES], request.app[EVENTS]
+    mgr, hub = _engines(request), request.app[EVENTS]
     if request.method == "HEAD":   # the head only: aiohttp would send a stream's body too
         return web.Response(headers=SSE_HEADERS)
     queue = hub.follow()
@@ -495,7 +539,7 @@ async def follow_events(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         snapshot = {"type": "snapshot", "engines": [
             {"model": e.model_id, "state": e.state.value, "unit": e.unit}
-            for e in mgr.engines()]}
+            for e in mgr.registry.engines()]}
         await response.write(sse_event(snapshot))
         while True:
             try:
@@ -514,15 +558,15 @@ async def follow_events(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def engine_json(mgr: EngineManager, engine: Engine, info: EngineUnitInfo | None
+def engine_json(mgr: AdminEngines, engine: Engine, info: EngineUnitInfo | None
                 ) -> dict[str, Any]:
     """An engine as the admin API shows it; its RAM from the caller's mgr.read_ram()."""
     uptime = None
     if info is not None and info.started_at_us and engine.state.value in ("loading", "ready"):
         uptime = round(time.time() - info.started_at_us / 1e6, 1)
-    ram = mgr.ram_measured(engine.model_id)
+    ram = mgr.capacity.ram_measured(engine.model_id)
     model = mgr.catalog.get(engine.model_id)
-    need = mgr.need(model) if model is not None else None
+    need = mgr.capacity.need(model) if model is not None else None
     memory = info.memory_bytes if info else None
     if memory is None and ram is not None:
         # on a cgroup-v1 host systemd shows no MemoryCurrent: the meter's reading (the
@@ -547,8 +591,8 @@ def engine_json(mgr: EngineManager, engine: Engine, info: EngineUnitInfo | None
         "ram_need_mib": need.ram_mib if need else None,
         "ram_need_source": need.ram_source if need else None,
         # without a GPU there is no VRAM to need (Need's figure is then unused)
-        "vram_need_mib": need.vram_mib if need and mgr.has_gpu() else None,
-        "vram_need_source": need.vram_source if need and mgr.has_gpu() else None,
+        "vram_need_mib": need.vram_mib if need and mgr.capacity.has_gpu() else None,
+        "vram_need_source": need.vram_source if need and mgr.capacity.has_gpu() else None,
     }
 
 

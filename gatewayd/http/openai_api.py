@@ -99,7 +99,7 @@ FRONT = web.AppKey("front", FrontDoor)
 
 
 async def health(request: web.Request) -> web.Response:
-    engines = request.app[FRONT].manager.engines()
+    engines = request.app[FRONT].manager.registry.engines()
     ready = sum(1 for e in engines if e.state is EngineState.READY)
     return web.json_response({"status": "ok", "engines_ready": ready})
 
@@ -110,7 +110,7 @@ async def ready(request: web.Request) -> web.Response:
     the balancer sends no more before its socket closes."""
     if request.app[SHUTDOWN].draining:
         return web.json_response({"status": "draining"}, status=503)
-    engines = request.app[FRONT].manager.engines()
+    engines = request.app[FRONT].manager.registry.engines()
     return web.json_response({"status": "ready", "engines_ready": sum(
         1 for e in engines if e.state is EngineState.READY)})
 
@@ -122,10 +122,10 @@ async def no_icon(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     """Ready engines first, then the models that could be started, then remote models."""
     front = request.app[FRONT]
-    engines = {e.model_id: e for e in front.manager.engines()}
+    engines = {e.model_id: e for e in front.manager.registry.engines()}
     key = request_key(request)
     catalog = front.manager.catalog
-    front.manager.read_ram()   # once for every row: what each engine holds now
+    front.manager.capacity.read_ram()   # once for every row: what each engine holds now
     rows = [_model_object(front, model, engines.get(model.id))
             for model in catalog
             if key is None or key.may_use(model.id, model.names)]
@@ -161,8 +161,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
         upstream = next(r for r in front.remotes.remotes() if r.name == remote[0].upstream)
         return web.json_response(_remote_object(upstream, remote[0].id))
     check_model(request_key(request), served.id, served.names)
-    front.manager.read_ram()
-    engine = front.manager.get(served.model.id)
+    front.manager.capacity.read_ram()
+    engine = front.manager.registry.get(served.model.id)
     if served.variant is not None:
         return web.json_response(_variant_object(front, served.variant, engine))
     return web.json_response(_model_object(front, served.model, engine))
@@ -188,8 +188,8 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
     per budget (the need admission counts and where that figure came from; what its
     engine holds now, read by the caller's read_ram)."""
     info = model.describe()
-    need = front.manager.need(model)
-    ram = front.manager.ram_measured(model.id) if engine is not None else None
+    need = front.manager.capacity.need(model)
+    ram = front.manager.capacity.ram_measured(model.id) if engine is not None else None
     return {
         "id": model.id, "object": "model", "created": int(model.path.stat().st_mtime)
         if model.path is not None and model.path.exists() else 0, "owned_by": "llm-gateway",
@@ -198,7 +198,7 @@ def _model_object(front: FrontDoor, model: Model, engine: Engine | None) -> dict
         "loaded": engine is not None and engine.state is EngineState.READY,
         "engine": engine.unit if engine else None,
         "vram_estimate_mib": need.vram_mib, "vram_estimate_source": need.vram_source,
-        "vram_measured_mib": front.manager.measured_mib(model),
+        "vram_measured_mib": front.manager.capacity.measured_mib(model),
         "ram_estimate_mib": need.ram_mib, "ram_estimate_source": need.ram_source,
         "ram_measured_mib": ram.current_mib if ram else None,
         "ram_measured_source": ram.source if ram else None,
@@ -281,7 +281,7 @@ async def parse_call(front: FrontDoor, request: web.Request, key: ApiKey | None,
         check_asked(key, catalog, asked)
     try:
         model_id = choose_model(request.path, asked, catalog=catalog,
-                                engines=front.manager.engines(),
+                                engines=front.manager.registry.engines(),
                                 default_model=front.config.default_model)
     except ModelNotFound as e:
         if asked is None or not front.remotes.candidates((asked,)):

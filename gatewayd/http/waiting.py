@@ -107,7 +107,7 @@ class Progress:
     def snapshot(self) -> progress.Waiting:
         """What is known now of the model this request waits for."""
         model = self._model_id
-        engine = self._engines.get(model)
+        engine = self._engines.registry.get(model)
         pull = self._puller.active(model) if self._puller is not None else None
         wants = self._dispatcher.schedule()["line"]
         line = [w["model"] for w in wants]

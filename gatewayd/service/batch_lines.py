@@ -75,11 +75,15 @@ T = TypeVar("T")
 LineRecorder = Callable[[Batch, Line, int, float, str | None, Any], None]
 
 
-class BatchEngines(Protocol):
-    """What the batches read of the engines (service/engine_manager has it)."""
-
+class BatchReads(Protocol):
     def get(self, model_id: str) -> Engine | None: ...
 
+
+class BatchEngines(Protocol):
+    """What the batches read of the engines (service/engine_manager has it): an engine."""
+
+    @property
+    def registry(self) -> BatchReads: ...
 
 class BatchDispatcher(Protocol):
     """The request path's own way to an engine (service/dispatcher has it)."""
@@ -234,7 +238,7 @@ class LineSender:
         while True:
             config = self._config()
             quiet = self._activity.quiet_for() >= config.batch_idle_s
-            engine = self._engines.get(model_id)
+            engine = self._engines.registry.get(model_id)
             ready = engine is not None and engine.state is EngineState.READY
             mine = self._in_flight[model_id]
             if may_send(ready=ready, quiet=quiet, in_flight=mine,

@@ -31,7 +31,6 @@ from gatewayd.core.errors import EngineUnavailable, GatewayError, ModelNotLoaded
 from gatewayd.core.ports import GpuProbe
 from gatewayd.core.priority import NAMES, NORMAL
 from gatewayd.core.waits import ROOM, Swap, Waited, near_miss, reason_of
-from gatewayd.service.engine_registry import EngineListener
 from gatewayd.service.loader import LoadedEngines, Loader
 from gatewayd.service.reaper import IdleReaper
 from gatewayd.service.turns import QueueListener, Turns, Use
@@ -46,18 +45,8 @@ log = logging.getLogger("gatewayd.dispatcher")
 
 
 class DispatchedEngines(LoadedEngines, Protocol):
-    """What the dispatcher asks of the engines (service/engine_manager has it): besides
-    the loaders', the engines and their changes, an estimate, and whether one that
-    refused a request is coming back."""
-
-    def engines(self) -> list[Engine]: ...
-
-    def subscribe(self, listener: EngineListener) -> Callable[[], None]: ...
-
-    def need_mib(self, model: Model) -> int: ...
-
-    async def coming_back(self, model_id: str, main_pid: int) -> bool: ...
-
+    """What the dispatcher asks of the engines (service/engine_manager has it): the
+    loaders' parts (the engines and their changes, starts and stops, room), nothing more."""
 
 class Dispatcher:
     def __init__(self, engines: DispatchedEngines, *, catalog: Catalog, gpu: GpuProbe,
@@ -74,7 +63,7 @@ class Dispatcher:
                               clock=clock)
         self._reaper = IdleReaper(engines, catalog, self.usages, clock)
         self._wait_listeners: list[WaitListener] = []
-        engines.subscribe(self._on_engine_change)
+        engines.registry.subscribe(self._on_engine_change)
 
     # -- the request path ----------------------------------------------------------
 
@@ -149,7 +138,7 @@ class Dispatcher:
                        counts_as_use: bool, priority: int, client: str | None,
                        waited: dict[str, float]) -> Engine:
         while True:
-            engine = self._engines.get(model_id)
+            engine = self._engines.registry.get(model_id)
             use = self._turns.get_or_add(model_id)
             if engine is not None and engine.state is EngineState.READY and (
                     not use.draining or not autoload):
@@ -193,7 +182,7 @@ class Dispatcher:
     async def coming_back(self, engine: Engine) -> bool:
         """Whether the engine, whose socket refused a request that reached no process, is
         on its way back (systemd restarting it), so that the request may wait for it."""
-        return await self._engines.coming_back(engine.model_id, engine.main_pid)
+        return await self._engines.lifecycle.coming_back(engine.model_id, engine.main_pid)
 
     def release(self, model_id: str, *, counts_as_use: bool = True,
                 priority: int = NORMAL) -> None:
@@ -205,7 +194,7 @@ class Dispatcher:
     def usages(self) -> list[scheduler.Usage]:
         per_process = self._gpu.process_mib()
         rows = []
-        for engine in self._engines.engines():
+        for engine in self._engines.registry.engines():
             use = self._turns.peek(engine.model_id)
             model = self._catalog.get(engine.model_id)
             rows.append(scheduler.Usage(
@@ -214,7 +203,7 @@ class Dispatcher:
                 queued=len(use.waiters) if use else 0,
                 pinned=bool(model and model.config.pin),
                 last_used=(use.last_used if use else 0.0) or (engine.ready_since or 0.0),
-                estimate_mib=self._engines.need_mib(model) if model else 0,
+                estimate_mib=self._engines.capacity.need_mib(model) if model else 0,
                 measured_mib=per_process.get(engine.main_pid) if per_process is not None
                 else None,
                 idle_ttl_s=model.config.idle_ttl_s if model else None,

@@ -16,12 +16,12 @@ from typing import Protocol
 
 from gatewayd.core import scheduler
 from gatewayd.core.budget import model_need_mib
-from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import Engine
 from gatewayd.core.errors import EngineNotRunning, GatewayError
 from gatewayd.core.placement import total
 from gatewayd.core.ports import GpuProbe
+from gatewayd.service.engine_parts import EngineReads, EngineRoom, EngineStarts
 from gatewayd.service.turns import Turns
 from gatewayd.service.wake_up import WakeUp
 
@@ -31,16 +31,17 @@ MEMORY_POLL_S = 0.1
 
 
 class EvictedEngines(Protocol):
-    """What eviction asks of the engines (service/engine_manager has it)."""
+    """What eviction asks of the engines (service/engine_manager has it): when an engine
+    last let go of its place, what one holds, and a stop."""
 
     @property
-    def last_release(self) -> float | None: ...
+    def registry(self) -> EngineReads: ...
 
-    def measured_mib(self, model: Model) -> int | None: ...
+    @property
+    def capacity(self) -> EngineRoom: ...
 
-    async def stop(self, model_id: str, *, reason: str = "requested",
-                   evicted_for: str | None = None) -> Engine: ...
-
+    @property
+    def lifecycle(self) -> EngineStarts: ...
 
 class Evictor:
     def __init__(self, engines: EvictedEngines, *, catalog: Catalog, gpu: GpuProbe,
@@ -69,8 +70,9 @@ class Evictor:
         before = self.room()
         log.info("evicting %s (%s)", victim, reason)
         try:
-            await self._engines.stop(victim, reason=eviction_reason(victim, evicted_for, why),
-                                     evicted_for=evicted_for)
+            await self._engines.lifecycle.stop(
+                victim, reason=eviction_reason(victim, evicted_for, why),
+                evicted_for=evicted_for)
         except EngineNotRunning:
             pass
         except GatewayError as e:
@@ -80,7 +82,7 @@ class Evictor:
                 use.draining_for = None
         if before is not None:   # wait until its memory really shows as free
             model = self._catalog.get(victim)
-            expect = (self._engines.measured_mib(model) or model_need_mib(model, 0)) \
+            expect = (self._engines.capacity.measured_mib(model) or model_need_mib(model, 0)) \
                 if model else 0
             deadline = self._clock() + MEMORY_SETTLE_S
             while self._clock() < deadline:
@@ -103,7 +105,7 @@ class Evictor:
     def memory_coming_back(self) -> bool:
         """Whether an engine went away so recently that its memory may not show as free
         yet."""
-        released = self._engines.last_release
+        released = self._engines.registry.last_release
         return released is not None and self._clock() - released < MEMORY_SETTLE_S
 
     # -- more engines than max_engines (found by the reconciler) ------------------------

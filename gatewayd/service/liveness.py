@@ -52,7 +52,7 @@ class Liveness:
 
     async def check(self) -> list[str]:
         """One round of probes; returns the models found hung (and being killed)."""
-        ready = [e for e in self._engines.engines() if e.state is EngineState.READY]
+        ready = [e for e in self._engines.registry.engines() if e.state is EngineState.READY]
         catalog = self._engines.catalog
         answers = await asyncio.gather(*(
             self._health.status(e.socket, self._timeout_s, health_of(catalog, e.model_id)[0])
@@ -75,8 +75,8 @@ class Liveness:
                 hung.append(engine.model_id)
                 silent_s = self._limit * self._interval_s
                 task = asyncio.get_running_loop().create_task(
-                    self._engines.kill_unresponsive(engine.model_id, engine.main_pid,
-                                                    silent_s))
+                    self._engines.lifecycle.kill_unresponsive(engine.model_id,
+                                                              engine.main_pid, silent_s))
                 self._kills.add(task)
                 task.add_done_callback(self._kills.discard)
         return hung

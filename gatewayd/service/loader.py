@@ -26,7 +26,7 @@ from gatewayd.core import scheduler
 from gatewayd.core.budget import insufficient_gpu, insufficient_ram
 from gatewayd.core.catalog import Catalog, Model
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import COMING_STATES, Engine, EngineState
+from gatewayd.core.engines import COMING_STATES, EngineState
 from gatewayd.core.errors import (
     AlreadyRunning,
     EngineFailed,
@@ -60,28 +60,9 @@ class Bounds:
 
 class LoadedEngines(LineEngines, EvictedEngines, Protocol):
     """What the loaders ask of the engines (service/engine_manager has it): besides the
-    line's and eviction's, a start and what it must wait for or could fail on."""
-
-    def busy(self, model_id: str) -> bool: ...
-
-    def backoff_left(self, model_id: str) -> float: ...
-
-    def failed_error(self, model_id: str, *, retry_after: int | None = None
-                     ) -> EngineFailed: ...
-
-    def check_ram_ceiling(self, model: Model) -> None: ...
+    line's and eviction's parts, the checks before room is made for a start."""
 
     def check_startable(self, model: Model) -> None: ...
-
-    def place(self, model: Model) -> Placement | None: ...
-
-    def ram(self, model: Model | None = None) -> RamLedger | None: ...
-
-    async def start(self, model_id: str, *, wait: bool = True, force: bool = False
-                    ) -> Engine: ...
-
-    async def wait_ready(self, model_id: str, timeout: float | None = None) -> Engine: ...
-
 
 class Loader:
     def __init__(self, engines: LoadedEngines, *, catalog: Catalog, gpu: GpuProbe,
@@ -157,7 +138,7 @@ class Loader:
     async def _make_room_and_start(self, model: Model) -> None:
         """Until model's engine is ready (or every client left): what its engine is doing
         decides first, then the scheduler's decision for a start, carried out."""
-        self._engines.check_ram_ceiling(model)   # never fits: said at once
+        self._engines.capacity.check_ram_ceiling(model)   # never fits: said at once
         # grouped, room may wait for the model's turn first: max_wait_s, then the drain;
         # a turn that lasts longer (a lower class than the busy engines' traffic waits to
         # be aged: Want.turn_by) moves room_by, so room keeps its eviction_wait_s
@@ -177,8 +158,8 @@ class Loader:
                 if settled:
                     return
                 continue
-            if (left := self._engines.backoff_left(model.id)) > 0:
-                raise self._engines.failed_error(model.id, retry_after=math.ceil(left))
+            if (left := self._engines.registry.backoff_left(model.id)) > 0:
+                raise self._engines.registry.failed_error(model.id, retry_after=math.ceil(left))
             if not checked:   # a start that cannot happen must evict nobody first
                 try:
                     self._engines.check_startable(model)
@@ -194,7 +175,7 @@ class Loader:
         requests (the loader is done); False: it was waited for, look again; None: it
         needs a start."""
         engines = self._engines
-        engine = engines.get(model.id)
+        engine = engines.registry.get(model.id)
         use = self._turns.get_or_add(model.id)
         if engine is not None and engine.state is EngineState.READY:
             if not use.draining:
@@ -211,12 +192,12 @@ class Loader:
         if engine is not None and engine.state in COMING_STATES:
             try:
                 # someone else started it, or systemd restarts it
-                await engines.wait_ready(model.id)
+                await engines.lifecycle.wait_ready(model.id)
                 return True
             except EngineNotRunning:   # stopped meanwhile: look again (never spin)
                 await asyncio.sleep(LOOK_AGAIN_S)
                 return False
-        if engines.busy(model.id) or (engine is not None and (
+        if engines.lifecycle.busy(model.id) or (engine is not None and (
                 engine.state is EngineState.STOPPING or engine.exit_unconfirmed)):
             await self._wait(room_by, model, "its engine is stopping")
             return False
@@ -226,9 +207,9 @@ class Loader:
         """One decision of the scheduler for model's start, carried out; True once its
         engine was started."""
         engines, line = self._engines, self._line
-        needs = engines.need(model)
-        where = engines.place(model)
-        ram = engines.ram(model)
+        needs = engines.capacity.need(model)
+        where = engines.capacity.place(model)
+        ram = engines.capacity.ram(model)
         usages = self._usages()
         ahead = line.ahead(model.id)
         want = line.want(model.id, self._clock())
@@ -283,7 +264,7 @@ class Loader:
             log.info("%s: %d MiB needed by estimate, more than is free with nothing else "
                      "running; trying anyway", model.id, need_mib)
         try:
-            await self._engines.start(model.id, force=anyway)
+            await self._engines.lifecycle.start(model.id, force=anyway)
         except (AlreadyRunning, EngineNotRunning):
             await asyncio.sleep(LOOK_AGAIN_S)
             return False

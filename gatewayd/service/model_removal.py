@@ -62,7 +62,7 @@ async def remove_model(name: str, *, force: bool, engines: EngineManager, puller
     if paths is None:
         raise ModelNotRemovable(f"{model.id}'s file {model.path} is not in models_dir "
                                 f"({config.models_dir}): the gateway deletes only its own")
-    engine = engines.get(model.id)
+    engine = engines.registry.get(model.id)
     running = engine is not None and engine.state not in (EngineState.STOPPED,
                                                           EngineState.FAILED)
     if (running or model.config.pin) and not force:
@@ -71,9 +71,9 @@ async def remove_model(name: str, *, force: bool, engines: EngineManager, puller
         raise ModelInUse(f"{model.id} is in use: {why}; stop it first, or remove it with "
                          "--force (which stops its engine)")
     if engine is not None and engine.state is not EngineState.STOPPED:
-        await engines.stop(model.id, reason="removed (llm-gateway rm)")
+        await engines.lifecycle.stop(model.id, reason="removed (llm-gateway rm)")
     freed = await asyncio.to_thread(_delete, paths)
-    engines.forget_learned_memory(model.id)
+    engines.capacity.forget(model.id)
     await rescan()   # the catalog drops it; its KV folder goes with it (not configured)
     log.info("removed %s: %s (%d bytes)", model.id, ", ".join(map(str, paths)), freed)
     return Removed(model=model.id, paths=tuple(map(str, paths)), freed_bytes=freed,

@@ -10,8 +10,8 @@ from typing import Protocol
 
 from gatewayd.core import scheduler
 from gatewayd.core.catalog import Catalog
-from gatewayd.core.engines import Engine
 from gatewayd.core.errors import GatewayError
+from gatewayd.service.engine_parts import EngineStarts
 
 log = logging.getLogger("gatewayd.dispatcher")
 UNSET_TTL_S = 60.0   # models without a TTL count as this when choosing the period
@@ -20,9 +20,8 @@ UNSET_TTL_S = 60.0   # models without a TTL count as this when choosing the peri
 class StoppedEngines(Protocol):
     """What the reaper asks of the engines (service/engine_manager has it)."""
 
-    async def stop(self, model_id: str, *, reason: str = "requested",
-                   evicted_for: str | None = None) -> Engine: ...
-
+    @property
+    def lifecycle(self) -> EngineStarts: ...
 
 class IdleReaper:
     """Checks at a quarter of the shortest TTL (at least every 0.2 s); only runs when
@@ -63,5 +62,5 @@ class IdleReaper:
                 continue
             log.info("stopping %s: idle for its idle_ttl", model_id)
             with contextlib.suppress(GatewayError):
-                await self._engines.stop(model_id, reason="idle_ttl")
+                await self._engines.lifecycle.stop(model_id, reason="idle_ttl")
         return expired

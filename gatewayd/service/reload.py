@@ -83,13 +83,13 @@ class Reloader:
             raise ConfigInvalid("the configuration was not reloaded (the one in force "
                                 f"stays): {reason}") from e
         engines = self._engines
-        running = [e.model_id for e in engines.engines()
+        running = [e.model_id for e in engines.registry.engines()
                    if e.state is not EngineState.STOPPED]
         plan = plan_reload(engines.config, config, engines.catalog, catalog, running)
         engines.catalog.replace(catalog)   # shared: every holder sees the new models
         engines.reconfigure(config)
         # (a model that left saves no KV cache at its stop: it is not in the catalog)
-        await engines.drop_unconfigured_kv_caches()
+        await engines.hooks.drop_unconfigured_kv_caches()
         await self._dispatcher.reconfigure(config)
         if self._apply is not None:
             await self._apply(config)
@@ -113,12 +113,13 @@ class Reloader:
                                if self._pending.get(model_id) is t else None)
 
     def _idle(self, model_id: str) -> bool:
-        return not self._dispatcher.has_requests(model_id) and not self._engines.busy(model_id)
+        return (not self._dispatcher.has_requests(model_id)
+                and not self._engines.lifecycle.busy(model_id))
 
     async def _wait_idle(self, model_id: str, action: Callable[[str, str], Awaitable[None]],
                          why: str) -> None:
         while True:
-            engine = self._engines.get(model_id)
+            engine = self._engines.registry.get(model_id)
             if engine is None or engine.state in (EngineState.STOPPING, EngineState.STOPPED):
                 return   # stopped meanwhile: its next start uses the new settings anyway
             # decided right before the stop, with no await in between: a request that
@@ -133,12 +134,12 @@ class Reloader:
 
     async def _restart(self, model_id: str, why: str) -> None:
         log.info("restarting %s: %s", model_id, why)
-        await self._engines.stop(model_id, reason=f"reload: {why}")
-        await self._engines.start(model_id, wait=False)
+        await self._engines.lifecycle.stop(model_id, reason=f"reload: {why}")
+        await self._engines.lifecycle.start(model_id, wait=False)
 
     async def _stop(self, model_id: str, why: str) -> None:
         log.info("stopping %s: %s", model_id, why)
-        await self._engines.stop(model_id, reason=f"reload: {why}")
+        await self._engines.lifecycle.stop(model_id, reason=f"reload: {why}")
 
     async def close(self) -> None:
         tasks = list(self._pending.values())

@@ -28,6 +28,7 @@ from gatewayd.core.engines import RUNNING_STATES as RUNNING
 from gatewayd.core.engines import Engine
 from gatewayd.core.errors import GatewayError
 from gatewayd.core.ports import EngineUnitInfo
+from gatewayd.service.engine_parts import EngineReads, EngineStarts
 
 log = logging.getLogger("gatewayd.restore")
 RECONCILE_PERIOD_S = 5.0
@@ -40,27 +41,17 @@ class RestoredEngines(Protocol):
     catalog: Catalog
     config: GatewayConfig
 
+    @property
+    def registry(self) -> EngineReads: ...
+
+    @property
+    def lifecycle(self) -> EngineStarts: ...
+
     async def list_units(self) -> list[EngineUnitInfo]: ...
-
-    def engines(self) -> list[Engine]: ...
-
-    def get(self, model_id: str) -> Engine | None: ...
-
-    def versions(self) -> dict[str, int]: ...
-
-    def busy(self, model_id: str) -> bool: ...
-
-    def take_over(self, info: EngineUnitInfo) -> Engine | None: ...
-
-    def observe(self, model_id: str, info: EngineUnitInfo | None) -> None: ...
 
     def desired(self) -> list[str]: ...
 
     def learn_memory(self) -> list[str]: ...
-
-    async def start(self, model_id: str, *, wait: bool = True, force: bool = False
-                    ) -> Engine: ...
-
 
 async def adopt(engines: RestoredEngines) -> list[Engine]:
     """Take over the engine units that are already running, without restarting them."""
@@ -70,9 +61,9 @@ async def adopt(engines: RestoredEngines) -> list[Engine]:
             log.warning("ignoring %s: not started by llm-gateway (no model id in its "
                         "environment)", info.unit)
             continue
-        if info.active_state == "inactive" or engines.get(info.model_id) is not None:
+        if info.active_state == "inactive" or engines.registry.get(info.model_id) is not None:
             continue
-        engine = engines.take_over(info)
+        engine = engines.lifecycle.take_over(info)
         if engine is None:
             continue
         if info.model_id not in engines.catalog:
@@ -90,7 +81,7 @@ async def restore(engines: RestoredEngines) -> None:
     desired = engines.desired()
     preload = [m.id for m in engines.catalog if m.config.preload]
     for model_id in [*desired, *(p for p in preload if p not in desired)]:
-        current = engines.get(model_id)
+        current = engines.registry.get(model_id)
         if current is not None and current.holds_place:
             continue
         if model_id not in engines.catalog:
@@ -102,7 +93,7 @@ async def restore(engines: RestoredEngines) -> None:
             continue
         log.info("restore: starting %s", model_id)
         try:
-            engine = await engines.start(model_id)
+            engine = await engines.lifecycle.start(model_id)
             log.info("restore: %s ready", engine.model_id)
         except GatewayError as e:
             log.warning("restore: %s failed: %s", model_id, e.message)
@@ -147,27 +138,29 @@ class Reconciler:
     async def reconcile(self) -> list[str]:
         """One pass; returns what it changed (for the log and the tests)."""
         mgr = self._engines
-        before = mgr.versions()
+        before = mgr.registry.versions()
         listed = {i.model_id: i for i in await mgr.list_units()
                   if i.model_id is not None and i.socket is not None}
         changes: list[str] = []
-        for model_id in sorted({*listed, *(e.model_id for e in mgr.engines())}):
-            if mgr.busy(model_id) or mgr.versions().get(model_id, 0) != before.get(model_id, 0):
+        for model_id in sorted({*listed, *(e.model_id for e in mgr.registry.engines())}):
+            if mgr.lifecycle.busy(model_id) \
+                    or mgr.registry.versions().get(model_id, 0) != before.get(model_id, 0):
                 continue   # a start, stop or signal since the listing began: it is newer
             info = listed.get(model_id)
-            engine = mgr.get(model_id)
+            engine = mgr.registry.get(model_id)
             if engine is None:
-                if info is not None and info.active_state in RUNNING and mgr.take_over(info):
+                if info is not None and info.active_state in RUNNING \
+                        and mgr.lifecycle.take_over(info):
                     changes.append(f"adopted {info.unit} ({info.active_state})")
                 continue
             if info is not None and info.unit != engine.unit:
                 continue
-            mgr.observe(model_id, info)
-            after = mgr.get(model_id)
+            mgr.lifecycle.observe(model_id, info)
+            after = mgr.registry.get(model_id)
             if after is not None and after.state is not engine.state:
                 changes.append(f"{model_id}: {engine.state.value} -> {after.state.value} "
                                f"(systemd: {info.active_state if info else 'no unit'})")
-        if sum(1 for e in mgr.engines() if e.holds_place) > mgr.config.max_engines:
+        if sum(1 for e in mgr.registry.engines() if e.holds_place) > mgr.config.max_engines:
             changes.append("more engines than max_engines: evicting the surplus")
             self._on_over_limit()
         for change in changes:

@@ -17,22 +17,24 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gatewayd.core import scheduler
-from gatewayd.core.budget import Need
-from gatewayd.core.catalog import Catalog, Model
+from gatewayd.core.catalog import Catalog
 from gatewayd.core.config import GatewayConfig
-from gatewayd.core.engines import Engine, EngineState
+from gatewayd.core.engines import EngineState
 from gatewayd.core.priority import NORMAL, aged, turn_bound_s
 from gatewayd.core.waits import SERVED_NOBODY, Swap
+from gatewayd.service.engine_parts import EngineReads, EngineRoom
 from gatewayd.service.turns import Turns
 
 
 class LineEngines(Protocol):
-    """What the line reads of the engines (service/engine_manager has it)."""
+    """What the line reads of the engines (service/engine_manager has it): the engines,
+    and what each needs."""
 
-    def get(self, model_id: str) -> Engine | None: ...
+    @property
+    def registry(self) -> EngineReads: ...
 
-    def need(self, model: Model) -> Need: ...
-
+    @property
+    def capacity(self) -> EngineRoom: ...
 
 class RoomLine:
     def __init__(self, engines: LineEngines, *, catalog: Catalog, config: GatewayConfig,
@@ -109,7 +111,7 @@ class RoomLine:
         for other in (w.model_id for w in self.order()):
             if other == model_id:
                 break
-            engine = self._engines.get(other)
+            engine = self._engines.registry.get(other)
             use = self._turns.peek(other)
             if engine is None or not engine.holds_place or engine.state is EngineState.STOPPING \
                     or (engine.state is EngineState.READY and use is not None and use.draining):
@@ -119,7 +121,7 @@ class RoomLine:
     def ahead_ram_mib(self, ahead: list[str]) -> int:
         """The RAM the models ahead need."""
         models = (self._catalog.get(m) for m in ahead)
-        return sum(self._engines.need(m).ram_mib for m in models if m is not None)
+        return sum(self._engines.capacity.need(m).ram_mib for m in models if m is not None)
 
     def swap(self, victim: str, model_id: str, want: scheduler.Want) -> Swap:
         """Why victim gives its place to model_id: the rule its drain was for, or (it
@@ -140,7 +142,7 @@ class RoomLine:
         return self.waited(self.want(model_id, self._clock()))
 
     def _draining(self, model_id: str) -> bool:
-        engine = self._engines.get(model_id)
+        engine = self._engines.registry.get(model_id)
         use = self._turns.peek(model_id)
         return engine is not None and engine.state is EngineState.READY and \
             use is not None and use.draining

@@ -76,7 +76,7 @@ async def serving(tmp_path: Path) -> AsyncIterator[Served]:
     # the gateway gets its own descriptor of the socket, as from systemd
     listener = Listener([held.dup()], runner.server)
     listener.start()
-    await mgr.start("a")
+    await mgr.lifecycle.start("a")
     served = Served(app, runner, listener, held)
     try:
         yield served

@@ -25,13 +25,13 @@ async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
 async def test_a_request_meeting_a_just_dead_engine_waits_for_its_restart(
         gw: Gateway) -> None:
     unit, socket = gw.units.layout("a").unit, gw.units.layout("a").socket
-    dead_pid = gw.engines.get("a").main_pid   # type: ignore[union-attr]
+    dead_pid = gw.engines.registry.get("a").main_pid   # type: ignore[union-attr]
     await gw.fakes["a"].stop()                 # the process is gone: its socket is shut
     gw.units.late_s = 0.3                      # systemd knows; its signal is on its way
     gw.units.emit(unit, ActiveState="activating", SubState="auto-restart", MainPID=0,
                   ExecMainCode=2, ExecMainStatus=9, Result="signal")
     asked = asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=chat("a")))
-    while (engine := gw.engines.get("a")) is None or engine.state is EngineState.READY:
+    while (engine := gw.engines.registry.get("a")) is None or engine.state is EngineState.READY:
         assert not asked.done(), await (await asked).text()   # answered before it knew
         await asyncio.sleep(0.001)
     assert engine.state is EngineState.RESTARTING
@@ -41,7 +41,7 @@ async def test_a_request_meeting_a_just_dead_engine_waits_for_its_restart(
     gw.units.emit(unit, ActiveState="active", SubState="running")
     resp = await asked
     assert resp.status == 200, await resp.text()
-    assert gw.engines.get("a").main_pid == dead_pid + 100   # type: ignore[union-attr]
+    assert gw.engines.registry.get("a").main_pid == dead_pid + 100   # type: ignore[union-attr]
     assert (await gw.client.post("/v1/chat/completions", json=chat("b"))).status == 200
 
 

@@ -67,7 +67,8 @@ async def _evict_a_for_c(gw: Gateway) -> None:
     gw.health.all_ready = False
     ask = asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=chat("c")))
     deadline = time.monotonic() + 5
-    while (c := gw.engines.get("c")) is None or c.state.value not in ("starting", "loading"):
+    while (c := gw.engines.registry.get("c")) is None \
+            or c.state.value not in ("starting", "loading"):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.3)   # c loads
@@ -158,7 +159,7 @@ async def test_reloads_are_on_the_timeline(tmp_path: Path,
 
 async def test_a_crash_and_its_restart_are_kept_with_the_reason(tmp_path: Path) -> None:
     async for gw in _gateway(tmp_path, ("a",)):
-        unit, pid = gw.units.layout("a").unit, gw.engines.get("a").main_pid  # type: ignore[union-attr]
+        unit, pid = gw.units.layout("a").unit, gw.engines.registry.get("a").main_pid  # type: ignore[union-attr]
         gw.units.emit(unit, ActiveState="activating", SubState="auto-restart", MainPID=0,
                       ExecMainCode=2, ExecMainStatus=9, Result="signal")   # killed by SIGKILL
         gw.units.emit(unit, ActiveState="activating", SubState="start", NRestarts=1,

@@ -171,7 +171,7 @@ async def test_a_503_and_a_refused_connection_are_answered_by_the_other_gateway(
         home = fleet.served("b").index(1)
         other = 1 - home
         # b's engine stopped at its home, no autoload: that gateway answers 503
-        await fleet.gateways[home].engines.stop("b")
+        await fleet.gateways[home].engines.lifecycle.stop("b")
         assert await fleet.ask(session, "b", "?autoload=false") == 200
         assert fleet.served("b") == [1, 1]
         direct = fleet.gateways[home].client   # what HAProxy met there: a 503 that says so

@@ -73,7 +73,7 @@ async def _gateway(tmp_path: Path, start: tuple[str, ...], **config: Any
     await server.start_server(**PARSER_LIMITS)   # the parser's room as `serve` gives it
     async with TestClient(server) as client:
         for name in start:
-            await mgr.start(name)
+            await mgr.lifecycle.start(name)
         yield Gateway(client, mgr, fakes, mgr.config.records_file, units, health)
     for fake in fakes.values():
         await fake.stop()
@@ -603,7 +603,7 @@ async def test_signals_that_come_late_fail_no_request(tmp_path: Path) -> None:
     async for gw in _gateway(tmp_path, ("a",)):
         gw.units.late_s = 0.02
         for _ in range(3):
-            await gw.engines.stop("a")
+            await gw.engines.lifecycle.stop("a")
             late = asyncio.ensure_future(gw.units.delivered())
             while not late.done():   # asking all the while the old and new signals come
                 answers = await asyncio.gather(*(gw.client.post(
@@ -611,9 +611,9 @@ async def test_signals_that_come_late_fail_no_request(tmp_path: Path) -> None:
                 assert [r.status for r in answers] == [200] * 3
         unit = gw.units.units[gw.units.layout("a").unit]
         deadline = time.monotonic() + 5   # (a stale "inactive" is confirmed with systemd)
-        while not ((e := gw.engines.get("a")) and e.state is EngineState.READY
+        while not ((e := gw.engines.registry.get("a")) and e.state is EngineState.READY
                    and e.main_pid == unit.main_pid and not e.exit_unconfirmed):
-            assert time.monotonic() < deadline, (gw.engines.get("a"), unit)
+            assert time.monotonic() < deadline, (gw.engines.registry.get("a"), unit)
             await asyncio.sleep(0.005)
         assert gw.units.log.count("start a") == 4 and gw.units.refused == []
 
@@ -705,7 +705,7 @@ async def test_an_engines_parallel_slots_are_known_before_it_is_ready(gw: Gatewa
     socket = gw.units.layout("c").socket
     gw.fakes["c"].slots = 2
     at_ready: list[int | None] = []
-    gw.engines.subscribe(lambda old, new: at_ready.append(client.limit(socket))
+    gw.engines.registry.subscribe(lambda old, new: at_ready.append(client.limit(socket))
                          if new.model_id == "c" and new.state is EngineState.READY
                          and old.state is not EngineState.READY else None)
     burst = await asyncio.gather(*(gw.client.post(
@@ -767,7 +767,7 @@ async def test_a_stopped_engine_leaves_no_pooled_connections(gw: Gateway) -> Non
     client = gw.client.app[openai_api.FRONT].engine_client
     socket = gw.units.layout("a").socket
     assert client.pooled(socket)
-    await gw.engines.stop("a")
+    await gw.engines.lifecycle.stop("a")
     assert not client.pooled(socket)
 
 

@@ -61,7 +61,7 @@ async def closing_engine(socket: str) -> AsyncIterator[ClosingEngine]:
 async def test_the_gateway_sends_again_on_a_fresh_connection(tmp_path: Path) -> None:
     async for gw in _gateway(tmp_path, ("a",)):
         await gw.fakes["a"].stop()
-        async with closing_engine(gw.engines.get("a").socket) as engine:  # type: ignore[union-attr]
+        async with closing_engine(gw.engines.registry.get("a").socket) as engine:  # type: ignore[union-attr]
             for _ in range(3):
                 resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
                 assert resp.status == 200, await resp.text()

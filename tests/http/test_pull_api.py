@@ -144,7 +144,7 @@ async def test_rm_refuses_a_running_model_unless_forced(api: Api) -> None:
     assert out["removed"] == "a" and out["stopped_engine"] and out["freed_bytes"] == 3 << 20
     assert not (api.models / "a.gguf").exists()
     assert "a" not in api.mgr.catalog
-    assert api.mgr.get("a") is None or api.mgr.get("a").state.value == "stopped"  # type: ignore[union-attr]
+    assert api.mgr.registry.get("a") is None or api.mgr.registry.get("a").state.value == "stopped"  # type: ignore[union-attr]
     resp = await c.post("/admin/models/remove", json={"model": "a"})
     assert resp.status == 404
 

@@ -60,7 +60,7 @@ async def test_status_page_shows_engines_and_follows_them_live(tmp_path: Path) -
             await page.evaluate("document.querySelector('#engines tr[data-model=\"c\"] "
                                 "button').click()")
             await page.wait_for(f"{state_of('c')} === 'ready'", what="c started from the page")
-            assert gw.engines.get("c") is not None
+            assert gw.engines.registry.get("c") is not None
             # a change made elsewhere arrives over the event feed
             await gw.client.post("/admin/engines/stop", json={"model": "b"})
             await page.wait_for(f"{state_of('b')} === 'stopped'", what="b's stop, live")

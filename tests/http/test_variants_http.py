@@ -53,7 +53,7 @@ def sent(gw: Gateway) -> dict[str, Any]:
 
 
 def unit_of(gw: Gateway, model: str) -> str:
-    engine = gw.engines.get(model)
+    engine = gw.engines.registry.get(model)
     assert engine is not None
     return engine.unit
 
@@ -69,7 +69,7 @@ async def test_a_variant_reaches_its_bases_engine_with_its_defaults_and_limit(
     assert body["max_tokens"] == 8
     assert body["messages"][0] == {"role": "system", "content": "You write code."}
     assert body["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
-    assert [e.model_id for e in gw.engines.engines()] == ["a"]   # no engine of its own
+    assert [e.model_id for e in gw.engines.registry.engines()] == ["a"]   # no engine of its own
     row = (await gw.records(1))[0]
     assert row["model"] == "coder" and row["engine"] == unit_of(gw, "a")
 
@@ -101,7 +101,7 @@ async def test_an_adapter_and_the_base_share_one_engine_each_with_its_lora_list(
                                     json={**chat(name), "lora": [{"id": 1, "scale": 9}]})
         assert resp.status == 200, await resp.text()
         assert sent(gw)["lora"] == [{"id": i, "scale": s} for i, s in enumerate(scales)], name
-    assert [(e.model_id, e.unit) for e in gw.engines.engines()] == [("a", unit)]
+    assert [(e.model_id, e.unit) for e in gw.engines.registry.engines()] == [("a", unit)]
     rows = await gw.records(4)
     assert sorted(r["model"] for r in rows) == ["a", "a:fr", "a:sql", "sql-low"]
 

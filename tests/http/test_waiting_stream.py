@@ -38,7 +38,7 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
 async def loading(gw: Gateway, model: str = "c") -> None:
     """Until model's engine is loading (and held there: gw.health.all_ready is False)."""
     deadline = time.monotonic() + 5
-    while not ((e := gw.engines.get(model)) and e.state is EngineState.LOADING):
+    while not ((e := gw.engines.registry.get(model)) and e.state is EngineState.LOADING):
         assert time.monotonic() < deadline, e
         await asyncio.sleep(0.01)
 
@@ -232,8 +232,8 @@ async def claude_text(claude: anthropic.AsyncAnthropic) -> tuple[str, Any]:
 
 async def _through_a_wait(gw: Gateway, asking: Awaitable[Any]) -> Any:
     """asking's result, c stopped first and its load held for several lines' time."""
-    if gw.engines.get("c") is not None:
-        await gw.engines.stop("c")
+    if gw.engines.registry.get("c") is not None:
+        await gw.engines.lifecycle.stop("c")
     gw.health.all_ready = False
     task = asyncio.ensure_future(asking)
     await loading(gw)

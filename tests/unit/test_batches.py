@@ -36,8 +36,14 @@ T = TypeVar("T")
 
 
 class Engines:
+    """The registry part of the engine layer, as the batches read it."""
+
     def __init__(self) -> None:
         self.ready: set[str] = {"tiny", "other"}
+
+    @property
+    def registry(self) -> Engines:
+        return self
 
     def get(self, model_id: str) -> Engine | None:
         state = EngineState.READY if model_id in self.ready else EngineState.STOPPED

@@ -40,7 +40,7 @@ class LedgerGpu:
 
     def devices(self) -> list[DeviceMemory]:
         assert self.mgr is not None
-        used = 103 * sum(1 for e in self.mgr.engines() if e.holds_place)
+        used = 103 * sum(1 for e in self.mgr.registry.engines() if e.holds_place)
         return [DeviceMemory(0, "GPU-0", "ledger", self.total, self.total - used)]
 
     def process_mib(self) -> dict[int, int] | None:
@@ -58,7 +58,7 @@ class PlacedGpus:
 
     def devices(self) -> list[DeviceMemory]:
         assert self.mgr is not None
-        engines = [e for e in self.mgr.engines() if e.holds_place]
+        engines = [e for e in self.mgr.registry.engines() if e.holds_place]
         return [DeviceMemory(i, f"GPU-{i}", f"Fake {i}", total,
                              total - sum(103 // len(e.devices) for e in engines
                                          if f"GPU-{i}" in e.devices))
@@ -155,7 +155,7 @@ async def test_engines_go_where_they_fit_best(tmp_path: Path) -> None:
     # a: the 120 MiB device is the best fit; b: only the big one has room; c: still room there
     assert units.visible_devices == {"a": "GPU-1", "b": "GPU-0", "c": "GPU-0"}
     assert units.log == ["start a", "start b", "start c"]
-    placed = d._engines.get("a")
+    placed = d._engines.registry.get("a")
     assert placed is not None and placed.devices == ("GPU-1",)
 
 
@@ -175,7 +175,7 @@ async def test_eviction_frees_the_device_that_needs_the_memory(tmp_path: Path) -
 async def test_an_adopted_engine_is_counted_on_its_own_device(tmp_path: Path) -> None:
     d, units, _ = dispatcher_on_fakes(tmp_path, gpu=PlacedGpus(120, 120))
     assert isinstance(d._engines, EngineManager)
-    adopted = d._engines.take_over(EngineUnitInfo(
+    adopted = d._engines.lifecycle.take_over(EngineUnitInfo(
         unit="llm-engine-a.service", model_id="a", socket="/run/llm-engine-a/engine.sock",
         active_state="active", sub_state="running", main_pid=55, n_restarts=0,
         memory_bytes=None, started_at_us=0, visible_devices="0"))
@@ -243,7 +243,7 @@ async def test_a_waiter_that_leaves_does_not_cancel_the_load(tmp_path: Path) -> 
     health.all_ready = True
     await asyncio.wait_for(staying, 5)
     assert units.log == ["start c"]
-    engine = d._engines.get("c")
+    engine = d._engines.registry.get("c")
     assert engine is not None and engine.state is EngineState.READY
 
 
@@ -267,14 +267,14 @@ async def test_a_start_that_cannot_happen_evicts_nobody(
         await use(d, "b")
     assert failed.value.status == 502 and failed.value.code == "engine_failed"
     assert units.log == ["start a"]
-    engine = d._engines.get("a")
+    engine = d._engines.registry.get("a")
     assert engine is not None and engine.state is EngineState.READY
-    b = d._engines.get("b")
+    b = d._engines.registry.get("b")
     assert b is not None and b.state is EngineState.FAILED
     assert any("b cannot start:" in m and "llama_server" in m for m in caplog.messages)
     units.unstartable.clear()   # fixed: once its backoff is over, a makes room for it
     deadline = time.monotonic() + 10
-    while d._engines.backoff_left("b") > 0:
+    while d._engines.registry.backoff_left("b") > 0:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
     await use(d, "b")
@@ -335,7 +335,7 @@ async def test_a_request_for_a_model_being_parked_makes_room_meanwhile(
     await use(d, "a")
     await use(d, "b")
     units.on_park = slow_park
-    await mgr.stop("a")
+    await mgr.lifecycle.stop("a")
     await asyncio.wait_for(parking.wait(), 5)
     await use(d, "c")
     request = asyncio.ensure_future(use(d, "a"))

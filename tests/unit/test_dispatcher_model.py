@@ -163,7 +163,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             self.reconciler.start()
         self.loop.run_until_complete(build())
         self.systemd.in_flight = self._in_flight
-        self.systemd.stop_reason = self.mgr.stop_reasons.get
+        self.systemd.stop_reason = self.mgr.lifecycle.stop_reasons.get
         self._watch_the_line()
 
     def _in_flight(self, model_id: str) -> int:
@@ -245,7 +245,7 @@ class DispatcherMachine(RuleBasedStateMachine):
     def operator_stops(self, model: str) -> None:
         async def stop() -> None:
             with contextlib.suppress(GatewayError):
-                await self.mgr.stop(model)
+                await self.mgr.lifecycle.stop(model)
         self.loop.create_task(stop())
         self._advance(0.001)
 
@@ -391,7 +391,7 @@ class DispatcherMachine(RuleBasedStateMachine):
     def check_views_agree(self) -> None:
         running = self.systemd.running()
         for model in MODELS:
-            engine = self.mgr.get(model)
+            engine = self.mgr.registry.get(model)
             ours = engine is not None and engine.holds_place
             assert ours == (model in running), (model, engine, running)
             if engine is not None and running.get(model) == "active":
@@ -452,7 +452,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         ends: engine started, error, or every client gone), and check every start a loader
         makes against the line as the test saw it form."""
         loader = self.dispatcher._loader
-        load, start = loader._load, self.mgr.start
+        load, start = loader._load, self.mgr.lifecycle.start
         self.operator_start = start
 
         def asks(model: Model) -> Coroutine[Any, Any, None]:
@@ -469,7 +469,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             self._check_turn(model_id)
             return await start(model_id, **kwargs)
         loader._load = asks          # type: ignore[method-assign]
-        self.mgr.start = gets_room   # type: ignore[method-assign]
+        self.mgr.lifecycle.start = gets_room   # type: ignore[method-assign]
 
     def _check_turn(self, model_id: str) -> None:
         """model_id's loader starts its engine now: may it, with who asked before it
@@ -482,7 +482,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             r.model == m and r.answered is None for r in self.sent)]   # (its request not ended)
         if not waiting:
             return
-        holders = sum(1 for e in self.mgr.engines() if e.holds_place and e.model_id != model_id)
+        holders = sum(1 for e in self.mgr.registry.engines()
+                      if e.holds_place and e.model_id != model_id)
         free = min(self.max_engines, self.ram_fits or self.max_engines) - holders
         if self.gpu_fits is None and free > len(waiting):
             return   # a place beyond what the ones ahead need
@@ -506,7 +507,8 @@ class DispatcherMachine(RuleBasedStateMachine):
                   and mine is not None and best > mine]
         if not higher:
             return
-        holders = sum(1 for e in self.mgr.engines() if e.holds_place and e.model_id != model_id)
+        holders = sum(1 for e in self.mgr.registry.engines()
+                      if e.holds_place and e.model_id != model_id)
         free = min(self.max_engines, self.ram_fits or self.max_engines) - holders
         if self.gpu_fits is None and free > len(higher):
             return
@@ -516,7 +518,7 @@ class DispatcherMachine(RuleBasedStateMachine):
     def _waits_for_room(self, model_id: str) -> bool:
         """No engine that holds a place for it, or one on its way out (stopping, or ready
         but draining: its new requests queue for the next instance)."""
-        engine = self.mgr.get(model_id)
+        engine = self.mgr.registry.get(model_id)
         use = self.dispatcher._turns.peek(model_id)
         return engine is None or not engine.holds_place \
             or engine.state is EngineState.STOPPING \

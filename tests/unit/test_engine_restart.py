@@ -63,7 +63,7 @@ async def test_requests_during_a_restart_wait_and_are_served_by_the_restarted_en
     d = dispatcher_for(mgr)
     first = await served(d, "a")
     await crash(units, "a")
-    assert mgr.get("a").state is EngineState.RESTARTING   # type: ignore[union-attr]
+    assert mgr.registry.get("a").state is EngineState.RESTARTING   # type: ignore[union-attr]
     requests: list[asyncio.Future[int]] = [
         asyncio.ensure_future(served(d, "a")) for _ in range(3)]
     await queued(d, "a", 3, requests)
@@ -114,10 +114,10 @@ async def test_when_systemd_gives_up_every_waiter_hears_why(tmp_path: Path) -> N
 async def test_a_wait_that_runs_out_during_a_restart_says_it_is_restarting(
         tmp_path: Path) -> None:
     mgr, units, _ = engine_manager_on_fakes(tmp_path)
-    await mgr.start("a")
+    await mgr.lifecycle.start("a")
     await crash(units, "a", code=CLD_KILLED, status=signal.SIGSEGV)
     with pytest.raises(EngineFailed) as err:
-        await mgr.wait_ready("a", timeout=0.05)
+        await mgr.lifecycle.wait_ready("a", timeout=0.05)
     assert "was not ready within 0.05s: systemd is restarting it (killed by SIGSEGV" \
         in err.value.message
     await mgr.close()
@@ -126,11 +126,11 @@ async def test_a_wait_that_runs_out_during_a_restart_says_it_is_restarting(
 async def test_a_restart_is_counted_as_a_restart_not_a_failed_start(tmp_path: Path) -> None:
     mgr, units, _ = engine_manager_on_fakes(tmp_path)
     metrics = GatewayMetrics()
-    mgr.subscribe(lambda old, new: metrics.on_engine_change(old, new, None))
-    await mgr.start("a")
+    mgr.registry.subscribe(lambda old, new: metrics.on_engine_change(old, new, None))
+    await mgr.lifecycle.start("a")
     await crash(units, "a")
     await restart(units, "a", pid=777)
-    await mgr.wait_ready("a", timeout=2)
+    await mgr.lifecycle.wait_ready("a", timeout=2)
     assert metrics.restarts.values == {("a", "signal"): 1}
     assert metrics.starts.values == {("a", "ok"): 1}      # the one start, not two
     await mgr.close()
@@ -141,13 +141,13 @@ async def test_a_kill_that_finds_no_unit_leaves_no_one_waiting_for_a_restart(
     """The hung engine's unit is already gone (its signals lost): KillUnit says NoSuchUnit,
     no restart is coming, so it is stopped and its waiters are told at once."""
     mgr, units, _ = engine_manager_on_fakes(tmp_path)
-    engine = await mgr.start("a")
+    engine = await mgr.lifecycle.start("a")
     del units.units[engine.unit]                       # gone behind the gateway's back
-    await mgr.kill_unresponsive("a", engine.main_pid, 3.0)
-    after = mgr.get("a")
+    await mgr.lifecycle.kill_unresponsive("a", engine.main_pid, 3.0)
+    after = mgr.registry.get("a")
     assert after is not None and after.state is EngineState.STOPPED, after
     with pytest.raises(EngineNotRunning):
-        await mgr.wait_ready("a", timeout=1)
+        await mgr.lifecycle.wait_ready("a", timeout=1)
     await mgr.close()
 
 
@@ -164,8 +164,8 @@ async def test_a_start_job_that_fails_because_systemd_restarts_its_process_is_a_
         await crash(units, model.id)                  # then the job's end says failed
         raise UnitOperationFailed(f"job for {layout.unit} failed", unit=layout.unit)
     units.start_engine = start_that_dies  # type: ignore[method-assign, assignment]
-    starting = asyncio.ensure_future(mgr.start("a"))
-    while (e := mgr.get("a")) is None or not e.restarting:
+    starting = asyncio.ensure_future(mgr.lifecycle.start("a"))
+    while (e := mgr.registry.get("a")) is None or not e.restarting:
         assert not starting.done(), starting
         await asyncio.sleep(0.001)
     await restart(units, "a", pid=4242)

@@ -89,7 +89,7 @@ async def test_the_kv_caches_of_models_no_longer_configured_are_deleted(
     for model_id in ("a", "b", "c", "gone"):
         where = cache.prepare(units.layout(model_id).instance, "stamp")
         (where / "slot-0.bin").write_bytes(b"kv")
-    assert await mgr.drop_unconfigured_kv_caches() == ["gone"]   # as at a start
+    assert await mgr.hooks.drop_unconfigured_kv_caches() == ["gone"]   # as at a start
     assert sorted(p.name for p in cache.root.iterdir()) == ["a", "b", "c"]
 
     (tmp_path / "a.gguf").write_bytes(b"GGUF")

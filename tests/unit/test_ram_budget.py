@@ -238,7 +238,7 @@ async def test_an_oom_killed_engine_is_failed_not_restarted_and_learns_a_higher_
     body = err.value.body()["error"]
     assert err.value.status == 503 and body["code"] == "engine_out_of_memory"
     assert body["required_mib"] == round(9 * 1.25) and body["free_mib"] is not None
-    engine = mgr.get("a")
+    engine = mgr.registry.get("a")
     assert engine is not None and engine.state is EngineState.FAILED
     assert engine.failure is not None and engine.failure.kind == "oom"
     assert units.log == ["start a", "stop llm-engine-a.service"]   # stopped, not restarted
@@ -257,7 +257,7 @@ async def test_systemds_oom_kill_result_alone_is_an_oom(tmp_path: Path) -> None:
     units.emit(unit, ActiveState="activating", SubState="auto-restart")
     await units.delivered()
     deadline = asyncio.get_running_loop().time() + 5
-    while (e := mgr.get("a")) is None or e.state is not EngineState.FAILED:
+    while (e := mgr.registry.get("a")) is None or e.state is not EngineState.FAILED:
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.01)
     assert e.failure is not None and e.failure.out_of_memory
@@ -274,7 +274,7 @@ async def test_a_plain_crash_is_still_restarted(tmp_path: Path) -> None:
     units.emit(unit, ActiveState="activating", SubState="auto-restart")
     await units.delivered()
     await asyncio.sleep(0.05)
-    engine = mgr.get("a")
+    engine = mgr.registry.get("a")
     assert engine is not None and engine.state is EngineState.RESTARTING
     assert units.log == ["start a"]
     await d.close()
@@ -311,7 +311,7 @@ async def killed(units: FakeUnits, model: str, sig: int) -> None:
 async def settled_state(mgr: EngineManager, model: str) -> EngineState:
     for _ in range(20):   # what follows the signal (an OOM's stop) runs in a task
         await asyncio.sleep(0.01)
-    engine = mgr.get(model)
+    engine = mgr.registry.get(model)
     assert engine is not None
     return engine.state
 
@@ -351,7 +351,7 @@ class NeedsGpu:
 
     def devices(self) -> list[DeviceMemory]:
         assert self.mgr is not None
-        used = sum(self.mgr.need(m).vram_mib - 100 for e in self.mgr.engines()
+        used = sum(self.mgr.capacity.need(m).vram_mib - 100 for e in self.mgr.registry.engines()
                    if e.holds_place and (m := self.mgr.catalog.get(e.model_id)))
         return [DeviceMemory(0, "GPU-0", "fake", self.total, self.total - used)]
 
@@ -376,7 +376,7 @@ async def test_a_partly_offloaded_model_needs_both_budgets_and_each_shortage_evi
         ram_reserve_mib=0, models_config={m: {"args": a} for m, a in args.items()})
     gpu.mgr = mgr
     models = {m: mgr.catalog.get(m) for m in args}
-    need = {m: mgr.need(model) for m, model in models.items() if model is not None}
+    need = {m: mgr.capacity.need(model) for m, model in models.items() if model is not None}
     assert all(n.ram_source == n.vram_source == "estimate" for n in need.values())
     # all in RAM, all on the GPU, and split: c needs some of each
     assert need["a"].vram_mib == 100 and need["b"].ram_mib < need["c"].ram_mib < need["a"].ram_mib
@@ -384,7 +384,7 @@ async def test_a_partly_offloaded_model_needs_both_budgets_and_each_shortage_evi
     d = dispatcher_for(mgr, gpu)
     await use(d, "a")
     await use(d, "b")
-    ledger = mgr.ram()
+    ledger = mgr.capacity.ram()
     assert ledger is not None and ledger.claimed_mib == need["a"].ram_mib + need["b"].ram_mib
     # RAM short (the GPU has room): the least recently used goes, a
     mgr.reconfigure(replace(mgr.config, ram_budget_mib=ledger.claimed_mib + need["c"].ram_mib - 1))

@@ -123,7 +123,7 @@ async def until(check: Callable[[], bool]) -> None:
 
 
 def state(d: Dispatcher, model: str) -> EngineState | None:
-    engine = d._engines.get(model)
+    engine = d._engines.registry.get(model)
     return engine.state if engine is not None else None
 
 
