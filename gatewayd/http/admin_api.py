@@ -560,7 +560,7 @@ async def follow_events(request: web.Request) -> web.StreamResponse:
 
 def engine_json(mgr: AdminEngines, engine: Engine, info: EngineUnitInfo | None
                 ) -> dict[str, Any]:
-    """An engine as the admin API shows it; its RAM from the caller's mgr.read_ram()."""
+    """An engine as the admin API shows it; its RAM from the caller's mgr.capacity.read_ram()."""
     uptime = None
     if info is not None and info.started_at_us and engine.state.value in ("loading", "ready"):
         uptime = round(time.time() - info.started_at_us / 1e6, 1)

@@ -84,7 +84,7 @@ log = logging.getLogger("gatewayd.front")
 class FrontDoor:
     """The OpenAI-compatible handlers' collaborators, shared by every request."""
     config: GatewayConfig
-    manager: EngineManager   # the engine layer (its engines: manager.engines())
+    manager: EngineManager   # the engine layer (its engines: manager.registry.engines())
     dispatcher: Dispatcher
     engine_client: EngineClient
     records: RecordWriter | None

@@ -234,7 +234,8 @@ async def _relay_stream(request: web.Request, answer: Answer,
             if isinstance(answer, EngineResponse) and writer is not None \
                     and request.method != "HEAD":
                 # a local engine's stream: every event pushed from the engine connection's
-                # callback, framed by hand after the head (sent now, not with a first write)
+                # callback, framed by hand after the head (aiohttp's prepare() sent it; this
+                # holds if a later aiohttp keeps it for the first write)
                 writer.send_headers()
                 await _relay_pushed(request, answer, writer, sse, record, chunked,
                                     out.stall_timeout_s, sent, t0)

@@ -2,8 +2,9 @@
 free; and evicting the surplus where more engines run than max_engines (the reconciler
 found them).
 
-A victim is stopped through EngineManager.stop, which serialises it with any start of the
-same model: a victim's own loader can start it again only once its unit is gone.
+A victim is stopped through the engine layer's lifecycle.stop, which serialises it with any
+start of the same model: a victim's own loader can start it again only once its unit is
+gone.
 """
 
 from __future__ import annotations

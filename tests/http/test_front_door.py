@@ -497,6 +497,37 @@ async def test_a_client_that_reads_nothing_for_read_timeout_s_is_dropped_and_let
         writer.close()
 
 
+async def test_a_client_that_leaves_while_its_stream_is_held_is_recorded_as_gone(
+        tmp_path: Path) -> None:
+    """A stream's client that stops reading (the engine held for it) and then resets its
+    connection left: the record says disconnected with no error of the engine's (aiohttp
+    cancels the handler waiting for the client's buffer to drain; a reset raised by that
+    wait would read as the engine breaking off), the engine connection is let go and the
+    engine serves the next request."""
+    async for gw in _gateway(tmp_path, ("a",)):
+        body = json.dumps(chat("a", stream=True, prompt="pad 4000", max_tokens=6000)).encode()
+        reader, writer = await asyncio.open_connection(gw.client.host, gw.client.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await reader.readuntil(b"\r\n\r\n")
+        transport = cast(asyncio.Transport, writer.transport)   # (uvloop's: no subclass)
+        transport.pause_reading()                  # the kernel buffers fill, the engine held
+        engine = gw.fakes["a"]
+        assert engine.runner is not None and engine.runner.server is not None
+        deadline = time.monotonic() + 10
+        while not any(h.writing_paused for h in engine.runner.server.connections):
+            assert time.monotonic() < deadline, "the engine was never held"
+            await asyncio.sleep(0.005)
+        transport.abort()                          # then the client goes
+        (row,) = await gw.records(1, timeout=10)
+        assert row["outcome"] == "disconnected" and row["error_code"] is None, row
+        client = gw.client.app[openai_api.FRONT].engine_client
+        assert client.in_use(gw.units.layout("a").socket) == 0
+        resp = await gw.client.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status == 200
+
+
 async def test_an_http_1_0_client_gets_its_stream_unframed_until_the_close(
         gw: Gateway) -> None:
     """No chunked transfer coding for HTTP/1.0: the pushed events go out as they are and

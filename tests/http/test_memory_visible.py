@@ -137,7 +137,7 @@ async def test_an_answer_for_an_oom_killed_engine_is_recorded_and_the_kill_count
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "engine_out_of_memory"
         deadline = asyncio.get_running_loop().time() + 5
-        while (e := gw.engines.get("a")) is None or e.state is not EngineState.FAILED:
+        while (e := gw.engines.registry.get("a")) is None or e.state is not EngineState.FAILED:
             assert asyncio.get_running_loop().time() < deadline
             await asyncio.sleep(0.01)
         (row,) = await gw.records(1)
