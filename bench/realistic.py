@@ -236,27 +236,28 @@ async def streams(plan: Plan, targets: list[Target], model_for: dict[str, str],
                         partial(first_byte_ms, t, model_for.get(t.name, "real-a")))
     for label, parallel in (("c1", 1), (f"c{PARALLEL}", PARALLEL)):
         got: dict[str, dict[str, list[float]]] = {
-            t.name: {"tok_s": [], "gaps": [], "ttft": [], "cpu": [],
-                     "rounds": []} for t in targets}
+            t.name: {"tok_s": [], "gaps": [], "ttft": [], "cpu": []} for t in targets}
         for rnd in range(plan.real_streams):
             for t in interleave(targets, rnd):
                 model = model_for.get(t.name, "real-a")
                 body = chat(model, STREAM_TOKENS // parallel, stream=True)
                 pid = pids.get(t.name)
-                cpu0 = cpu_seconds(pid)
 
                 async def together(t: Target = t, body: dict[str, Any] = body,
-                                   n: int = parallel) -> list[StreamRun]:
-                    return list(await asyncio.gather(*(stream_once(t, body) for _ in range(n))))
+                                   n: int = parallel, pid: int | None = pid
+                                   ) -> tuple[list[StreamRun], float]:
+                    # the CPU of this attempt alone (once_more may run it twice)
+                    cpu0 = cpu_seconds(pid)
+                    runs = await asyncio.gather(*(stream_once(t, body) for _ in range(n)))
+                    return list(runs), cpu_seconds(pid) - cpu0
 
-                runs = await once_more(retried, f"realistic stream {label}, {t.name}",
-                                       together)
+                runs, cpu_s = await once_more(
+                    retried, f"realistic stream {label}, {t.name}", together)
                 v = got[t.name]
-                events = sum(r.events for r in runs)
                 if pid is not None:
-                    v["cpu"].append((cpu_seconds(pid) - cpu0) / max(1, events) * 1e6)
+                    events = sum(r.events for r in runs)
+                    v["cpu"].append(cpu_s / max(1, events) * 1e6)
                 v["tok_s"].append(sum(r.tokens_per_s for r in runs))
-                v["rounds"].append(round(v["tok_s"][-1], 2))
                 v["ttft"].extend(r.first_token_ms for r in runs)
                 for r in runs:
                     v["gaps"].extend(r.gaps)
@@ -265,7 +266,7 @@ async def streams(plan: Plan, targets: list[Target], model_for: dict[str, str],
             "first_token_ms": round(statistics.median(v["ttft"]), 1),
             "gap_p50_ms": round(pct(sorted(v["gaps"]), 50), 2),
             "gap_p99_ms": round(pct(sorted(v["gaps"]), 99), 2),
-            "tokens_per_s_rounds": v["rounds"],
+            "tokens_per_s_rounds": [round(x, 2) for x in v["tok_s"]],
             **({"cpu_us_per_event": round(statistics.median(v["cpu"]), 1)}
                if v["cpu"] else {})}
             for name, v in got.items()}

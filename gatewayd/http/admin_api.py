@@ -41,7 +41,7 @@ from gatewayd.http.batches_api import BATCHES
 from gatewayd.http.sse import SSE_HEADERS, sse_event
 from gatewayd.service.dispatcher import Dispatcher
 from gatewayd.service.engine_manager import EngineManager
-from gatewayd.service.engine_parts import EngineHooksView, EngineReads, EngineRoom, EngineStarts
+from gatewayd.service.engine_parts import EngineHooksView, EngineParts
 from gatewayd.service.pulls import Puller
 from gatewayd.service.reload import Reloader
 
@@ -58,7 +58,7 @@ ENGINE_METRICS_TIMEOUT_S = 2.0
 ENGINE_SLOTS_TIMEOUT_S = 0.5
 
 
-class AdminEngines(Protocol):
+class AdminEngines(EngineParts, Protocol):
     """What the admin API asks of the engine layer (service/engine_manager has it): the
     catalog and configuration in force, the parts by name, and what only the whole layer
     says (its overview, the GPU's devices, parked units, an engine's journal)."""
@@ -68,15 +68,6 @@ class AdminEngines(Protocol):
 
     @property
     def config(self) -> GatewayConfig: ...
-
-    @property
-    def registry(self) -> EngineReads: ...
-
-    @property
-    def lifecycle(self) -> EngineStarts: ...
-
-    @property
-    def capacity(self) -> EngineRoom: ...
 
     @property
     def hooks(self) -> EngineHooksView: ...

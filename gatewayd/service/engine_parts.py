@@ -4,7 +4,8 @@ Protocols its users type it by. A user names the part it asks (`engines.lifecycl
 service/engine_registry, engine_lifecycle, engine_capacity and engine_hooks, built
 together by service/engine_manager.
 
-Each user declares which parts it asks in a Protocol of its own (the dispatcher's in
+`EngineParts` is the three a user of starts, stops and room asks together. Each user
+declares which parts it asks in a Protocol of its own (the dispatcher's in
 service/room_line, eviction, loader and dispatcher; restore's; the admin API's), whose
 members are these views: the mutators the parts keep for each other are not in them.
 """
@@ -116,3 +117,17 @@ class EngineHooksView(Protocol):
     async def drop_unconfigured_kv_caches(self) -> list[str]: ...
 
     def kv_cache_counts(self) -> Mapping[tuple[str, str], int]: ...
+
+
+class EngineParts(Protocol):
+    """The engines, their starts and stops, and their room: what eviction, the loaders and
+    the admin API ask by name."""
+
+    @property
+    def registry(self) -> EngineReads: ...
+
+    @property
+    def lifecycle(self) -> EngineStarts: ...
+
+    @property
+    def capacity(self) -> EngineRoom: ...

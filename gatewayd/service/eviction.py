@@ -22,7 +22,7 @@ from gatewayd.core.config import GatewayConfig
 from gatewayd.core.errors import EngineNotRunning, GatewayError
 from gatewayd.core.placement import total
 from gatewayd.core.ports import GpuProbe
-from gatewayd.service.engine_parts import EngineReads, EngineRoom, EngineStarts
+from gatewayd.service.engine_parts import EngineParts
 from gatewayd.service.turns import Turns
 from gatewayd.service.wake_up import WakeUp
 
@@ -31,18 +31,10 @@ MEMORY_SETTLE_S = 10.0   # how long a stopped engine's GPU memory may take to sh
 MEMORY_POLL_S = 0.1
 
 
-class EvictedEngines(Protocol):
+class EvictedEngines(EngineParts, Protocol):
     """What eviction asks of the engines (service/engine_manager has it): when an engine
-    last let go of its place, what one holds, and a stop."""
-
-    @property
-    def registry(self) -> EngineReads: ...
-
-    @property
-    def capacity(self) -> EngineRoom: ...
-
-    @property
-    def lifecycle(self) -> EngineStarts: ...
+    last let go of its place (registry), what one holds (capacity), and a stop
+    (lifecycle)."""
 
 class Evictor:
     def __init__(self, engines: EvictedEngines, *, catalog: Catalog, gpu: GpuProbe,
