@@ -478,10 +478,12 @@ async def _serve(config: GatewayConfig) -> None:
     for task in reloads:
         task.cancel()
     log.info("stopping: letting open requests finish (up to %gs)", config.shutdown_timeout_s)
-    notifier.stop_watchdog()   # systemd does not watch a stopping service
     app[admin_api.EVENTS].close()   # event followers are not answers to wait for
     app[admin_api.JOURNALS].close()   # nor journal follows: their journalctl ends now
     await stop_serving(app, runner, listener, admin_listener, config.shutdown_timeout_s)
+    # pinged through the drain: systemd watches a stopping service too (seen: 'Watchdog
+    # timeout' in the stop-sigterm state, the gateway killed mid-drain with its streams)
+    notifier.stop_watchdog()
     if admin_path is not None:
         with contextlib.suppress(OSError):
             admin_path.unlink()
